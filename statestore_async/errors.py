@@ -1,0 +1,161 @@
+"""Every error statestore_async raises, in one tree.
+
+``StateStoreError`` is the root. Under it:
+
+* ``InterfaceError`` — the API was used wrongly (bad state transition, bad argument);
+* ``CodecError`` — bytes that cannot be encoded or decoded (``EncodeError``/``DecodeError``);
+* ``CorruptFileError`` — a checkpoint file that fails its checks, naming the file;
+* ``ObjectStoreError`` — the object store failed or refused (``ObjectNotFound``, ``ObjectExists``, …);
+* ``VersionError`` — a version/checkpoint that does not exist or cannot be reached.
+
+Each class carries a stable numeric ``code`` so that the wire protocol can send it and the client
+can raise the same class again (see ``error_for_code``).
+"""
+from __future__ import annotations
+
+_BY_CODE: dict[int, type["StateStoreError"]] = {}
+
+
+class StateStoreError(Exception):
+    """Root of every statestore_async error."""
+
+    code = 1
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "code" in cls.__dict__:
+            other = _BY_CODE.get(cls.code)
+            if other is not None and other is not cls:
+                raise RuntimeError(f"error code {cls.code} used by {other.__name__} and {cls.__name__}")
+            _BY_CODE[cls.code] = cls
+
+
+_BY_CODE[StateStoreError.code] = StateStoreError
+
+
+def error_for_code(code: int) -> type[StateStoreError]:
+    """The error class registered for a wire code (the root class for an unknown code)."""
+    return _BY_CODE.get(code, StateStoreError)
+
+
+# --- misuse of the API -------------------------------------------------------------------------
+class InterfaceError(StateStoreError):
+    """The API was called in a way its contract does not allow."""
+
+    code = 10
+
+
+class StoreStateError(InterfaceError):
+    """An operation that the store's state forbids (e.g. put after commit)."""
+
+    code = 11
+
+
+class WriterConflictError(InterfaceError):
+    """A second writer tried to open a store version that already has one."""
+
+    code = 12
+
+
+class KeyFormatError(InterfaceError):
+    """A key that does not follow the store key layout (see ``statestore_async.keys``)."""
+
+    code = 13
+
+
+# --- codecs --------------------------------------------------------------------------------------
+class CodecError(StateStoreError, ValueError):
+    """Bytes or values that a codec cannot handle."""
+
+    code = 20
+
+
+class EncodeError(CodecError):
+    """A value that cannot be encoded (unsupported type, too deep, unencodable string)."""
+
+    code = 21
+
+
+class DecodeError(CodecError):
+    """Bytes that are not a valid encoding (truncated, unknown tag, trailing bytes, …)."""
+
+    code = 22
+
+
+class CorruptBlockError(DecodeError):
+    """A record block whose checksum, lengths or records do not check out."""
+
+    code = 23
+
+
+class CorruptFileError(DecodeError):
+    """A checkpoint or manifest file that fails its checks. ``name`` says which file."""
+
+    code = 24
+
+    def __init__(self, name: str, reason: str, offset: int | None = None):
+        self.name = name
+        self.reason = reason
+        self.offset = offset
+        where = f" at byte {offset}" if offset is not None else ""
+        super().__init__(f"corrupt checkpoint file {name!r}{where}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.name, self.reason, self.offset))
+
+
+# --- versions ------------------------------------------------------------------------------------
+class VersionError(StateStoreError):
+    """A version or checkpoint that cannot be reached."""
+
+    code = 30
+
+
+class VersionNotFoundError(VersionError):
+    """No committed (version, checkpoint id) of this store is known in memory or in files."""
+
+    code = 31
+
+
+class LineageError(VersionError):
+    """Checkpoint files whose lineages do not link up."""
+
+    code = 32
+
+
+# --- object store --------------------------------------------------------------------------------
+class ObjectStoreError(StateStoreError):
+    """The object store failed; ``key`` names the object when known."""
+
+    code = 40
+
+    def __init__(self, message: str, key: str | None = None):
+        self.key = key
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0] if self.args else "", self.key))
+
+
+class ObjectNotFoundError(ObjectStoreError):
+    """The object does not exist."""
+
+    code = 41
+
+
+class ObjectExistsError(ObjectStoreError):
+    """put_if_absent found the name taken: nothing was written."""
+
+    code = 42
+
+
+class StorageFullError(ObjectStoreError):
+    """The storage has no room (ENOSPC/EDQUOT): nothing was written."""
+
+    code = 43
+
+
+class ObjectStoreUnavailableError(ObjectStoreError):
+    """The object store could not be reached or kept failing after retries."""
+
+    code = 44

@@ -1,0 +1,68 @@
+"""Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from statestore_async import _accel
+
+
+def implementations(name: str):
+    """pytest params for the reference and the compiled twin of ``name``.
+
+    A compiled module that is missing is a failure, not a skip, unless STATESTORE_NO_EXTENSIONS=1.
+    """
+    params = [pytest.param(_accel.reference(name), id="ref")]
+    if not _accel.NO_EXTENSIONS:
+        params.append(pytest.param(name, id="native"))
+    return params
+
+
+def resolve_impl(param):
+    """Turn a param made by ``implementations`` into a module (importing the compiled one now)."""
+    if isinstance(param, str):
+        return _accel.native(param)
+    return param
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_real_aws_credentials(monkeypatch):
+    """Real AWS credentials of the machine must never reach a test."""
+    for var in list(os.environ):
+        if var.startswith("AWS_"):
+            monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory):
+    """One local[2] SparkSession for the whole run (starting Spark costs seconds)."""
+    pyspark = pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", os.sys.executable)
+    tmp = tmp_path_factory.mktemp("spark")
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("statestore_async-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.warehouse.dir", str(tmp / "warehouse"))
+        .config("spark.local.dir", str(tmp / "local"))
+        .config("spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={tmp} -XX:-UsePerfData")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+    assert pyspark
