@@ -1,12 +1,19 @@
 """Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 
 import pytest
+import uvloop
 
 from statestore_async import _accel
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Every async test runs twice: under plain asyncio and under uvloop (the daemon's default)."""
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def implementations(name: str):

@@ -1,0 +1,504 @@
+"""The versioned key-value engine: no IO, no asyncio (DESIGN §5).
+
+A ``VersionedStore`` holds the committed map of one store at its head ``(version, ckptid)``.
+``open(version)`` hands out a ``StoreVersion``: an overlay (changed keys and tombstones) over the
+committed map, so ``put``/``remove`` cost O(1) and the committed map is never copied.
+``commit()`` applies the overlay in O(changed keys), keeps the pre-images as an undo log, and
+returns the ``Delta`` to persist. ``abort()`` drops the overlay.
+
+Recent commits stay in memory as (undo, redo) pairs, so a retry that opens an earlier version (or
+another attempt's checkpoint of it) is served by rolling back and forward in O(changes), without
+reading any file. Keys are bytes in the layout of ``statestore_async.keys``; values are bytes.
+
+A ``StoreVersion`` is single-use: UPDATING → COMMITTED | ABORTED, checked on every call. At most
+one is UPDATING per store (one writer per store and version).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from .errors import InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError
+from .ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
+from .keys import KEY_GROUP_BYTES
+
+# Approximate bytes a dict entry with two bytes objects costs beyond the payload lengths
+# (two object headers of 33 bytes plus a dict slot), for memory accounting.
+ENTRY_OVERHEAD = 2 * 33 + 40
+DEFAULT_HISTORY = 4
+
+
+class State(enum.Enum):
+    UPDATING = "UPDATING"
+    COMMITTED = "COMMITTED"
+    ABORTED = "ABORTED"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one commit changed: the records to persist for ``ref``.
+
+    ``records`` maps key → new value, or None for a removed key (a tombstone). ``lineage`` lists the
+    committed states this one builds on, newest first, back to its base (a state with a snapshot,
+    or the empty state, version 0). ``lineage[0]`` is the parent.
+    """
+
+    store_id: StoreId
+    ref: CheckpointRef
+    lineage: tuple[CheckpointRef, ...]
+    records: dict
+
+    @property
+    def parent(self) -> CheckpointRef:
+        return self.lineage[0]
+
+    @property
+    def version(self) -> int:
+        return self.ref.version
+
+    @property
+    def ckptid(self) -> str:
+        return self.ref.ckptid
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+@dataclass
+class _Commit:
+    parent: CheckpointRef
+    child: CheckpointRef
+    child_lineage: tuple[CheckpointRef, ...]
+    undo: dict  # key -> value before the commit (None: absent)
+    redo: dict  # key -> value after the commit (None: removed)
+    nbytes: int = 0
+
+
+def _entry_bytes(key: bytes, value) -> int:
+    return len(key) + (len(value) if value is not None else 0) + ENTRY_OVERHEAD
+
+
+def _check_key(key) -> bytes:
+    if type(key) is not bytes:
+        if isinstance(key, (bytearray, memoryview)):
+            key = bytes(key)
+        else:
+            raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
+    if len(key) < KEY_GROUP_BYTES:
+        raise KeyFormatError(f"a store key starts with its {KEY_GROUP_BYTES}-byte key group, got {len(key)} bytes")
+    return key
+
+
+def _check_value(value) -> bytes:
+    if type(value) is not bytes:
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        raise InterfaceError(f"values are bytes, got {type(value).__name__}")
+    return value
+
+
+class FrozenView:
+    """A read-only view of one committed state that later commits do not change.
+
+    Made by ``VersionedStore.freeze()`` for snapshot writing: the keys are listed once (a pointer
+    copy); later mutations of the store first save the pre-image of each key they touch into this
+    view, so reading the view stays exact while puts and commits go on. ``release()`` it when done.
+    """
+
+    def __init__(self, store: "VersionedStore"):
+        self._store = store
+        self.ref = store.head
+        self.lineage = store.lineage
+        self._keys = list(store._data)
+        self._shadow: dict = {}
+        self._released = False
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def _preserve(self, pre_images: dict) -> None:
+        shadow = self._shadow
+        for k, old in pre_images.items():
+            if k not in shadow:
+                shadow[k] = old
+
+    def get(self, key: bytes):
+        if key in self._shadow:
+            return self._shadow[key]
+        return self._store._data.get(key)
+
+    def chunks(self, size: int = 65536) -> Iterator[list[tuple[bytes, bytes]]]:
+        """The view's records in chunks of ``size``: yield control between chunks to keep latency low."""
+        keys = self._keys
+        data = self._store._data
+        shadow = self._shadow
+        for start in range(0, len(keys), size):
+            out = []
+            for k in keys[start : start + size]:
+                v = shadow[k] if k in shadow else data.get(k)
+                if v is not None:
+                    out.append((k, v))
+            yield out
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._store._views.remove(self)
+            self._shadow = {}
+            self._keys = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class VersionedStore:
+    """The committed state of one store plus a short history of recent commits."""
+
+    def __init__(
+        self,
+        store_id: StoreId,
+        data: dict | None = None,
+        head: CheckpointRef = EMPTY_STATE,
+        lineage: Sequence[CheckpointRef] = (),
+        *,
+        head_has_snapshot: bool = False,
+        history: int = DEFAULT_HISTORY,
+    ):
+        if history < 1:
+            raise InterfaceError("history must keep at least 1 commit (2 versions)")
+        if head.version > 0 and not lineage and not head_has_snapshot:
+            raise InterfaceError("a non-empty state needs its lineage or a snapshot")
+        self.store_id = store_id
+        self._data: dict = data if data is not None else {}
+        self._head = head
+        self._lineage = tuple(lineage)
+        self._history_limit = history
+        self._history: list[_Commit] = []
+        self._snapshots: set[CheckpointRef] = {head} if (head_has_snapshot or head.version == 0) else set()
+        self._writer: StoreVersion | None = None
+        self._views: list[FrozenView] = []
+        self._data_bytes = sum(_entry_bytes(k, v) for k, v in self._data.items())
+
+    # --- what is committed ----------------------------------------------------------------------
+    @property
+    def head(self) -> CheckpointRef:
+        """The committed state the map holds now."""
+        return self._head
+
+    @property
+    def lineage(self) -> tuple[CheckpointRef, ...]:
+        """The head's lineage, newest first, back to its base (empty for version 0)."""
+        return self._lineage
+
+    @property
+    def writer(self) -> "StoreVersion | None":
+        """The version being updated now, if any."""
+        return self._writer
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Approximate bytes held: committed map, open overlay and the undo/redo history."""
+        total = self._data_bytes + sum(c.nbytes for c in self._history)
+        if self._writer is not None:
+            total += self._writer._overlay_bytes
+        return total
+
+    def known_states(self) -> list[CheckpointRef]:
+        """Every committed state this store can switch to without reading a file."""
+        refs = {self._head}
+        for c in self._history:
+            refs.add(c.parent)
+            refs.add(c.child)
+        return sorted(refs)
+
+    def can_open(self, ref: CheckpointRef) -> bool:
+        return self._path_to(ref) is not None
+
+    def mark_snapshot(self, ref: CheckpointRef) -> None:
+        """Record that ``ref`` has a durable snapshot: later lineages stop there."""
+        self._snapshots.add(ref)
+        if len(self._snapshots) > 64:
+            keep = sorted(self._snapshots, key=lambda r: r.version)[-32:]
+            self._snapshots = set(keep)
+
+    def has_snapshot(self, ref: CheckpointRef) -> bool:
+        return ref in self._snapshots
+
+    # --- reading the committed state --------------------------------------------------------------
+    def get(self, key: bytes):
+        """The committed value of ``key`` at the head (None if absent)."""
+        return self._data.get(key)
+
+    def items(self) -> Iterator[tuple[bytes, bytes]]:
+        """The committed records at the head (do not commit while iterating; use freeze())."""
+        return iter(self._data.items())
+
+    def freeze(self) -> FrozenView:
+        """A view of the head that later commits and rollbacks leave unchanged."""
+        view = FrozenView(self)
+        self._views.append(view)
+        return view
+
+    # --- opening a version for update ------------------------------------------------------------
+    def open(self, version: int, ckptid: str | None = None) -> "StoreVersion":
+        """Open committed ``version`` (of attempt ``ckptid``; the head's when None) for update.
+
+        Raises ``WriterConflictError`` if another version is being updated, and
+        ``VersionNotFoundError`` if that state is not in memory (the caller loads it from files).
+        """
+        if self._writer is not None:
+            raise WriterConflictError(
+                f"store {self.store_id} already has a writer at version {self._writer.version}; "
+                "commit or abort it first"
+            )
+        target = self._resolve(version, ckptid)
+        self._switch_to(target)
+        self._writer = StoreVersion(self)
+        return self._writer
+
+    def _resolve(self, version: int, ckptid: str | None) -> CheckpointRef:
+        if ckptid is None:
+            if self._head.version == version:
+                return self._head
+            candidates = [r for r in self.known_states() if r.version == version]
+            if len(candidates) == 1:
+                return candidates[0]
+            raise VersionNotFoundError(
+                f"store {self.store_id}: version {version} is "
+                + ("ambiguous in memory; name its checkpoint id" if candidates else "not in memory")
+            )
+        return CheckpointRef(version, ckptid)
+
+    def _path_to(self, target: CheckpointRef):
+        """(commits to undo, commits to redo) to move the map from head to target, or None."""
+        if target == self._head:
+            return [], []
+        by_child = {c.child: c for c in self._history}
+        # the head's ancestors reachable through the history, nearest first
+        back: list[_Commit] = []
+        pos = {self._head: 0}
+        ref = self._head
+        while ref in by_child:
+            c = by_child[ref]
+            back.append(c)
+            ref = c.parent
+            pos[ref] = len(back)
+        # walk from the target up to the first state on the head's line
+        forward: list[_Commit] = []
+        ref = target
+        while ref not in pos:
+            c = by_child.get(ref)
+            if c is None:
+                return None
+            forward.append(c)
+            ref = c.parent
+        return back[: pos[ref]], list(reversed(forward))
+
+    def _switch_to(self, target: CheckpointRef) -> None:
+        path = self._path_to(target)
+        if path is None:
+            raise VersionNotFoundError(
+                f"store {self.store_id}: state {target} is not in memory (head is {self._head})"
+            )
+        undo, redo = path
+        for c in undo:
+            self._mutate(c.undo)
+            self._head, self._lineage = c.parent, self._lineage_of(c.parent)
+        for c in redo:
+            self._mutate(c.redo)
+            self._head, self._lineage = c.child, c.child_lineage
+
+    def _lineage_of(self, ref: CheckpointRef) -> tuple[CheckpointRef, ...]:
+        if ref == self._head:
+            return self._lineage
+        for c in self._history:
+            if c.child == ref:
+                return c.child_lineage
+        # ref is the parent of the oldest kept commit: its lineage is the tail of its child's
+        for c in self._history:
+            if c.parent == ref:
+                return c.child_lineage[1:]
+        raise VersionNotFoundError(f"no lineage known for {ref}")
+
+    def _mutate(self, changes: dict) -> dict:
+        """Apply key → value|None to the map; return the pre-images (the undo of this change)."""
+        data = self._data
+        pre = {k: data.get(k) for k in changes}
+        for view in self._views:
+            view._preserve(pre)
+        delta_bytes = 0
+        for k, v in changes.items():
+            old = pre[k]
+            if v is None:
+                if old is not None:
+                    del data[k]
+                    delta_bytes -= _entry_bytes(k, old)
+            else:
+                data[k] = v
+                delta_bytes += _entry_bytes(k, v) - (_entry_bytes(k, old) if old is not None else 0)
+        self._data_bytes += delta_bytes
+        return pre
+
+    def _commit(self, overlay: dict, ckptid: str | None) -> Delta:
+        parent = self._head
+        child = CheckpointRef(parent.version + 1, ckptid or new_checkpoint_id())
+        if any(c.child == child for c in self._history):
+            raise InterfaceError(f"checkpoint {child} was committed already")
+        pre = self._mutate(overlay)
+        # a tombstone for a key that did not exist changes nothing: leave it out of the delta
+        records = {k: v for k, v in overlay.items() if v is not None or pre[k] is not None}
+        undo = {k: pre[k] for k in records}
+        if parent in self._snapshots or parent.version == 0:
+            lineage = (parent,)
+        else:
+            lineage = (parent,) + self._lineage
+        nbytes = sum(_entry_bytes(k, v) for k, v in undo.items())
+        self._history.append(_Commit(parent, child, lineage, undo, records, nbytes))
+        if len(self._history) > self._history_limit:
+            del self._history[: len(self._history) - self._history_limit]
+        self._head, self._lineage = child, lineage
+        return Delta(self.store_id, child, lineage, records)
+
+
+class StoreVersion:
+    """One writer's open version: reads see the overlay first, then the committed map."""
+
+    __slots__ = ("_store", "_base", "_overlay", "_overlay_bytes", "state", "parent", "_result")
+
+    def __init__(self, store: VersionedStore):
+        self._store = store
+        self._base = store._data
+        self._overlay: dict = {}
+        self._overlay_bytes = 0
+        self.state = State.UPDATING
+        self.parent = store.head
+        self._result: Delta | None = None
+
+    @property
+    def store_id(self) -> StoreId:
+        return self._store.store_id
+
+    @property
+    def version(self) -> int:
+        """The committed version this update started from."""
+        return self.parent.version
+
+    @property
+    def num_changes(self) -> int:
+        return len(self._overlay)
+
+    def _check_updating(self, op: str) -> None:
+        if self.state is not State.UPDATING:
+            raise StoreStateError(
+                f"cannot {op} store {self.store_id} version {self.version}: it is already {self.state.value}"
+            )
+
+    # --- reads --------------------------------------------------------------------------------------
+    def get(self, key: bytes):
+        self._check_updating("get from")
+        overlay = self._overlay
+        if key in overlay:
+            return overlay[key]
+        return self._base.get(key)
+
+    def get_many(self, keys: Iterable[bytes]) -> list:
+        self._check_updating("get from")
+        overlay, base = self._overlay, self._base
+        if not overlay:
+            get = base.get
+            return [get(k) for k in keys]
+        return [overlay[k] if k in overlay else base.get(k) for k in keys]
+
+    def scan(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) whose key starts with ``prefix``, this version's changes included.
+
+        It looks at every key of the store (the map is hashed, not sorted): O(state).
+        """
+        self._check_updating("scan")
+        prefix = bytes(prefix)
+        overlay, base = self._overlay, self._base
+        found = [(k, v) for k, v in base.items() if k.startswith(prefix) and k not in overlay]
+        found.extend((k, v) for k, v in overlay.items() if v is not None and k.startswith(prefix))
+        return iter(found)
+
+    def items(self) -> Iterator[tuple[bytes, bytes]]:
+        return self.scan(b"")
+
+    def __len__(self) -> int:
+        self._check_updating("count")
+        n = len(self._base)
+        base = self._base
+        for k, v in self._overlay.items():
+            if k in base:
+                n -= v is None
+            else:
+                n += v is not None
+        return n
+
+    # --- writes -------------------------------------------------------------------------------------
+    def _set(self, key: bytes, value) -> None:
+        overlay = self._overlay
+        old = overlay.get(key, ...)
+        if old is not ...:
+            self._overlay_bytes -= _entry_bytes(key, old)
+        overlay[key] = value
+        self._overlay_bytes += _entry_bytes(key, value)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self._check_updating("put to")
+        self._set(_check_key(key), _check_value(value))
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
+        """Put every (key, value); all are checked before any is applied."""
+        self._check_updating("put to")
+        checked = [(_check_key(k), _check_value(v)) for k, v in items]
+        for k, v in checked:
+            self._set(k, v)
+
+    def remove(self, key: bytes) -> None:
+        self._check_updating("remove from")
+        self._set(_check_key(key), None)
+
+    def remove_many(self, keys: Iterable[bytes]) -> None:
+        self._check_updating("remove from")
+        checked = [_check_key(k) for k in keys]
+        for k in checked:
+            self._set(k, None)
+
+    # --- ending the version -----------------------------------------------------------------------
+    def commit(self, ckptid: str | None = None) -> Delta:
+        """Make the changes version ``version + 1`` (checkpoint ``ckptid``, fresh when None).
+
+        Costs O(changed keys). Returns the ``Delta`` to persist.
+        """
+        self._check_updating("commit")
+        store = self._store
+        delta = store._commit(self._overlay, ckptid)
+        self.state = State.COMMITTED
+        self._result = delta
+        self._overlay = {}
+        self._overlay_bytes = 0
+        store._writer = None
+        return delta
+
+    def abort(self) -> None:
+        """Drop the changes; the store stays at the version it was opened at. Idempotent."""
+        if self.state is State.ABORTED:
+            return
+        self._check_updating("abort")
+        self.state = State.ABORTED
+        self._overlay = {}
+        self._overlay_bytes = 0
+        self._store._writer = None
+
+    @property
+    def result(self) -> Delta | None:
+        """The delta of a committed version."""
+        return self._result

@@ -1,0 +1,141 @@
+"""Identities: which store (``StoreId``), which committed state (``CheckpointRef``), file names.
+
+A store is one state partition of one stateful operator under a checkpoint root. A committed
+state is a (version, checkpoint id) pair: several attempts at the same version (task retries,
+speculation, replays) each get their own checkpoint id, so their files never collide and the
+driver's manifest decides which one counts (DESIGN §3–§4).
+"""
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+
+from .errors import InterfaceError
+
+DEFAULT_STORE_NAME = "default"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_CKPT_RE = re.compile(r"^[0-9a-f]{32}$")
+_FILE_RE = re.compile(r"^(?P<version>0|[1-9][0-9]{0,18})_(?P<ckptid>[0-9a-f]{32})\.(?P<kind>delta|snapshot)$")
+
+
+def _check_name(what: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value) or value in (".", ".."):
+        raise InterfaceError(
+            f"{what} must be 1-128 characters of [A-Za-z0-9_.-] starting with a letter or digit, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, order=True)
+class StoreId:
+    """One store: ``(checkpoint root, operator id, partition id, store name)``.
+
+    ``root`` is the object-store URI of the checkpoint root (``file:///…`` or ``s3://…``); the
+    store's files live under ``<operator>/<partition>/<store_name>/`` relative to it.
+    """
+
+    root: str
+    operator_id: str
+    partition_id: int
+    store_name: str = DEFAULT_STORE_NAME
+
+    def __post_init__(self):
+        if not isinstance(self.root, str):
+            raise InterfaceError(f"root must be a string URI, got {self.root!r}")
+        if isinstance(self.operator_id, int) and not isinstance(self.operator_id, bool):
+            object.__setattr__(self, "operator_id", str(self.operator_id))
+        _check_name("operator_id", self.operator_id)
+        _check_name("store_name", self.store_name)
+        if isinstance(self.partition_id, bool) or not isinstance(self.partition_id, int) or self.partition_id < 0:
+            raise InterfaceError(f"partition_id must be an int >= 0, got {self.partition_id!r}")
+
+    @property
+    def prefix(self) -> str:
+        """The store's folder, relative to the checkpoint root (no trailing slash)."""
+        return f"{self.operator_id}/{self.partition_id}/{self.store_name}"
+
+    def to_json(self) -> dict:
+        return {
+            "operator_id": self.operator_id,
+            "partition_id": self.partition_id,
+            "store_name": self.store_name,
+        }
+
+    def __str__(self) -> str:
+        return f"{self.root.rstrip('/')}/{self.prefix}"
+
+
+def new_checkpoint_id() -> str:
+    """A fresh, unique checkpoint id (32 lowercase hex digits)."""
+    return uuid.uuid4().hex
+
+
+def check_checkpoint_id(ckptid: str) -> str:
+    if not isinstance(ckptid, str) or not _CKPT_RE.match(ckptid):
+        raise InterfaceError(f"a checkpoint id is 32 lowercase hex digits, got {ckptid!r}")
+    return ckptid
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointRef:
+    """A committed state of a store: its version and the checkpoint id of the attempt that made it.
+
+    Version 0 is the empty state and has the empty checkpoint id ``""`` (no file).
+    """
+
+    version: int
+    ckptid: str
+
+    def __post_init__(self):
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise InterfaceError(f"version must be an int >= 0, got {self.version!r}")
+        if self.version == 0:
+            if self.ckptid != "":
+                raise InterfaceError("version 0 is the empty state; its checkpoint id is ''")
+        else:
+            check_checkpoint_id(self.ckptid)
+
+    @property
+    def is_empty_state(self) -> bool:
+        return self.version == 0
+
+    def to_json(self) -> list:
+        return [self.version, self.ckptid]
+
+    @classmethod
+    def from_json(cls, value) -> "CheckpointRef":
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise InterfaceError(f"a checkpoint reference is [version, ckptid], got {value!r}")
+        return cls(value[0], value[1])
+
+    def __str__(self) -> str:
+        return f"{self.version}_{self.ckptid}" if self.version else "0"
+
+
+EMPTY_STATE = CheckpointRef(0, "")
+
+DELTA = "delta"
+SNAPSHOT = "snapshot"
+
+
+def file_name(ref: CheckpointRef, kind: str) -> str:
+    """``<version>_<ckptid>.delta|.snapshot``."""
+    if kind not in (DELTA, SNAPSHOT):
+        raise InterfaceError(f"file kind is 'delta' or 'snapshot', got {kind!r}")
+    if ref.is_empty_state:
+        raise InterfaceError("version 0 is the empty state and has no file")
+    return f"{ref.version}_{ref.ckptid}.{kind}"
+
+
+def file_key(store_id: StoreId, ref: CheckpointRef, kind: str) -> str:
+    """The object key of a checkpoint file, relative to the checkpoint root."""
+    return f"{store_id.prefix}/{file_name(ref, kind)}"
+
+
+def parse_file_name(name: str) -> tuple[CheckpointRef, str] | None:
+    """``(ref, kind)`` for a checkpoint file name, or None for anything else (temp files, …)."""
+    m = _FILE_RE.match(name.rsplit("/", 1)[-1])
+    if not m:
+        return None
+    return CheckpointRef(int(m["version"]), m["ckptid"]), m["kind"]

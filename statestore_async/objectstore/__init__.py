@@ -1,0 +1,33 @@
+"""Object stores: the async contract and its implementations, chosen by URI.
+
+``file:///path`` (or a plain path) → ``LocalObjectStore``, the embedded default;
+``s3://bucket/prefix`` → ``S3ObjectStore``.
+"""
+from __future__ import annotations
+
+from urllib.parse import unquote, urlparse
+
+from ..errors import InterfaceError
+from .base import ObjectInfo, ObjectStore, check_key
+from .local import LocalObjectStore
+
+__all__ = ["ObjectInfo", "ObjectStore", "LocalObjectStore", "check_key", "open_object_store"]
+
+
+def open_object_store(uri: str, **options) -> ObjectStore:
+    """Open the object store a URI names (``file:///…``, a plain path, or ``s3://bucket/prefix``)."""
+    parsed = urlparse(uri)
+    if parsed.scheme in ("", "file"):
+        if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise InterfaceError(f"file URIs name a local path (file:///path), got {uri!r}")
+        path = unquote(parsed.path) if parsed.scheme == "file" else uri
+        if not path:
+            raise InterfaceError("an empty path is not an object store")
+        return LocalObjectStore(path, **options)
+    if parsed.scheme == "s3":
+        try:
+            from .s3 import S3ObjectStore
+        except ImportError as exc:
+            raise InterfaceError(f"S3 support is not available: {exc}") from exc
+        return S3ObjectStore.from_uri(uri, **options)
+    raise InterfaceError(f"unsupported object store URI {uri!r}: use file:///path or s3://bucket/prefix")

@@ -1,0 +1,134 @@
+"""LocalObjectStore: the object-store contract on a directory (atomic create, replace, typed errors)."""
+import asyncio
+import errno
+import multiprocessing
+import os
+
+import pytest
+
+from statestore_async.errors import (
+    InterfaceError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageFullError,
+)
+from statestore_async.objectstore import LocalObjectStore, open_object_store
+
+
+@pytest.fixture
+async def store(tmp_path):
+    s = LocalObjectStore(tmp_path / "root")
+    yield s
+    await s.close()
+
+
+async def test_put_if_absent_get_head_delete(store):
+    info = await store.put_if_absent("op/0/default/1_a.delta", b"hello")
+    assert info.size == 5
+    assert await store.get("op/0/default/1_a.delta") == b"hello"
+    assert await store.get("op/0/default/1_a.delta", 1, 3) == b"el"
+    assert (await store.head("op/0/default/1_a.delta")).size == 5
+    with pytest.raises(ObjectExistsError) as e:
+        await store.put_if_absent("op/0/default/1_a.delta", b"other")
+    assert e.value.key == "op/0/default/1_a.delta"
+    assert await store.get("op/0/default/1_a.delta") == b"hello"  # nothing overwritten
+    await store.delete("op/0/default/1_a.delta")
+    await store.delete("op/0/default/1_a.delta")  # deleting a missing object is fine
+    with pytest.raises(ObjectNotFoundError):
+        await store.get("op/0/default/1_a.delta")
+    with pytest.raises(ObjectNotFoundError):
+        await store.head("op/0/default/1_a.delta")
+    assert not await store.exists("op/0/default/1_a.delta")
+
+
+async def test_put_replaces_atomically(store):
+    await store.put("op/_commits/3.json", b"one")
+    await store.put("op/_commits/3.json", b"two")
+    assert await store.get("op/_commits/3.json") == b"two"
+    leftovers = [p for p in (store.root / "op" / "_commits").iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers == []
+
+
+async def test_list_by_prefix_in_key_order(store):
+    for key in ["a/1/x", "a/1/y", "a/10/z", "a/2/w", "b/1"]:
+        await store.put_if_absent(key, key.encode())
+    assert [o.key async for o in store.list("a/1/")] == ["a/1/x", "a/1/y"]
+    assert [o.key async for o in store.list("a/1")] == ["a/1/x", "a/1/y", "a/10/z"]
+    assert [o.key async for o in store.list("")] == ["a/1/x", "a/1/y", "a/10/z", "a/2/w", "b/1"]
+    assert [o.key async for o in store.list("zzz/")] == []
+
+
+async def test_stream_reads_in_chunks(store):
+    data = os.urandom(300_000)
+    await store.put_if_absent("big", data)
+    chunks = [c async for c in store.get_stream("big", chunk_size=65536)]
+    assert len(chunks) == 5 and b"".join(chunks) == data
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a", "a/.tmp-x", "a\\b", "a/\x00"])
+async def test_bad_keys_are_refused(store, key):
+    with pytest.raises(InterfaceError):
+        await store.put_if_absent(key, b"x")
+
+
+async def test_full_disk_is_a_typed_error_and_leaves_nothing(store, monkeypatch):
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StorageFullError):
+        await store.put_if_absent("op/0/default/1_a.delta", b"x" * 100)
+    with pytest.raises(StorageFullError):
+        await store.put("op/_commits/1.json", b"x")
+    monkeypatch.setattr(os, "write", real_write)
+    assert [o async for o in store.list("")] == []
+    assert not any(p.name.startswith(".tmp-") for p in store.root.rglob("*"))
+    await store.put_if_absent("op/0/default/1_a.delta", b"ok")  # and it works again afterwards
+
+
+def _race(root, key, i, barrier, results):
+    async def go():
+        s = LocalObjectStore(root)
+        try:
+            barrier.wait()
+            await s.put_if_absent(key, b"writer-%d" % i)
+            results.put(i)
+        except ObjectExistsError:
+            results.put(-1)
+        finally:
+            await s.close()
+
+    asyncio.run(go())
+
+
+def test_concurrent_create_exactly_one_wins_across_processes(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(3):
+        key = f"op/0/default/{round_ + 1}_race.delta"
+        n = 16
+        barrier = ctx.Barrier(n)
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_race, args=(tmp_path, key, i, barrier, results)) for i in range(n)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+        outcomes = [results.get(timeout=5) for _ in range(n)]
+        winners = [i for i in outcomes if i >= 0]
+        assert len(winners) == 1
+        assert (tmp_path / key).read_bytes() == b"writer-%d" % winners[0]
+
+
+async def test_open_object_store_by_uri(tmp_path):
+    s = open_object_store((tmp_path / "x").as_uri())
+    assert isinstance(s, LocalObjectStore) and s.root == tmp_path / "x"
+    await s.close()
+    s = open_object_store(str(tmp_path / "y"))
+    assert isinstance(s, LocalObjectStore)
+    await s.close()
+    with pytest.raises(InterfaceError):
+        open_object_store("ftp://host/x")
+    with pytest.raises(InterfaceError):
+        open_object_store("file://otherhost/x")
