@@ -1,0 +1,186 @@
+"""Daemon configuration: defaults < TOML file < ``STATESTORE_*`` environment < command-line flags.
+
+Every setting has one name. In the TOML file it is a key (``memory_budget = "2GiB"``); in the
+environment it is ``STATESTORE_`` + the name upper-cased (``STATESTORE_MEMORY_BUDGET=2GiB``); as a
+flag it is ``--memory-budget 2GiB``. The file is named by ``--config`` or ``STATESTORE_CONFIG``.
+The Helm chart renders exactly these keys into its ConfigMap; secrets (S3 keys) never go there:
+S3 credentials come from the standard AWS chain (env, profile, web identity/IRSA).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+
+from .errors import InterfaceError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3,
+          "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_size(value) -> int:
+    """Bytes from ``123``, ``"64MiB"``, ``"2GiB"``, ``"1.5G"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise InterfaceError(f"a size is >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m:
+        raise InterfaceError(f"not a size: {value!r} (use e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+def default_socket_path() -> str:
+    """``$XDG_RUNTIME_DIR/statestore-async/daemon.sock``, else a per-user folder under /tmp."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/statestore-async-{os.getuid()}"
+    if base.startswith("/tmp/"):
+        return f"{base}/daemon.sock"
+    return f"{base}/statestore-async/daemon.sock"
+
+
+def _uids(value) -> tuple[int, ...]:
+    if isinstance(value, str):
+        value = [v for v in re.split(r"[,\s]+", value.strip()) if v]
+    try:
+        return tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        raise InterfaceError(f"allowed_uids is a list of integers, got {value!r}") from None
+
+
+def _mode(value) -> int:
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value), 8)
+    except ValueError:
+        raise InterfaceError(f"socket_mode is an octal mode like 0660, got {value!r}") from None
+
+
+def _bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise InterfaceError(f"not a boolean: {value!r}")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Settings of one daemon (one per node)."""
+
+    socket: str = field(default_factory=default_socket_path, metadata={"help": "Unix socket path"})
+    socket_mode: int = field(default=0o660, metadata={"help": "socket file mode (octal)", "parse": _mode})
+    allowed_uids: tuple = field(default=(), metadata={"help": "peer uids allowed (empty: the daemon's own uid)", "parse": _uids})
+    loop: str = field(default="uvloop", metadata={"help": "event loop: uvloop or asyncio", "choices": ("uvloop", "asyncio")})
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error",
+                                                     "choices": ("debug", "info", "warning", "error")})
+    log_format: str = field(default="text", metadata={"help": "text or json", "choices": ("text", "json")})
+    memory_budget: int = field(default=2 << 30, metadata={"help": "bytes of state kept in memory before idle stores are evicted", "parse": parse_size})
+    max_frame_bytes: int = field(default=64 << 20, metadata={"help": "largest protocol frame accepted", "parse": parse_size})
+    max_batch: int = field(default=100_000, metadata={"help": "most keys in one batched request", "parse": int})
+    max_inflight: int = field(default=64, metadata={"help": "pipelined requests in flight per connection", "parse": int})
+    cache_dir: str = field(default="", metadata={"help": "local cache of uploaded files ('' = off)"})
+    cache_bytes: int = field(default=10 << 30, metadata={"help": "local cache size bound", "parse": parse_size})
+    snapshot_interval: int = field(default=10, metadata={"help": "snapshot a store every N deltas", "parse": int})
+    snapshot_delta_bytes: int = field(default=256 << 20, metadata={"help": "…or when its delta chain exceeds this", "parse": parse_size})
+    retention_versions: int = field(default=100, metadata={"help": "keep at least the last N versions loadable (>= 2)", "parse": int})
+    upload_concurrency: int = field(default=8, metadata={"help": "parallel uploads", "parse": int})
+    upload_queue_bytes: int = field(default=256 << 20, metadata={"help": "bytes queued for upload before commits wait", "parse": parse_size})
+    drain_timeout: float = field(default=60.0, metadata={"help": "seconds SIGTERM waits for queued uploads", "parse": float})
+    s3_endpoint_url: str = field(default="", metadata={"help": "S3 endpoint (empty: AWS default)"})
+    s3_region: str = field(default="", metadata={"help": "S3 region (empty: AWS chain)"})
+    s3_sse: str = field(default="", metadata={"help": "server-side encryption: '', AES256 or aws:kms",
+                                              "choices": ("", "AES256", "aws:kms")})
+    s3_kms_key_id: str = field(default="", metadata={"help": "KMS key id for aws:kms"})
+    s3_addressing_style: str = field(default="auto", metadata={"help": "auto, path or virtual",
+                                                               "choices": ("auto", "path", "virtual")})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)", "parse": int})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics port binds"})
+
+    def __post_init__(self):
+        if self.retention_versions < 2:
+            raise InterfaceError("retention_versions must be at least 2")
+        for name in ("snapshot_interval", "upload_concurrency", "max_batch", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise InterfaceError(f"{name} must be at least 1")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise InterfaceError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
+
+    @property
+    def effective_allowed_uids(self) -> tuple[int, ...]:
+        return self.allowed_uids or (os.getuid(),)
+
+    def to_toml(self) -> str:
+        """The settings as a TOML file (what ``--config`` reads)."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "socket_mode":
+                out.append(f'{f.name} = "{v:04o}"')
+            elif isinstance(v, tuple):
+                out.append(f"{f.name} = [{', '.join(str(x) for x in v)}]")
+            elif isinstance(v, str):
+                out.append(f"{f.name} = {_toml_str(v)}")
+            else:
+                out.append(f"{f.name} = {v}")
+        return "\n".join(out) + "\n"
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+FIELDS = {f.name: f for f in fields(DaemonConfig)}
+
+
+def _convert(name: str, value):
+    f = FIELDS[name]
+    parse = f.metadata.get("parse")
+    try:
+        if parse is not None:
+            return parse(value)
+        if isinstance(value, (list, dict)):
+            raise InterfaceError(f"{name} is a single value, got {value!r}")
+        return str(value)
+    except InterfaceError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise InterfaceError(f"bad value for {name}: {value!r} ({exc})") from None
+
+
+def load_config(path: str | None = None, env: dict | None = None, overrides: dict | None = None) -> DaemonConfig:
+    """Build the config: defaults, then the TOML file, then ``STATESTORE_*`` env, then overrides."""
+    env = os.environ if env is None else env
+    values: dict = {}
+    path = path or env.get("STATESTORE_CONFIG") or None
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                raw = tomllib.load(fh)
+        except OSError as exc:
+            raise InterfaceError(f"cannot read config file {path}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise InterfaceError(f"config file {path} is not valid TOML: {exc}") from None
+        unknown = sorted(set(raw) - set(FIELDS))
+        if unknown:
+            raise InterfaceError(f"config file {path}: unknown settings {unknown}")
+        values.update({k: _convert(k, v) for k, v in raw.items()})
+    for name in FIELDS:
+        var = "STATESTORE_" + name.upper()
+        if var in env:
+            values[name] = _convert(name, env[var])
+    for name, v in (overrides or {}).items():
+        if name not in FIELDS:
+            raise InterfaceError(f"unknown setting {name!r}")
+        if v is not None:
+            values[name] = _convert(name, v)
+    return dataclasses.replace(DaemonConfig(), **values)
