@@ -108,6 +108,7 @@ class FrozenView:
 
     def __init__(self, store: "VersionedStore"):
         self._store = store
+        self.store_id = store.store_id
         self.ref = store.head
         self.lineage = store.lineage
         self._keys = list(store._data)
@@ -330,20 +331,22 @@ class VersionedStore:
     def _mutate(self, changes: dict) -> dict:
         """Apply key → value|None to the map; return the pre-images (the undo of this change)."""
         data = self._data
-        pre = {k: data.get(k) for k in changes}
+        get = data.get
+        pre = {k: get(k) for k in changes}
         for view in self._views:
             view._preserve(pre)
-        delta_bytes = 0
-        for k, v in changes.items():
-            old = pre[k]
-            if v is None:
-                if old is not None:
-                    del data[k]
-                    delta_bytes -= _entry_bytes(k, old)
-            else:
-                data[k] = v
-                delta_bytes += _entry_bytes(k, v) - (_entry_bytes(k, old) if old is not None else 0)
-        self._data_bytes += delta_bytes
+        data.update(changes)  # tombstones land as None for a moment, removed just below
+        dead = [k for k, v in changes.items() if v is None]
+        for k in dead:
+            del data[k]
+        inserted = [k for k, v in changes.items() if v is not None and pre[k] is None]
+        removed = [k for k in dead if pre[k] is not None]
+        self._data_bytes += (
+            sum(len(v) for v in changes.values() if v is not None)
+            - sum(len(v) for v in pre.values() if v is not None)
+            + sum(map(len, inserted)) - sum(map(len, removed))
+            + (len(inserted) - len(removed)) * ENTRY_OVERHEAD
+        )
         return pre
 
     def _commit(self, overlay: dict, ckptid: str | None) -> Delta:
@@ -354,12 +357,12 @@ class VersionedStore:
         pre = self._mutate(overlay)
         # a tombstone for a key that did not exist changes nothing: leave it out of the delta
         records = {k: v for k, v in overlay.items() if v is not None or pre[k] is not None}
-        undo = {k: pre[k] for k in records}
+        undo = pre if len(records) == len(pre) else {k: pre[k] for k in records}
         if parent in self._snapshots or parent.version == 0:
             lineage = (parent,)
         else:
             lineage = (parent,) + self._lineage
-        nbytes = sum(_entry_bytes(k, v) for k, v in undo.items())
+        nbytes = sum(map(len, undo)) + sum(len(v) for v in undo.values() if v is not None) + len(undo) * ENTRY_OVERHEAD
         self._history.append(_Commit(parent, child, lineage, undo, records, nbytes))
         if len(self._history) > self._history_limit:
             del self._history[: len(self._history) - self._history_limit]
@@ -458,9 +461,20 @@ class StoreVersion:
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         """Put every (key, value); all are checked before any is applied."""
         self._check_updating("put to")
-        checked = [(_check_key(k), _check_value(v)) for k, v in items]
-        for k, v in checked:
-            self._set(k, v)
+        items = list(items)
+        if not all(type(k) is bytes and len(k) >= KEY_GROUP_BYTES and type(v) is bytes for k, v in items):
+            items = [(_check_key(k), _check_value(v)) for k, v in items]
+        self._apply(items)
+
+    def _apply(self, items: list) -> None:
+        overlay = self._overlay
+        replaced = [(k, overlay[k]) for k, _ in items if k in overlay] if overlay else ()
+        if replaced:
+            self._overlay_bytes -= sum(_entry_bytes(k, v) for k, v in replaced)
+        overlay.update(items)
+        self._overlay_bytes += (
+            sum(len(k) + (len(v) if v is not None else 0) for k, v in items) + len(items) * ENTRY_OVERHEAD
+        )
 
     def remove(self, key: bytes) -> None:
         self._check_updating("remove from")
@@ -468,9 +482,10 @@ class StoreVersion:
 
     def remove_many(self, keys: Iterable[bytes]) -> None:
         self._check_updating("remove from")
-        checked = [_check_key(k) for k in keys]
-        for k in checked:
-            self._set(k, None)
+        keys = list(keys)
+        if not all(type(k) is bytes and len(k) >= KEY_GROUP_BYTES for k in keys):
+            keys = [_check_key(k) for k in keys]
+        self._apply([(k, None) for k in keys])
 
     # --- ending the version -----------------------------------------------------------------------
     def commit(self, ckptid: str | None = None) -> Delta:
