@@ -1,0 +1,348 @@
+"""Record block codec, pure-Python reference: (key, value | None) records <-> checksummed blocks.
+
+This module *defines* the behaviour; ``_ext/blockcodec.pyx`` must produce the same bytes, the
+same records and the same errors. The format is documented for users in
+``statestore_async.blockcodec``.
+"""
+from __future__ import annotations
+
+import struct
+import threading
+
+import xxhash
+import zstandard
+
+from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
+
+__all__ = [
+    "HEADER_SIZE",
+    "CODEC_NONE",
+    "CODEC_ZSTD",
+    "MAGIC",
+    "MAX_RAW_LEN",
+    "encode_block",
+    "decode_block",
+    "read_block_header",
+    "encode_records_raw",
+    "decode_records_raw",
+]
+
+MAGIC = b"\xb1\x0c"
+HEADER_SIZE = 24
+CODEC_NONE = 0
+CODEC_ZSTD = 1
+#: Largest uncompressed payload of one block (256 MiB).
+MAX_RAW_LEN = 256 * 1024 * 1024
+KIND_PUT = 0
+KIND_TOMBSTONE = 1
+MIN_ZSTD_LEVEL = -(1 << 17)
+
+_HEADER = struct.Struct("<2sBBIII")  # magic, codec, flags, count, raw_len, stored_len
+_CHECKSUM = struct.Struct("<Q")
+
+
+def max_stored_len(raw_len: int) -> int:
+    """Upper bound of a zstd frame holding ``raw_len`` bytes (ZSTD_compressBound plus slack)."""
+    return raw_len + (raw_len >> 7) + 512
+
+
+# --- zstd objects, one set per thread (they are not thread-safe) ---------------------------------
+_local = threading.local()
+
+
+def _compressor(level: int):
+    cache = getattr(_local, "compressors", None)
+    if cache is None:
+        cache = _local.compressors = {}
+    c = cache.get(level)
+    if c is None:
+        c = cache[level] = zstandard.ZstdCompressor(level=level)
+    return c
+
+
+def _decompressor():
+    d = getattr(_local, "decompressor", None)
+    if d is None:
+        d = _local.decompressor = zstandard.ZstdDecompressor()
+    return d
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _type_name(value) -> str:
+    t = type(value)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _bytes_of(value, index: int, what: str) -> bytes:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        try:
+            return memoryview(value).tobytes()
+        except ValueError as exc:  # released memoryview
+            raise EncodeError(f"record {index}: cannot read {what}: {exc}") from None
+    raise EncodeError(f"record {index}: {what} must be bytes-like, not {_type_name(value)}")
+
+
+def _record(records, index: int):
+    rec = records[index]
+    if not isinstance(rec, (tuple, list)) or len(rec) != 2:
+        raise EncodeError(f"record {index}: expected a (key, value) pair, got {_type_name(rec)}")
+    key = _bytes_of(rec[0], index, "key")
+    value = rec[1]
+    if value is not None:
+        value = _bytes_of(value, index, "value")
+    return key, value
+
+
+def _record_size(key: bytes, value) -> int:
+    size = 1 + _varint_len(len(key)) + len(key)
+    if value is not None:
+        size += _varint_len(len(value)) + len(value)
+    return size
+
+
+def _append_record(out: bytearray, key: bytes, value) -> None:
+    if value is None:
+        out.append(KIND_TOMBSTONE)
+        out += _varint(len(key))
+        out += key
+    else:
+        out.append(KIND_PUT)
+        out += _varint(len(key))
+        out += key
+        out += _varint(len(value))
+        out += value
+
+
+def _as_bytes(data) -> bytes:
+    """The raw bytes of a C-contiguous bytes-like object (TypeError for anything else)."""
+    if isinstance(data, bytes):
+        return data
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise TypeError(f"expected a bytes-like object, got {_type_name(data)}") from None
+    if not view.c_contiguous:
+        raise TypeError("expected a C-contiguous bytes-like object")
+    return view.tobytes()
+
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InterfaceError(f"{name} must be an int, not {_type_name(value)}")
+    return int(value)
+
+
+# --- encoding ------------------------------------------------------------------------------------
+def encode_records_raw(records) -> bytes:
+    """The uncompressed payload holding every record of ``records``, in order."""
+    if not isinstance(records, list):
+        records = list(records)
+    out = bytearray()
+    for i in range(len(records)):
+        key, value = _record(records, i)
+        _append_record(out, key, value)
+    return bytes(out)
+
+
+def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, level=3):
+    """Encode ``records[start:]`` into one block, as many as fit in ``max_raw_bytes`` of raw
+    payload (at least one when any remain). Returns ``(block, index of the next record)``.
+
+    With ``codec=CODEC_ZSTD`` the payload is stored uncompressed (codec 0 in the header) when
+    compressing does not make it smaller.
+    """
+    start = _check_int("start", start)
+    max_raw_bytes = _check_int("max_raw_bytes", max_raw_bytes)
+    codec = _check_int("codec", codec)
+    level = _check_int("level", level)
+    if not isinstance(records, list):
+        records = list(records)
+    if not 0 <= start <= len(records):
+        raise InterfaceError(f"start {start} outside 0..{len(records)}")
+    if max_raw_bytes < 1:
+        raise InterfaceError(f"max_raw_bytes must be at least 1, got {max_raw_bytes}")
+    if codec not in (CODEC_NONE, CODEC_ZSTD):
+        raise InterfaceError(f"unknown codec {codec}")
+    if not MIN_ZSTD_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+        raise InterfaceError(f"zstd level {level} outside {MIN_ZSTD_LEVEL}..{zstandard.MAX_COMPRESSION_LEVEL}")
+    limit = min(max_raw_bytes, MAX_RAW_LEN)
+    out = bytearray()
+    end = start
+    n = len(records)
+    while end < n:
+        key, value = _record(records, end)
+        size = _record_size(key, value)
+        if len(out) + size > limit:
+            if end == start:
+                if size > MAX_RAW_LEN:
+                    raise EncodeError(
+                        f"record {end}: {size} bytes encoded, more than a block holds ({MAX_RAW_LEN})"
+                    )
+            else:
+                break
+        _append_record(out, key, value)
+        end += 1
+    raw = bytes(out)
+    stored = raw
+    used = CODEC_NONE
+    if codec == CODEC_ZSTD and raw:
+        compressed = _compressor(level).compress(raw)
+        if len(compressed) < len(raw):
+            stored = compressed
+            used = CODEC_ZSTD
+    header = _HEADER.pack(MAGIC, used, 0, end - start, len(raw), len(stored))
+    checksum = xxhash.xxh3_64_intdigest(header + stored)
+    return header + _CHECKSUM.pack(checksum) + stored, end
+
+
+# --- decoding ------------------------------------------------------------------------------------
+def _header(buf: bytes, offset: int):
+    have = len(buf) - offset if offset < len(buf) else 0
+    if have < HEADER_SIZE:
+        raise CorruptBlockError(f"truncated: need {HEADER_SIZE} bytes for the block header, have {have}")
+    magic, codec, flags, count, raw_len, stored_len = _HEADER.unpack_from(buf, offset)
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {magic.hex()} (expected {MAGIC.hex()})")
+    if codec not in (CODEC_NONE, CODEC_ZSTD):
+        raise CorruptBlockError(f"unknown codec {codec}")
+    if flags != 0:
+        raise CorruptBlockError(f"reserved flags set: 0x{flags:02x}")
+    if raw_len > MAX_RAW_LEN:
+        raise CorruptBlockError(f"raw length {raw_len} exceeds the limit {MAX_RAW_LEN}")
+    if count > raw_len // 2:
+        raise CorruptBlockError(f"count {count} impossible in a payload of {raw_len} bytes")
+    if codec == CODEC_NONE:
+        if stored_len != raw_len:
+            raise CorruptBlockError(f"stored length {stored_len} differs from raw length {raw_len} without compression")
+    elif stored_len > max_stored_len(raw_len):
+        raise CorruptBlockError(f"stored length {stored_len} too large for raw length {raw_len}")
+    return codec, count, raw_len, stored_len, HEADER_SIZE + stored_len
+
+
+def _check_offset(offset) -> int:
+    offset = _check_int("offset", offset)
+    if offset < 0:
+        raise InterfaceError(f"offset must not be negative, got {offset}")
+    return offset
+
+
+def read_block_header(buf, offset=0):
+    """``(codec, count, raw_len, stored_len, total_len)`` of the block at ``buf[offset:]``,
+    checking magic, flags and sizes only (not the checksum)."""
+    return _header(_as_bytes(buf), _check_offset(offset))
+
+
+def _read_varint(payload: bytes, pos: int, end: int, index: int, what: str):
+    start = pos
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end:
+            raise CorruptBlockError(f"record {index}: truncated {what} length at payload offset {start}")
+        b = payload[pos]
+        pos += 1
+        if shift == 63 and b > 1:
+            raise CorruptBlockError(f"record {index}: {what} length overflows 64 bits at payload offset {start}")
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            if b == 0 and pos - start > 1:
+                raise CorruptBlockError(f"record {index}: non-canonical {what} length at payload offset {start}")
+            return result, pos
+        shift += 7
+
+
+def _parse_records(payload: bytes, count: int) -> list:
+    if count > len(payload) // 2:
+        raise CorruptBlockError(f"count {count} impossible in a payload of {len(payload)} bytes")
+    end = len(payload)
+    pos = 0
+    records = []
+    for i in range(count):
+        if pos >= end:
+            raise CorruptBlockError(f"record {i}: truncated at payload offset {pos}")
+        kind = payload[pos]
+        if kind > KIND_TOMBSTONE:
+            raise CorruptBlockError(f"record {i}: unknown kind {kind} at payload offset {pos}")
+        pos += 1
+        n, pos = _read_varint(payload, pos, end, i, "key")
+        if n > end - pos:
+            raise CorruptBlockError(f"record {i}: key length {n} beyond payload")
+        key = payload[pos : pos + n]
+        pos += n
+        if kind == KIND_PUT:
+            n, pos = _read_varint(payload, pos, end, i, "value")
+            if n > end - pos:
+                raise CorruptBlockError(f"record {i}: value length {n} beyond payload")
+            value = payload[pos : pos + n]
+            pos += n
+        else:
+            value = None
+        records.append((key, value))
+    if pos != end:
+        raise CorruptBlockError(f"{end - pos} bytes left over after the last record")
+    return records
+
+
+def decode_records_raw(payload, count) -> list:
+    """The ``count`` records of an uncompressed payload that holds exactly them."""
+    count = _check_int("count", count)
+    if count < 0:
+        raise InterfaceError(f"count must not be negative, got {count}")
+    return _parse_records(_as_bytes(payload), count)
+
+
+def decode_block(buf, offset=0):
+    """Decode and verify the block at ``buf[offset:]``: ``(records, offset past the block)``."""
+    buf = _as_bytes(buf)
+    offset = _check_offset(offset)
+    codec, count, raw_len, stored_len, total = _header(buf, offset)
+    have = len(buf) - offset
+    if have < total:
+        raise CorruptBlockError(f"truncated: need {total} bytes, have {have}")
+    stored = buf[offset + HEADER_SIZE : offset + total]
+    (expected,) = _CHECKSUM.unpack_from(buf, offset + 16)
+    if xxhash.xxh3_64_intdigest(buf[offset : offset + 16] + stored) != expected:
+        raise CorruptBlockError("checksum mismatch")
+    if codec == CODEC_ZSTD:
+        payload = _decompress(stored, raw_len)
+    else:
+        payload = stored
+    return _parse_records(payload, count), offset + total
+
+
+def _decompress(stored: bytes, raw_len: int) -> bytes:
+    try:
+        size = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"bad zstd frame header: {exc}") from None
+    if size != raw_len:
+        raise CorruptBlockError(f"zstd frame declares {size} bytes, header says {raw_len}")
+    try:
+        dobj = _decompressor().decompressobj(write_size=max(raw_len, 1))
+        payload = dobj.decompress(stored)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlockError(f"zstd decompression failed: {exc}") from None
+    if not dobj.eof:
+        raise CorruptBlockError("zstd frame incomplete")
+    if dobj.unused_data:
+        raise CorruptBlockError(f"{len(dobj.unused_data)} bytes after the zstd frame")
+    if len(payload) != raw_len:
+        raise CorruptBlockError(f"decompressed {len(payload)} bytes, header says {raw_len}")
+    return payload

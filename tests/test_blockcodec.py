@@ -1,0 +1,329 @@
+"""Record block codec: layout, round trips, splitting, corruption detection, ref/native agreement."""
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import xxhash
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import implementations, resolve_impl
+from statestore_async import _accel
+from statestore_async.errors import CorruptBlockError, DecodeError, EncodeError, InterfaceError
+
+REF = _accel.reference("blockcodec")
+NATIVE = None if _accel.NO_EXTENSIONS else _accel.native("blockcodec")
+both = pytest.mark.skipif(NATIVE is None, reason="compiled module disabled")
+
+
+@pytest.fixture(params=implementations("blockcodec"))
+def codec(request):
+    return resolve_impl(request.param)
+
+
+def normalized(records):
+    return [(bytes(k), None if v is None else bytes(v)) for k, v in records]
+
+
+def forge(payload: bytes, *, codec=0, flags=0, count=0, raw_len=None, stored_len=None, magic=b"\xb1\x0c"):
+    """A block around ``payload`` with any header fields, and a correct checksum."""
+    raw_len = len(payload) if raw_len is None else raw_len
+    stored_len = len(payload) if stored_len is None else stored_len
+    head = magic + struct.pack("<BBIII", codec, flags, count, raw_len, stored_len)
+    return head + struct.pack("<Q", xxhash.xxh3_64_intdigest(head + payload)) + payload
+
+
+def outcome(fn, *args):
+    try:
+        records, end = fn(*args)
+        return ("ok", records, end)
+    except CorruptBlockError as exc:
+        return ("corrupt", str(exc))
+
+
+def outcome_raw(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except CorruptBlockError as exc:
+        return ("corrupt", str(exc))
+
+
+def encode_all(mod, records, **kw):
+    blocks, start = [], 0
+    while True:
+        block, start = mod.encode_block(records, start, **kw)
+        blocks.append(block)
+        if start >= len(records):
+            return blocks
+
+
+def decode_all(codec, buf):
+    out, off = [], 0
+    while off < len(buf):
+        records, off = codec.decode_block(buf, off)
+        out += records
+    return out
+
+
+SAMPLE = [(b"k%03d" % i, b"v" * (i % 7) if i % 5 else None) for i in range(120)] + [(b"", b""), (b"", None)]
+
+
+# --- layout ----------------------------------------------------------------------------------------
+def test_constants(codec):
+    assert codec.HEADER_SIZE == 24 and codec.CODEC_NONE == 0 and codec.CODEC_ZSTD == 1
+
+
+def test_layout_uncompressed(codec):
+    block, nxt = codec.encode_block([(b"ab", b"xyz"), (b"c", None)], codec=codec.CODEC_NONE)
+    assert nxt == 2
+    payload = b"\x00\x02ab\x03xyz" + b"\x01\x01c"
+    assert block[:16] == b"\xb1\x0c\x00\x00" + struct.pack("<III", 2, len(payload), len(payload))
+    assert block[16:24] == struct.pack("<Q", xxhash.xxh3_64_intdigest(block[:16] + payload))
+    assert block[24:] == payload
+    assert codec.read_block_header(block) == (0, 2, len(payload), len(payload), 24 + len(payload))
+    assert codec.encode_records_raw([(b"ab", b"xyz"), (b"c", None)]) == payload
+    assert codec.decode_records_raw(payload, 2) == [(b"ab", b"xyz"), (b"c", None)]
+
+
+def test_layout_zstd(codec):
+    records = [(b"key%d" % i, b"value" * 20) for i in range(100)]
+    block, _ = codec.encode_block(records, level=5)
+    c, count, raw_len, stored_len, total = codec.read_block_header(block)
+    assert (c, count, total) == (1, 100, len(block))
+    raw = codec.encode_records_raw(records)
+    assert raw_len == len(raw) and stored_len < raw_len
+    assert zstandard.ZstdDecompressor().decompress(block[24:]) == raw
+    assert block[24:] == zstandard.ZstdCompressor(level=5).compress(raw)
+
+
+def test_incompressible_payload_is_stored_plain(codec):
+    records = [(os.urandom(16), os.urandom(200))]
+    block, _ = codec.encode_block(records)
+    assert block[2] == codec.CODEC_NONE
+    assert codec.decode_block(block)[0] == records
+    empty, nxt = codec.encode_block([])
+    assert nxt == 0 and codec.read_block_header(empty) == (0, 0, 0, 0, 24)
+    assert codec.decode_block(empty) == ([], 24)
+
+
+# --- round trips -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["none", "zstd"])
+def test_roundtrip(codec, which):
+    c = codec.CODEC_NONE if which == "none" else codec.CODEC_ZSTD
+    block, nxt = codec.encode_block(SAMPLE, codec=c)
+    assert nxt == len(SAMPLE)
+    assert codec.decode_block(block) == (SAMPLE, len(block))
+    assert codec.decode_block(bytearray(block)) == (SAMPLE, len(block))
+    assert codec.decode_block(memoryview(b"pre" + block + b"post"), 3) == (SAMPLE, len(block) + 3)
+
+
+def test_bytes_like_inputs(codec):
+    records = [(bytearray(b"k"), memoryview(b"vv")), (memoryview(b"abc")[::2], None)]
+    block, _ = codec.encode_block(records)
+    assert codec.decode_block(block)[0] == [(b"k", b"vv"), (b"ac", None)]
+
+
+def test_large_values(codec):
+    big = os.urandom(1 << 20)
+    records = [(b"a", big), (b"b", big[::-1]), (b"c", None), (b"d", b"x" * (1 << 20))]
+    blocks = encode_all(codec, records)
+    assert len(blocks) == 4  # each MiB-sized record fills its own block
+    assert decode_all(codec, b"".join(blocks)) == records
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 30, 100, 1000, 1 << 20])
+@pytest.mark.parametrize("which", [0, 1])
+def test_split_by_max_raw_bytes(codec, limit, which):
+    blocks = encode_all(codec, SAMPLE, max_raw_bytes=limit, codec=which)
+    assert decode_all(codec, b"".join(blocks)) == SAMPLE
+    for block in blocks:
+        _, count, raw_len, _, _ = codec.read_block_header(block)
+        assert count >= 1
+        assert raw_len <= limit or count == 1
+
+
+def test_start_and_bounds(codec):
+    block, nxt = codec.encode_block(SAMPLE, start=100)
+    assert nxt == len(SAMPLE) and codec.decode_block(block)[0] == SAMPLE[100:]
+    block, nxt = codec.encode_block(SAMPLE, start=len(SAMPLE))
+    assert nxt == len(SAMPLE) and codec.decode_block(block)[0] == []
+    for kw in ({"start": -1}, {"start": len(SAMPLE) + 1}, {"max_raw_bytes": 0}, {"codec": 7}, {"level": 99}, {"start": 1.0}):
+        with pytest.raises(InterfaceError):
+            codec.encode_block(SAMPLE, **kw)
+    with pytest.raises(InterfaceError):
+        codec.decode_block(b"", -1)
+
+
+@pytest.mark.parametrize(
+    "records,message",
+    [
+        ([(b"k", "text")], "value must be bytes-like"),
+        ([("k", b"v")], "key must be bytes-like"),
+        ([(None, b"v")], "key must be bytes-like"),
+        ([(b"k",)], "pair"),
+        ([b"kv"], "pair"),
+        ([(b"ok", b""), (b"k", 5)], "record 1"),
+    ],
+)
+def test_encode_errors(codec, records, message):
+    with pytest.raises(EncodeError, match=message):
+        codec.encode_block(records)
+    with pytest.raises(EncodeError, match=message):
+        codec.encode_records_raw(records)
+
+
+# --- corruption --------------------------------------------------------------------------------------
+def small_block(codec, which):
+    return codec.encode_block([(b"k1", b"v1" * 10), (b"k2", None), (b"", b"")], codec=which)[0]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_every_bit_flip_is_detected(codec, which):
+    block = small_block(codec, which)
+    assert codec.decode_block(block)[1] == len(block)
+    for i in range(len(block)):
+        for bit in range(8):
+            bad = bytearray(block)
+            bad[i] ^= 1 << bit
+            with pytest.raises(CorruptBlockError):
+                codec.decode_block(bytes(bad))
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_every_truncation_is_detected(codec, which):
+    block = small_block(codec, which)
+    for n in range(len(block)):
+        with pytest.raises(CorruptBlockError, match="truncated"):
+            codec.decode_block(block[:n])
+    with pytest.raises(CorruptBlockError, match="truncated: need 24 bytes"):
+        codec.read_block_header(block[:23])
+    with pytest.raises(CorruptBlockError, match=f"truncated: need {len(block)} bytes, have {len(block) - 1}"):
+        codec.decode_block(block[:-1])
+    with pytest.raises(CorruptBlockError, match="truncated"):
+        codec.decode_block(block, len(block) + 10)
+
+
+def test_specific_reasons(codec):
+    block = small_block(codec, 0)
+    assert codec.decode_block(block + b"junk")[1] == len(block)  # the next block's business
+    cases = [
+        (b"\x00" + block[1:], "bad magic"),
+        (block[:16] + b"\x00" * 8 + block[24:], "checksum mismatch"),
+        (forge(b"", codec=2), "unknown codec"),
+        (forge(b"", flags=1), "flags"),
+        (forge(b"", raw_len=(256 << 20) + 1, stored_len=0, codec=1), "raw length"),
+        (forge(b"", count=1), "count 1 impossible"),
+        (forge(b"abc", stored_len=3, raw_len=4), "stored length 3 differs"),
+        (forge(b"x" * 1000, codec=1, raw_len=10), "too large"),
+        (forge(b"\x00\x01k\x01v\x07", count=1), "1 bytes left over"),
+        (forge(b"\x02\x01k\x00\x00", count=2), "record 0: unknown kind 2"),
+        (forge(b"\x00\x05k\x00\x00", count=2), "record 0: key length 5 beyond payload"),
+        (forge(b"\x00\x01k\x05\x00", count=2), "record 0: value length 5 beyond payload"),
+        (forge(b"\x01\x80\x00\x01\x00", count=2), "record 0: non-canonical key length"),
+        (forge(b"\x00\x00\x02ab", count=2), "record 1: truncated at payload offset 5"),
+        (forge(b"\x00\x00\xff\xff", count=1), "record 0: truncated value length"),
+        (forge(b"garbage!", codec=1, raw_len=8, count=1), "zstd"),
+        (forge(zstandard.ZstdCompressor().compress(b"\x01\x00") + b"x", codec=1, raw_len=2, count=1), "after the zstd frame"),
+        (forge(zstandard.ZstdCompressor().compress(b"\x01\x00\x01\x00"), codec=1, raw_len=2, count=1), "declares 4"),
+        (forge(zstandard.ZstdCompressor().compress(b"\x01\x00\x01\x00")[:-2], codec=1, raw_len=4, count=2), "zstd"),
+    ]
+    for buf, reason in cases:
+        with pytest.raises(CorruptBlockError, match=reason):
+            codec.decode_block(buf)
+    assert issubclass(CorruptBlockError, DecodeError)
+
+
+def test_no_allocation_from_huge_counts(codec):
+    with pytest.raises(CorruptBlockError, match="impossible"):
+        codec.decode_records_raw(b"\x01\x00", 10**12)
+    with pytest.raises(CorruptBlockError, match="beyond payload"):
+        codec.decode_records_raw(b"\x00\xff\xff\xff\xff\x0f", 1)
+    with pytest.raises(InterfaceError):
+        codec.decode_records_raw(b"", -1)
+
+
+# --- properties ------------------------------------------------------------------------------------
+records_st = st.lists(
+    st.tuples(st.binary(max_size=24), st.one_of(st.none(), st.binary(max_size=64), st.binary(max_size=300))),
+    max_size=40,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records=records_st, limit=st.integers(1, 2000), which=st.sampled_from([0, 1]), level=st.integers(-5, 9))
+def test_roundtrip_deterministic_and_identical(records, limit, which, level):
+    blocks = encode_all(REF, records, max_raw_bytes=limit, codec=which, level=level)
+    assert decode_all(REF, b"".join(blocks)) == records
+    assert encode_all(REF, records, max_raw_bytes=limit, codec=which, level=level) == blocks
+    assert REF.decode_records_raw(REF.encode_records_raw(records), len(records)) == records
+    if NATIVE is not None:
+        assert encode_all(NATIVE, records, max_raw_bytes=limit, codec=which, level=level) == blocks
+        assert decode_all(NATIVE, b"".join(blocks)) == records
+        assert NATIVE.encode_records_raw(records) == REF.encode_records_raw(records)
+
+
+def mutate(buf: bytes, ops) -> bytes:
+    b = bytearray(buf)
+    for op, where, byte in ops:
+        pos = where % (len(b) + 1)
+        if op == "flip" and b:
+            b[pos % len(b)] ^= 1 << (byte % 8)
+        elif op == "truncate":
+            del b[pos:]
+        elif op == "insert":
+            b[pos:pos] = bytes([byte])
+        elif op == "delete" and b:
+            del b[pos % len(b)]
+    return bytes(b)
+
+
+mutations = st.lists(
+    st.tuples(st.sampled_from(["flip", "truncate", "insert", "delete"]), st.integers(0, 10**6), st.integers(0, 255)),
+    min_size=1,
+    max_size=3,
+)
+
+
+@both
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records=st.lists(st.tuples(st.binary(max_size=8), st.none() | st.binary(max_size=12)), max_size=6),
+       which=st.sampled_from([0, 1]), ops=mutations, reforge=st.booleans())
+def test_mutated_blocks_agree(records, which, ops, reforge):
+    block, _ = REF.encode_block(records, codec=which)
+    bad = mutate(block, ops)
+    if reforge and len(bad) >= 24:
+        # fix the checksum so that the header, zstd and record checks are what gets exercised
+        bad = bad[:16] + struct.pack("<Q", xxhash.xxh3_64_intdigest(bad[:16] + bad[24:])) + bad[24:]
+    r = outcome(REF.decode_block, bad)
+    assert outcome(NATIVE.decode_block, bad) == r
+    assert outcome(NATIVE.decode_block, bytearray(bad)) == r
+    try:
+        head = ("ok", REF.read_block_header(bad))
+    except CorruptBlockError as exc:
+        head = ("corrupt", str(exc))
+    try:
+        nhead = ("ok", NATIVE.read_block_header(bad))
+    except CorruptBlockError as exc:
+        nhead = ("corrupt", str(exc))
+    assert nhead == head
+
+
+@both
+@settings(max_examples=3000, deadline=None)
+@given(payload=st.binary(max_size=40), count=st.integers(0, 25), which=st.sampled_from([0, 1]))
+def test_garbage_payloads_agree(payload, count, which):
+    assert outcome_raw(NATIVE.decode_records_raw, payload, count) == outcome_raw(REF.decode_records_raw, payload, count)
+    stored = zstandard.ZstdCompressor().compress(payload) if which else payload
+    buf = forge(stored, codec=which, count=count, raw_len=len(payload))
+    assert outcome(NATIVE.decode_block, buf) == outcome(REF.decode_block, buf)
+
+
+@both
+@settings(max_examples=2000, deadline=None)
+@given(data=st.binary(max_size=80))
+def test_garbage_blocks_agree(data):
+    assert outcome(NATIVE.decode_block, data) == outcome(REF.decode_block, data)
+    assert outcome(NATIVE.decode_block, b"\xb1\x0c" + data) == outcome(REF.decode_block, b"\xb1\x0c" + data)
