@@ -1,0 +1,107 @@
+"""Retention: delete checkpoint files that no state inside the retention window needs.
+
+The caller says which committed states must stay loadable (``keep``: e.g. every partition's state
+named by the last M manifests) and a ``min_version`` below which files may go. A file is deleted
+only if its version is below ``min_version`` *and* the lineage of no kept state leads to it — the
+same walk the loader does (own snapshot, else delta + lineage back to a snapshot or version 0). If
+a kept state is not loadable from the files listed, nothing at all is deleted. Files of versions at
+or above ``min_version`` (attempts in flight on other nodes, states not yet in a manifest) are never
+touched, so concurrent daemons working the same store are safe.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .checkpoint import header_length, parse_header
+from .errors import InterfaceError, LineageError
+from .ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key, parse_file_name
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CleanupReport:
+    listed: int = 0
+    needed: set = field(default_factory=set)
+    deleted: list = field(default_factory=list)
+    kept_recent: int = 0
+
+
+async def _read_header(objstore, key: str):
+    head = await objstore.get(key, 0, 65536)
+    need = header_length(head, key)
+    if len(head) < need:
+        head = await objstore.get(key, 0, need)
+    return parse_header(head, key)
+
+
+async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef], existing: set[str]) -> set[str]:
+    """Every file the loads of ``keep`` read, given the set of existing keys. LineageError if one cannot load."""
+    needed: set[str] = set()
+    done: set[CheckpointRef] = set()
+
+    async def walk(ref: CheckpointRef, wanted_by: CheckpointRef):
+        while not ref.is_empty_state and ref not in done:
+            done.add(ref)
+            snap = file_key(store_id, ref, SNAPSHOT)
+            delta = file_key(store_id, ref, DELTA)
+            if delta in existing:
+                needed.add(delta)  # kept even beside a snapshot: a fallback if the snapshot is damaged
+            if snap in existing:
+                needed.add(snap)
+                return
+            if delta not in existing:
+                raise LineageError(f"state {ref} (needed by {wanted_by}) has no file in {store_id}")
+            header = await _read_header(objstore, delta)
+            lineage = header.lineage
+            for r in lineage[:-1]:
+                k = file_key(store_id, r, DELTA)
+                if k not in existing:
+                    raise LineageError(f"delta {r} (lineage of {ref}, needed by {wanted_by}) is missing in {store_id}")
+                needed.add(k)
+                done.add(r)
+            ref = lineage[-1] if lineage else CheckpointRef(0, "")
+
+    for ref in keep:
+        await walk(ref, ref)
+    return needed
+
+
+async def cleanup_store(
+    objstore,
+    store_id: StoreId,
+    keep: Iterable[CheckpointRef],
+    *,
+    min_version: int,
+    dry_run: bool = False,
+) -> CleanupReport:
+    """Delete the files of ``store_id`` older than ``min_version`` that no kept state needs."""
+    keep = list(keep)
+    if not keep:
+        raise InterfaceError("cleanup needs at least one state to keep")
+    if any(r.version < 0 for r in keep) or min_version < 0:
+        raise InterfaceError("versions are >= 0")
+    report = CleanupReport()
+    files: dict[str, CheckpointRef] = {}
+    async for info in objstore.list(store_id.prefix + "/"):
+        parsed = parse_file_name(info.key)
+        if parsed is not None and info.key.rsplit("/", 1)[0] == store_id.prefix:
+            files[info.key] = parsed[0]
+    report.listed = len(files)
+    report.needed = await needed_files(objstore, store_id, keep, set(files))
+    for key, ref in sorted(files.items(), key=lambda kv: kv[1].version):
+        if ref.version >= min_version:
+            report.kept_recent += 1
+            continue
+        if key in report.needed:
+            continue
+        if not dry_run:
+            await objstore.delete(key)
+        report.deleted.append(key)
+    log.info("cleanup of %s: %d files, %d needed, %d deleted", store_id, report.listed, len(report.needed), len(report.deleted))
+    return report
+
+
+__all__ = ["CleanupReport", "cleanup_store", "needed_files"]

@@ -1,0 +1,219 @@
+"""Loading states from files alone: lineage walks, snapshots, attempts decided by the manifest,
+fresh processes, missing and corrupt files, and retention that never breaks a kept state."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from statestore_async.engine import VersionedStore
+from statestore_async.errors import CorruptFileError, LineageError, VersionNotFoundError
+from statestore_async.files import write_delta, write_snapshot
+from statestore_async.ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
+from statestore_async.keys import store_key
+from statestore_async.loader import load_store
+from statestore_async.manifest import Manifest, read_manifest, write_manifest
+from statestore_async.objectstore import LocalObjectStore
+from statestore_async.retention import cleanup_store
+
+
+class NoListStore(LocalObjectStore):
+    """A local store that records every call and refuses LIST (the hot path must not need it)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.calls = []
+
+    async def get(self, key, start=None, end=None):
+        self.calls.append(("get", key))
+        return await super().get(key, start, end)
+
+    async def head(self, key):
+        self.calls.append(("head", key))
+        return await super().head(key)
+
+    def list(self, prefix=""):
+        raise AssertionError(f"LIST {prefix!r} on the load path")
+
+
+@pytest.fixture
+async def objstore(tmp_path):
+    s = NoListStore(tmp_path / "ckpt")
+    yield s
+    await s.close()
+
+
+def sid(objstore, partition=0):
+    return StoreId(objstore.uri, "agg", partition)
+
+
+def batch(v, n=50):
+    """Deterministic changes of batch v: updates, inserts and a few removals."""
+    puts = [(store_key(i % 97, b"key-%d" % i), b"v%d-%d" % (v, i)) for i in range(v * 7, v * 7 + n)]
+    removes = [store_key(i % 97, b"key-%d" % i) for i in range(0, v * 7, 11)]
+    return puts, removes
+
+
+async def run_batches(objstore, store, first_version, count, snapshot_every=None):
+    """Commit ``count`` batches, writing each delta (and snapshots every N). Returns {ref: state}."""
+    states = {}
+    for v in range(first_version, first_version + count):
+        w = store.open(v)
+        puts, removes = batch(v)
+        for k, val in puts:
+            w.put(k, val)
+        for k in removes:
+            w.remove(k)
+        d = w.commit()
+        await write_delta(objstore, d)
+        states[d.ref] = dict(store.items())
+        if snapshot_every and d.version % snapshot_every == 0:
+            with store.freeze() as view:
+                await write_snapshot(objstore, view)
+            store.mark_snapshot(d.ref)
+    return states
+
+
+async def test_every_version_loads_from_files_alone_equal_to_memory(objstore):
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 23, snapshot_every=5)
+    for ref, expected in states.items():
+        objstore.calls.clear()
+        loaded, report = await load_store(objstore, sid(objstore), ref)
+        assert dict(loaded.items()) == expected
+        assert loaded.head == ref
+        # only the files the lineage names: its own snapshot, or the nearest one below plus deltas
+        base = (ref.version // 5) * 5
+        if base == ref.version:
+            assert report.snapshot == ref and report.deltas == []
+        else:
+            assert report.snapshot is None if base == 0 else report.snapshot.version == base
+            assert [d.version for d in report.deltas] == list(range(base + 1, ref.version + 1))
+        assert all(op in ("get", "head") for op, _ in objstore.calls)
+        # a loaded store goes on committing with the right lineage
+        w = loaded.open(ref.version)
+        w.put(store_key(1, b"after-load"), b"x")
+        d = w.commit()
+        assert d.lineage[0] == ref
+
+
+async def test_a_failed_attempt_restarts_from_the_old_version_from_files(objstore):
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 3)
+    v3 = max(states, key=lambda r: r.version)
+    # attempt 1 of batch 3 commits version 4, then the task dies; attempt 2 runs on another node
+    w = store.open(3)
+    w.put(store_key(5, b"attempt"), b"one")
+    first = w.commit()
+    await write_delta(objstore, first)
+    other_node, _ = await load_store(objstore, sid(objstore), v3)
+    assert dict(other_node.items()) == states[v3]
+    w = other_node.open(3)
+    w.put(store_key(5, b"attempt"), b"two")
+    second = w.commit()
+    await write_delta(objstore, second)
+    assert first.ref.version == second.ref.version == 4 and first.ckptid != second.ckptid
+    assert await objstore.exists(file_key(sid(objstore), first.ref, DELTA))
+    assert await objstore.exists(file_key(sid(objstore), second.ref, DELTA))
+    # the manifest decides which attempt later loads see
+    for chosen, value in ((second, b"two"), (first, b"one")):
+        await write_manifest(objstore, Manifest("agg", 4, 1, 16, {"default": (chosen.ref,)}))
+        m = await read_manifest(objstore, "agg", 4)
+        loaded, _ = await load_store(objstore, sid(objstore), m.ref(0))
+        assert loaded.get(store_key(5, b"attempt")) == value
+
+
+LOAD_SCRIPT = """
+import asyncio, json, sys
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.loader import load_store
+from statestore_async.objectstore import open_object_store
+
+async def main(uri, version, ckptid):
+    async with open_object_store(uri) as objstore:
+        store, report = await load_store(objstore, StoreId(uri, "agg", 0), CheckpointRef(version, ckptid))
+        print(json.dumps({k.hex(): v.hex() for k, v in store.items()}))
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+"""
+
+
+async def test_a_fresh_process_with_only_the_directory_loads_the_state(objstore):
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 12, snapshot_every=4)
+    ref = max(states, key=lambda r: r.version)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_SCRIPT, objstore.uri, str(ref.version), ref.ckptid],
+        capture_output=True, text=True, timeout=60, check=True,
+    )
+    loaded = {bytes.fromhex(k): bytes.fromhex(v) for k, v in json.loads(out.stdout).items()}
+    assert loaded == states[ref]
+
+
+async def test_missing_files_are_typed_errors(objstore):
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 6)
+    refs = sorted(states, key=lambda r: r.version)
+    with pytest.raises(VersionNotFoundError):
+        await load_store(objstore, sid(objstore), CheckpointRef(9, "a" * 32))
+    await objstore.delete(file_key(sid(objstore), refs[2], DELTA))
+    with pytest.raises(LineageError, match=str(refs[2].version)):
+        await load_store(objstore, sid(objstore), refs[5])
+    loaded, _ = await load_store(objstore, sid(objstore), refs[1])
+    assert dict(loaded.items()) == states[refs[1]]
+
+
+async def test_a_missing_base_snapshot_falls_back_to_its_delta(objstore):
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 7, snapshot_every=4)
+    ref7 = max(states, key=lambda r: r.version)
+    snap4 = [r for r in states if r.version == 4][0]
+    await objstore.delete(file_key(sid(objstore), snap4, SNAPSHOT))
+    loaded, report = await load_store(objstore, sid(objstore), ref7)
+    assert dict(loaded.items()) == states[ref7]
+    assert report.snapshot is None and [d.version for d in report.deltas] == list(range(1, 8))
+
+
+async def test_a_corrupt_file_is_named(objstore, tmp_path):
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 3)
+    ref = sorted(states, key=lambda r: r.version)[1]
+    path = objstore.root / file_key(sid(objstore), ref, DELTA)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError) as e:
+        await load_store(objstore, sid(objstore), max(states, key=lambda r: r.version))
+    assert e.value.name == file_key(sid(objstore), ref, DELTA)
+
+
+async def test_retention_keeps_what_the_window_needs_and_deletes_the_rest(tmp_path):
+    async with LocalObjectStore(tmp_path / "ckpt") as objstore:
+        s = StoreId(objstore.uri, "agg", 0)
+        store = VersionedStore(s)
+        states = await run_batches(objstore, store, 0, 30, snapshot_every=10)
+        # a failed attempt at an old version (garbage) and one in flight at a new version
+        old_store, _ = await load_store(objstore, s, [r for r in states if r.version == 3][0])
+        w = old_store.open(3)
+        w.put(store_key(0, b"zombie"), b"z")
+        zombie = w.commit()
+        await write_delta(objstore, zombie)
+        refs = sorted(states, key=lambda r: r.version)
+        window = refs[-6:]  # keep the last 6 versions (25..30) loadable
+        report = await cleanup_store(objstore, s, window, min_version=window[0].version)
+        names = {o.key async for o in objstore.list(s.prefix + "/")}
+        assert file_key(s, zombie.ref, DELTA) not in names
+        # version 25..30 need snapshot 20 and deltas 21..30
+        for v in range(21, 31):
+            assert file_key(s, refs[v - 1], DELTA) in names
+        assert file_key(s, refs[19], SNAPSHOT) in names
+        assert all(not n.startswith(f"{s.prefix}/{v}_") for n in names for v in range(1, 20))
+        assert len(report.deleted) > 10
+        for ref in window:
+            loaded, _ = await load_store(objstore, s, ref)
+            assert dict(loaded.items()) == states[ref]
+        # a window whose state cannot load deletes nothing
+        before = {o.key async for o in objstore.list(s.prefix + "/")}
+        with pytest.raises(LineageError):
+            await cleanup_store(objstore, s, [CheckpointRef(40, "b" * 32)], min_version=40)
+        assert {o.key async for o in objstore.list(s.prefix + "/")} == before
