@@ -73,3 +73,21 @@ def spark(tmp_path_factory):
     yield session
     session.stop()
     assert pyspark
+
+
+@pytest.fixture(scope="session")
+def seaweedfs():
+    """A real S3 server (SeaweedFS) on loopback for the whole run, stopped at the end."""
+    from statestore_async.testing.seaweedfs import SeaweedFS
+
+    server = SeaweedFS().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket(seaweedfs):
+    """A fresh bucket on the SeaweedFS server."""
+    return seaweedfs.create_bucket()

@@ -1,0 +1,307 @@
+"""``S3ObjectStore``: the object-store contract on S3 (or any S3-compatible server) via aiobotocore.
+
+- One aiobotocore session per process; one client per store, opened on first use and closed by
+  ``close()`` (``async with`` does both).
+- ``put_if_absent`` is a conditional PUT (``If-None-Match: *``): 412 → ``ObjectExistsError``;
+  409 ``ConditionalRequestConflict`` (a concurrent conditional write in progress) is retried and
+  then resolves to a winner or ``ObjectExistsError``. Large bodies go by multipart upload, the
+  condition on ``CompleteMultipartUpload``; a failed multipart upload is aborted.
+- Credentials come from the standard AWS chain (env, profile, web identity/IRSA, instance role)
+  unless given explicitly; endpoint and region from options or the chain.
+- Throttling, 5xx and connection errors are retried by botocore's retry mode; what still fails
+  raises ``ObjectStoreUnavailableError``.
+- Optional server-side encryption: ``sse="AES256"`` or ``sse="aws:kms"`` with ``kms_key_id``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from urllib.parse import urlparse
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    ConnectionError as BotoConnectionError,
+    EndpointConnectionError,
+    NoCredentialsError,
+)
+
+from ..errors import (
+    InterfaceError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
+)
+from .base import ObjectInfo, ObjectStore, check_key
+
+_SESSION = None
+_NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
+_EXISTS = {"PreconditionFailed", "412"}
+_CONFLICT = {"ConditionalRequestConflict", "409"}
+MIN_PART = 5 << 20
+
+
+def _session():
+    global _SESSION
+    if _SESSION is None:
+        _SESSION = get_session()
+    return _SESSION
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", "")) or str(
+        exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "")
+    )
+
+
+class S3ObjectStore(ObjectStore):
+    """An object store over ``s3://bucket/prefix``."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        aws_access_key_id: str | None = None,
+        aws_secret_access_key: str | None = None,
+        aws_session_token: str | None = None,
+        sse: str | None = None,
+        kms_key_id: str | None = None,
+        addressing_style: str = "auto",
+        retry_mode: str = "standard",
+        max_attempts: int = 8,
+        connect_timeout: float = 5.0,
+        read_timeout: float = 30.0,
+        max_pool_connections: int = 32,
+        multipart_threshold: int = 64 << 20,
+        part_size: int = 16 << 20,
+        conflict_retries: int = 5,
+    ):
+        if not bucket:
+            raise InterfaceError("an S3 object store needs a bucket")
+        if sse not in (None, "", "AES256", "aws:kms"):
+            raise InterfaceError(f"sse must be AES256 or aws:kms, got {sse!r}")
+        if part_size < MIN_PART:
+            raise InterfaceError(f"S3 parts are at least {MIN_PART} bytes")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._client_args = {
+            "endpoint_url": endpoint_url or None,
+            "region_name": region or None,
+            "aws_access_key_id": aws_access_key_id,
+            "aws_secret_access_key": aws_secret_access_key,
+            "aws_session_token": aws_session_token,
+            "config": AioConfig(
+                retries={"mode": retry_mode, "max_attempts": max_attempts},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_pool_connections=max_pool_connections,
+                s3={"addressing_style": addressing_style},
+            ),
+        }
+        self._sse = {}
+        if sse:
+            self._sse["ServerSideEncryption"] = sse
+            if sse == "aws:kms" and kms_key_id:
+                self._sse["SSEKMSKeyId"] = kms_key_id
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.conflict_retries = conflict_retries
+        self.counts: Counter = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE, MPU
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._client = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    @classmethod
+    def from_uri(cls, uri: str, **options) -> "S3ObjectStore":
+        p = urlparse(uri)
+        if p.scheme != "s3" or not p.netloc:
+            raise InterfaceError(f"not an s3://bucket/prefix URI: {uri!r}")
+        return cls(p.netloc, p.path, **options)
+
+    async def _get_client(self):
+        if self._closed:
+            raise InterfaceError("the object store is closed")
+        if self._client is None:
+            async with self._lock:
+                if self._client is None:
+                    stack = contextlib.AsyncExitStack()
+                    self._client = await stack.enter_async_context(_session().create_client("s3", **self._client_args))
+                    self._stack = stack
+        return self._client
+
+    def _full(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def _error(self, exc: Exception, key: str | None, what: str) -> ObjectStoreError:
+        if isinstance(exc, ClientError):
+            code = _code(exc)
+            if code in _NOT_FOUND:
+                return ObjectNotFoundError(f"object {key!r} not found in {self.uri}", key)
+            if code == "NoSuchBucket":
+                return ObjectStoreError(f"bucket {self.bucket!r} does not exist ({what} {key!r})", key)
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout") or status >= 500:
+                return ObjectStoreUnavailableError(f"S3 kept failing to {what} {key!r}: {code}", key)
+            return ObjectStoreError(f"S3 refused to {what} {key!r}: {code} {exc}", key)
+        if isinstance(exc, NoCredentialsError):
+            return ObjectStoreError(f"no AWS credentials found to {what} {key!r}", key)
+        if isinstance(exc, (EndpointConnectionError, BotoConnectionError, OSError, asyncio.TimeoutError)):
+            return ObjectStoreUnavailableError(f"S3 unreachable to {what} {key!r}: {exc}", key)
+        return ObjectStoreError(f"cannot {what} {key!r}: {exc}", key)
+
+    # --- writes ----------------------------------------------------------------------------------
+    async def _put_object(self, key: str, data, conditional: bool) -> ObjectInfo:
+        client = await self._get_client()
+        full = self._full(key)
+        extra = dict(self._sse)
+        if conditional:
+            extra["IfNoneMatch"] = "*"
+        if len(data) >= self.multipart_threshold:
+            return await self._multipart(client, key, full, data, extra)
+        attempt = 0
+        while True:
+            try:
+                self.counts["PUT"] += 1
+                resp = await client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **extra)
+                return ObjectInfo(key, len(data), resp.get("ETag", "").strip('"') or None)
+            except ClientError as exc:
+                code = _code(exc)
+                if conditional and code in _EXISTS:
+                    raise ObjectExistsError(f"object {key!r} exists already in {self.uri}", key) from None
+                if conditional and code in _CONFLICT and attempt < self.conflict_retries:
+                    attempt += 1
+                    await asyncio.sleep(0.05 * 2**attempt)
+                    continue
+                raise self._error(exc, key, "write") from exc
+            except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+                raise self._error(exc, key, "write") from exc
+
+    async def _multipart(self, client, key, full, data, extra) -> ObjectInfo:
+        create_extra = {k: v for k, v in extra.items() if k != "IfNoneMatch"}
+        try:
+            self.counts["MPU"] += 1
+            up = await client.create_multipart_upload(Bucket=self.bucket, Key=full, **create_extra)
+        except (ClientError, BotoCoreError, OSError) as exc:
+            raise self._error(exc, key, "start a multipart upload of") from exc
+        upload_id = up["UploadId"]
+        view = memoryview(data)
+        try:
+            parts = []
+            for i, start in enumerate(range(0, len(view), self.part_size), start=1):
+                self.counts["PUT"] += 1
+                r = await client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=i,
+                                             Body=bytes(view[start : start + self.part_size]))
+                parts.append({"ETag": r["ETag"], "PartNumber": i})
+            complete = {"IfNoneMatch": "*"} if "IfNoneMatch" in extra else {}
+            resp = await client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
+                                                          MultipartUpload={"Parts": parts}, **complete)
+            return ObjectInfo(key, len(data), resp.get("ETag", "").strip('"') or None)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            if isinstance(exc, ClientError) and "IfNoneMatch" in extra and _code(exc) in _EXISTS:
+                raise ObjectExistsError(f"object {key!r} exists already in {self.uri}", key) from None
+            if isinstance(exc, (ClientError, BotoCoreError, OSError)):
+                raise self._error(exc, key, "write") from exc
+            raise
+
+    async def put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
+        return await self._put_object(key, data, conditional=True)
+
+    async def put(self, key: str, data: bytes) -> ObjectInfo:
+        return await self._put_object(key, data, conditional=False)
+
+    # --- reads -----------------------------------------------------------------------------------
+    async def _get_response(self, key: str, start, end):
+        client = await self._get_client()
+        args = {"Bucket": self.bucket, "Key": self._full(key)}
+        if start is not None or end is not None:
+            if end is not None and end <= (start or 0):
+                return None
+            args["Range"] = f"bytes={start or 0}-{'' if end is None else end - 1}"
+        self.counts["GET"] += 1
+        try:
+            return await client.get_object(**args)
+        except ClientError as exc:
+            if _code(exc) in ("InvalidRange", "416"):
+                return None
+            raise self._error(exc, key, "read") from exc
+        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(exc, key, "read") from exc
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        resp = await self._get_response(key, start, end)
+        if resp is None:
+            return b""
+        try:
+            async with resp["Body"] as body:
+                return await body.read()
+        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(exc, key, "read") from exc
+
+    async def get_stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        resp = await self._get_response(key, None, None)
+        if resp is None:
+            return
+        try:
+            async with resp["Body"] as body:
+                async for chunk in body.iter_chunks(chunk_size):
+                    yield chunk
+        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(exc, key, "read") from exc
+
+    async def head(self, key: str) -> ObjectInfo:
+        client = await self._get_client()
+        self.counts["HEAD"] += 1
+        try:
+            r = await client.head_object(Bucket=self.bucket, Key=self._full(key))
+        except (ClientError, BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(exc, key, "stat") from exc
+        mtime = r.get("LastModified")
+        return ObjectInfo(key, r["ContentLength"], r.get("ETag", "").strip('"') or None,
+                          mtime.timestamp() if mtime else None)
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        client = await self._get_client()
+        full = (f"{self.prefix}/{prefix}" if self.prefix else prefix)
+        paginator = client.get_paginator("list_objects_v2")
+        try:
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                self.counts["LIST"] += 1
+                for o in page.get("Contents", []):
+                    yield ObjectInfo(self._rel(o["Key"]), o["Size"], o.get("ETag", "").strip('"') or None,
+                                     o["LastModified"].timestamp() if o.get("LastModified") else None)
+        except (ClientError, BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(exc, prefix, "list") from exc
+
+    async def delete(self, key: str) -> None:
+        client = await self._get_client()
+        self.counts["DELETE"] += 1
+        try:
+            await client.delete_object(Bucket=self.bucket, Key=self._full(key))
+        except ClientError as exc:
+            if _code(exc) in _NOT_FOUND:
+                return
+            raise self._error(exc, key, "delete") from exc
+        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(exc, key, "delete") from exc
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._stack is not None:
+            stack, self._stack, self._client = self._stack, None, None
+            await stack.aclose()
