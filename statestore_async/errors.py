@@ -6,7 +6,9 @@
 * ``CodecError`` — bytes that cannot be encoded or decoded (``EncodeError``/``DecodeError``);
 * ``CorruptFileError`` — a checkpoint file that fails its checks, naming the file;
 * ``ObjectStoreError`` — the object store failed or refused (``ObjectNotFound``, ``ObjectExists``, …);
-* ``VersionError`` — a version/checkpoint that does not exist or cannot be reached.
+* ``VersionError`` — a version/checkpoint that does not exist or cannot be reached;
+* ``ProtocolError`` and the other wire errors (codes 50–59) — a broken or refused connection,
+  a limit exceeded, an unknown handle, a daemon shutting down.
 
 Each class carries a stable numeric ``code`` so that the wire protocol can send it and the client
 can raise the same class again (see ``error_for_code``).
@@ -159,3 +161,64 @@ class ObjectStoreUnavailableError(ObjectStoreError):
     """The object store could not be reached or kept failing after retries."""
 
     code = 44
+
+
+# --- the wire protocol ---------------------------------------------------------------------------
+class ProtocolError(StateStoreError):
+    """The peer broke the protocol (bad frame, bad handshake, unexpected answer)."""
+
+    code = 50
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame longer than the connection's limit; the connection is closed after it."""
+
+    code = 51
+
+
+class UnsupportedVersionError(ProtocolError):
+    """HELLO offered no protocol version this side speaks."""
+
+    code = 52
+
+
+class UnknownOpcodeError(ProtocolError):
+    """A request with an opcode (or flags) this side does not know."""
+
+    code = 53
+
+
+class HandshakeRequiredError(ProtocolError):
+    """A request before a successful HELLO."""
+
+    code = 54
+
+
+class LimitExceededError(InterfaceError):
+    """A request over a configured limit (batch size, frame size); nothing was applied."""
+
+    code = 55
+
+
+class PermissionDeniedError(StateStoreError):
+    """The peer's uid is not on the daemon's allow-list."""
+
+    code = 56
+
+
+class UnknownHandleError(InterfaceError):
+    """A handle this connection never opened, or already committed/aborted."""
+
+    code = 57
+
+
+class ConnectionLostError(ProtocolError):
+    """The connection closed before the answer came."""
+
+    code = 58
+
+
+class ShuttingDownError(StateStoreError):
+    """The daemon is stopping and takes no new work."""
+
+    code = 59

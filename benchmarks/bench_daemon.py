@@ -1,0 +1,330 @@
+"""Throughput of the daemon against an in-process dict and against Redis, in one table.
+
+    .venv/bin/python benchmarks/bench_daemon.py [--seconds 1.5] [--batches 1,16,128,1024,10000]
+    .venv/bin/python benchmarks/bench_daemon.py --frames 1000000     # fire random/mutated frames
+
+One "op" is one key read or written. Each round writes a batch of B (key, value) pairs and reads
+the same B keys back:
+
+  (a) dict    an in-process Python dict: ``d.update(items)`` then ``[d.get(k) for k in keys]``
+  (b) daemon  our blocking client → daemon (a separate process, uvloop): put_many + get_many
+  (c) redis   redis-py against a local ``redis-server`` (``--save '' --appendonly no``), one
+              pipeline per round: MSET + MGET (SET + GET at batch 1)
+
+Round-trip latency p50/p99 is measured at batch 1 (one get_many / one GET per round trip).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from statestore_async import framing  # noqa: E402
+from statestore_async import protocol as P  # noqa: E402
+from statestore_async.client import Client  # noqa: E402
+from statestore_async.errors import StateStoreError  # noqa: E402
+from statestore_async.ids import StoreId  # noqa: E402
+
+KEY_POOL = 10000
+
+
+def keys_and_values(n: int):
+    keys = [b"\x00\x01" + b"key-%012d" % i for i in range(n)]
+    return keys, [b"v" * 32 for _ in range(n)]
+
+
+def run_for(seconds: float, fn, ops_per_call: int) -> float:
+    """ops/s of calling ``fn`` repeatedly for about ``seconds``."""
+    fn()  # warm up
+    n = 0
+    start = time.perf_counter()
+    deadline = start + seconds
+    while True:
+        fn()
+        n += 1
+        now = time.perf_counter()
+        if now >= deadline:
+            return n * ops_per_call / (now - start)
+
+
+def latencies(fn, count: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(count):
+        t0 = time.perf_counter_ns()
+        fn()
+        samples.append(time.perf_counter_ns() - t0)
+    samples.sort()
+    return samples[len(samples) // 2] / 1000, samples[int(len(samples) * 0.99)] / 1000
+
+
+# --- the daemon -----------------------------------------------------------------------------------------
+def start_daemon(folder: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    sock = f"{folder}/d.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock,
+                             "--log-level", "warning", "--max-batch", "100000", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            Client(sock, connect_timeout=1).ping()
+            return proc, sock
+        except StateStoreError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the daemon did not start")
+            time.sleep(0.05)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- redis ----------------------------------------------------------------------------------------------
+def ensure_redis_server() -> str | None:
+    exe = shutil.which("redis-server")
+    if exe:
+        return exe
+    if os.geteuid() == 0:
+        print("redis-server is missing: installing it with apt-get (root) ...", file=sys.stderr)
+        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=False,
+                       stdout=subprocess.DEVNULL, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        exe = shutil.which("redis-server")
+        if exe:
+            return exe
+        subprocess.run(["apt-get", "update", "-q"], check=False, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=False, stdout=subprocess.DEVNULL,
+                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        return shutil.which("redis-server")
+    print("redis-server is missing: install it with `sudo apt-get install -y redis-server` "
+          "(column (c) is skipped)", file=sys.stderr)
+    return None
+
+
+def start_redis(exe: str, folder: str):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            r.ping()
+            return proc, r
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise SystemExit("redis-server did not start")
+            time.sleep(0.05)
+
+
+# --- the table ------------------------------------------------------------------------------------------
+def bench(args) -> None:
+    batches = [int(b) for b in args.batches.split(",")]
+    all_keys, all_values = keys_and_values(KEY_POOL)
+    folder = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
+    daemon, sock = start_daemon(folder)
+    redis_exe = None if args.no_redis else ensure_redis_server()
+    redis_proc, r = start_redis(redis_exe, folder) if redis_exe else (None, None)
+    rows = []
+    try:
+        client = Client(sock)
+        h = client.open(StoreId(f"file://{folder}/root", "bench", 0), 0)
+        for b in batches:
+            keys = [all_keys[i % KEY_POOL] for i in range(b)]
+            items = list(zip(keys, [all_values[i % KEY_POOL] for i in range(b)]))
+            mapping = dict(items)
+            d: dict = {}
+
+            def dict_round():
+                d.update(items)
+                [d.get(k) for k in keys]
+
+            def daemon_round():
+                h.put_many(items)
+                h.get_many(keys)
+
+            a = run_for(args.seconds, dict_round, 2 * b)
+            c_ops = run_for(args.seconds, daemon_round, 2 * b)
+            if r is not None:
+                if b == 1:
+                    k, v = items[0]
+
+                    def redis_round():
+                        p = r.pipeline(transaction=False)
+                        p.set(k, v)
+                        p.get(k)
+                        p.execute()
+                else:
+                    def redis_round():
+                        p = r.pipeline(transaction=False)
+                        p.mset(mapping)
+                        p.mget(keys)
+                        p.execute()
+                rd = run_for(args.seconds, redis_round, 2 * b)
+            else:
+                rd = float("nan")
+            rows.append((b, a, c_ops, rd))
+        p50, p99 = latencies(lambda: h.get_many(all_keys[:1]), 5000)
+        if r is not None:
+            rp50, rp99 = latencies(lambda: r.get(all_keys[0]), 5000)
+        else:
+            rp50 = rp99 = float("nan")
+        h.abort()
+        client.close()
+    finally:
+        stop(daemon)
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+    show(rows, (p50, p99, rp50, rp99))
+
+
+def show(rows, lat) -> None:
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover
+        Console = None
+    headers = ["batch", "(a) dict ops/s", "(b) daemon ops/s", "(c) redis ops/s", "(b)/(a)", "(b)/(c)"]
+    body = [[f"{b}", f"{a:,.0f}", f"{c:,.0f}", f"{rd:,.0f}", f"{c / a:.1%}", f"{c / rd:.2f}x"] for b, a, c, rd in rows]
+    title = (f"round trip at batch 1: daemon p50 {lat[0]:.0f} µs p99 {lat[1]:.0f} µs | "
+             f"redis GET p50 {lat[2]:.0f} µs p99 {lat[3]:.0f} µs")
+    if Console is not None:
+        t = Table(title="statestore_async daemon throughput (1 op = 1 key read or written)", caption=title)
+        for hd in headers:
+            t.add_column(hd, justify="right")
+        for row in body:
+            t.add_row(*row)
+        Console().print(t)
+    else:
+        print(" | ".join(headers))
+        for row in body:
+            print(" | ".join(row))
+        print(title)
+    big = [(b, a, c, rd) for b, a, c, rd in rows if b >= 1024]
+    if big:
+        ok_a = all(c >= 0.5 * a for _, a, c, _ in big)
+        ok_c = all(c >= 3 * rd for _, _, c, rd in big if rd == rd)
+        print(f"targets at batch >= 1024: (b) >= 50% of (a): {'met' if ok_a else 'NOT met'}; "
+              f"(b) >= 3x (c): {'met' if ok_c else 'NOT met'}")
+
+
+# --- frames mode ----------------------------------------------------------------------------------------
+def fire_frames(args) -> None:
+    """Send N random/mutated frames (in streams of 500 on fresh connections); check each is answered."""
+    folder = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
+    daemon, sock = start_daemon(folder, "--max-frame-bytes", "4096", "--max-batch", "16")
+    rng = random.Random(args.seed)
+    sent = answered = errors = closes = 0
+    t0 = time.perf_counter()
+    try:
+        while sent < args.frames:
+            n = min(500, args.frames - sent)
+            stream, rids = [], []
+            for i in range(n):
+                rid = i + 1
+                kind = rng.random()
+                if kind < 0.4:
+                    payload = struct.pack("<I", 1) + framing.encode_pairs(
+                        [(b"\x00\x01" + rng.randbytes(3), rng.randbytes(5)) for _ in range(rng.randint(0, 6))])
+                    frame = bytearray(framing.encode_frame(P.Op.PUT_MANY, 0, rid, payload))
+                    for _ in range(rng.randint(0, 3)):
+                        frame[rng.randrange(10, len(frame))] = rng.randrange(256)
+                    frame = bytes(frame)
+                else:
+                    frame = framing.encode_frame(rng.randrange(256), rng.choice([0, 0, 1, 2]), rid,
+                                                 rng.randbytes(rng.randint(0, 40)))
+                stream.append(frame)
+                rids.append(rid)
+            cp = P.ClientProtocol()
+            prefix = cp.send_hello()[1] + cp.send_open(StoreId(f"file://{folder}/root", "frames", 0), 0)[1]
+            got, closed = _exchange(sock, prefix + b"".join(stream), 2 + n)
+            answered += got[0] - 2
+            errors += got[1]
+            closes += closed
+            sent += n
+            if got[0] - 2 != n:
+                raise SystemExit(f"only {got[0] - 2} of {n} frames were answered")
+            if daemon.poll() is not None:
+                raise SystemExit("the daemon died")
+        Client(sock).ping()
+    finally:
+        stop(daemon)
+        shutil.rmtree(folder, ignore_errors=True)
+    dt = time.perf_counter() - t0
+    print(f"{sent:,} frames sent, {answered:,} answered ({errors:,} with a coded error) in {dt:.1f}s "
+          f"({sent / dt:,.0f} frames/s); the daemon kept serving")
+
+
+def _exchange(sock_path: str, data: bytes, expect: int):
+    import selectors
+
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sock_path)
+    s.setblocking(False)
+    sel = selectors.DefaultSelector()
+    sel.register(s, selectors.EVENT_READ | selectors.EVENT_WRITE)
+    out = memoryview(data)
+    buf = bytearray()
+    finals = errs = 0
+    closed = False
+    while finals < expect and not closed:
+        for _, mask in sel.select(10):
+            if mask & selectors.EVENT_WRITE and out:
+                try:
+                    out = out[s.send(out[:65536]):]
+                except BlockingIOError:
+                    pass
+                if not out:
+                    sel.modify(s, selectors.EVENT_READ)
+            if mask & selectors.EVENT_READ:
+                chunk = s.recv(1 << 20)
+                if not chunk:
+                    closed = True
+                    break
+                buf += chunk
+                frames, used, _ = framing.split_frames(buf, 1 << 30)
+                del buf[:used]
+                for _, flags, _, _ in frames:
+                    if not flags & P.MORE:
+                        finals += 1
+                    errs += bool(flags & P.ERROR)
+    s.close()
+    return (finals, errs), closed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=1.5, help="time per measurement")
+    ap.add_argument("--batches", default="1,16,128,1024,10000")
+    ap.add_argument("--no-redis", action="store_true")
+    ap.add_argument("--frames", type=int, default=0, help="fire N random/mutated frames instead")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    if args.frames:
+        fire_frames(args)
+    else:
+        bench(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""``statestore-async`` command line: ``serve``, ``health``, ``selftest``.
+
+Settings come from flags > ``STATESTORE_*`` environment > ``--config`` TOML file > defaults
+(``config.load_config``); every ``DaemonConfig`` setting has a flag (``--memory-budget 2GiB``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import click
+
+from .config import FIELDS, load_config
+from .errors import StateStoreError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """statestore_async: a versioned key-value state store daemon for PySpark Structured Streaming."""
+
+
+def _setting_options(fn):
+    for name in reversed(list(FIELDS)):
+        f = FIELDS[name]
+        help_text = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            shown = "|".join(c or "''" for c in choices)
+            help_text += f" [{shown}]"
+        fn = click.option(f"--{name.replace('_', '-')}", name, default=None, metavar="VALUE", help=help_text)(fn)
+    return fn
+
+
+@main.command()
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="TOML file with settings (also STATESTORE_CONFIG)")
+@click.option("--print-config", is_flag=True, help="print the effective settings as TOML and exit")
+@_setting_options
+def serve(config_path, print_config, **settings):
+    """Run the daemon until SIGTERM/SIGINT (then finish requests and drain uploads)."""
+    from .server import run
+
+    try:
+        cfg = load_config(config_path, overrides=settings)
+    except StateStoreError as exc:
+        raise click.UsageError(str(exc)) from None
+    if print_config:
+        click.echo(cfg.to_toml(), nl=False)
+        return
+    try:
+        code = run(cfg)
+    except StateStoreError as exc:
+        click.echo(f"statestore-async: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(code)
+
+
+def _socket_option(fn):
+    return click.option("--socket", "socket_path", default=None,
+                        help="daemon socket (default: STATESTORE_SOCKET or the built-in default)")(fn)
+
+
+def _socket(path):
+    return path or load_config(env=os.environ).socket
+
+
+@main.command()
+@_socket_option
+@click.option("--timeout", default=5.0, show_default=True, help="seconds to wait for the daemon")
+def health(socket_path, timeout):
+    """Exit 0 when the daemon answers HELLO and PING, 1 otherwise (liveness/readiness probe)."""
+    from .client import Client
+
+    path = _socket(socket_path)
+    client = Client(path, timeout=timeout, connect_timeout=timeout)
+    try:
+        token = os.urandom(8)
+        if client.ping(token) != token:
+            raise StateStoreError("PING answered with other bytes")
+    except (StateStoreError, OSError) as exc:
+        click.echo(f"unhealthy: {path}: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        client.close()
+    click.echo(f"ok: {path}")
+
+
+@main.command()
+@_socket_option
+@click.option("--root", required=True, help="checkpoint root URI; the scratch store goes under <root>/_selftest")
+@click.option("--timeout", default=30.0, show_default=True, help="seconds to wait for durability")
+def selftest(socket_path, root, timeout):
+    """A put/commit/get round trip on a scratch store; exit 0 on success (the Helm test runs it)."""
+    from .client import Client
+    from .ids import StoreId, file_key
+
+    path = _socket(socket_path)
+    scratch = root.rstrip("/") + "/_selftest"
+    store_id = StoreId(scratch, f"selftest-{uuid.uuid4().hex[:12]}", os.getpid() % 100000)
+    key, value = b"\x00\x00selftest", f"ok {time.time()}".encode()
+    client = Client(path, timeout=timeout + 10)
+    written = []
+    try:
+        with client.open(store_id, 0) as h:
+            h.put_many([(key, value)])
+            ref = h.commit()
+        written.append(ref)
+        with client.open(store_id, ref.version, ref.ckptid) as h:
+            got = h.get_many([key, b"\x00\x00absent"])
+            h.abort()
+        if got != [value, None]:
+            raise StateStoreError(f"read back {got!r}, expected {[value, None]!r}")
+        if not client.await_durable(store_id, ref, timeout):
+            raise StateStoreError(f"checkpoint {ref} was not durable within {timeout}s")
+        click.echo(f"ok: {path} served a round trip on {store_id} ({ref})")
+    except (StateStoreError, OSError) as exc:
+        click.echo(f"selftest failed: {path}: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        client.close()
+        _cleanup(store_id, written, file_key)
+
+
+def _cleanup(store_id, refs, file_key) -> None:
+    """Delete the scratch files when this process can reach the object store (best effort)."""
+    if not refs:
+        return
+    import asyncio
+
+    from .objectstore import open_object_store
+
+    async def go():
+        store = open_object_store(store_id.root)
+        try:
+            for ref in refs:
+                for kind in ("delta", "snapshot"):
+                    await store.delete(file_key(store_id, ref, kind))
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(go())
+    except Exception as exc:  # the daemon's node may see a root this pod cannot
+        click.echo(f"note: could not remove the scratch files of {store_id}: {exc}", err=True)
+
+
+if __name__ == "__main__":
+    main()

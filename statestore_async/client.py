@@ -1,0 +1,598 @@
+"""Clients of the daemon: ``Client`` (blocking, for Spark Python workers) and ``AsyncClient``.
+
+Both speak the sans-IO ``protocol`` over the daemon's Unix socket::
+
+    client = Client.shared("/run/statestore-async/daemon.sock")   # one per process, fork-safe
+    with client.open(StoreId(root, "op", 3), version=7, ckptid=ckpt) as store:
+        values = store.get_many(keys)          # list of bytes | None
+        store.put_many(zip(keys, new_values))
+        ref = store.commit()                   # CheckpointRef(8, <fresh ckptid>)
+
+Batches larger than the daemon's ``max_batch`` (or its frame limit) are split into several
+requests, sent pipelined. Errors from the daemon are raised as the same error classes
+(``errors.error_for_code``). Keys follow ``statestore_async.keys`` (2-byte key group prefix).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from itertools import chain
+
+from .config import default_socket_path
+from .errors import InterfaceError
+from .ids import CheckpointRef, StoreId
+from .protocol import (
+    CLOSED,
+    NEED_DATA,
+    ClientProtocol,
+    ConnectionFailed,
+    ConnectionLostError,
+    ErrorResponse,
+    LimitExceededError,
+)
+
+DEFAULT_TIMEOUT = 60.0
+_FRAME_SLACK = 64
+
+
+class RequestTimeoutError(ConnectionLostError):
+    """No answer within the client's timeout (the connection is closed: the daemon aborts its versions)."""
+
+
+def _split(items: list, max_batch: int, budget: int, pairs: bool) -> list[list]:
+    """Cut ``items`` (keys, or (key, value) pairs) into runs of at most ``max_batch`` items and
+    ``budget`` encoded bytes."""
+    n = len(items)
+    per_item = 8 if pairs else 4
+    flat = chain.from_iterable(items) if pairs else items
+    if n <= max_batch and 4 + per_item * n + sum(map(len, flat)) <= budget:
+        return [items]
+    out, cur, cur_bytes = [], [], 4
+    for x in items:
+        s = (len(x[0]) + len(x[1]) if pairs else len(x)) + per_item
+        if s + 4 > budget:
+            raise LimitExceededError(f"one item of {s} bytes does not fit in a frame of {budget} bytes")
+        if cur and (len(cur) >= max_batch or cur_bytes + s > budget):
+            out.append(cur)
+            cur, cur_bytes = [], 4
+        cur.append(x)
+        cur_bytes += s
+    if cur or not out:
+        out.append(cur)
+    return out
+
+
+class _Limits:
+    def __init__(self, limits: dict):
+        self.max_batch = int(limits.get("max_batch", 100_000))
+        self.max_inflight = max(1, int(limits.get("max_inflight", 64)))
+        self.budget = int(limits.get("max_frame_bytes", 64 << 20)) - _FRAME_SLACK
+
+
+# --- blocking client ------------------------------------------------------------------------------
+class Client:
+    """A blocking connection to the daemon. Thread-safe (one request at a time); reconnects after fork."""
+
+    _shared: dict[str, "Client"] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 connect_timeout: float = 5.0, name: str = "statestore_async.client"):
+        self.socket_path = socket_path or default_socket_path()
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.name = name
+        self._lock = threading.RLock()
+        self._sock: socket.socket | None = None
+        self._proto: ClientProtocol | None = None
+        self._pid: int | None = None
+        self._stash: dict[int, deque] = {}
+        self.generation = 0
+        self.limits: _Limits | None = None
+        self.server_info: dict = {}
+
+    @classmethod
+    def shared(cls, socket_path: str | None = None, **kwargs) -> "Client":
+        """The process-wide client for ``socket_path`` (a new one in a forked child)."""
+        path = socket_path or default_socket_path()
+        with cls._shared_lock:
+            c = cls._shared.get(path)
+            if c is None:
+                c = cls._shared[path] = cls(path, **kwargs)
+            return c
+
+    # -- connection --
+    def _ensure(self) -> ClientProtocol:
+        if self._sock is None or self._pid != os.getpid():
+            self._connect()
+        return self._proto
+
+    def _drop(self) -> None:
+        sock, self._sock, self._proto = self._sock, None, None
+        self._stash.clear()
+        if sock is not None:
+            try:
+                if self._pid == os.getpid():
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()  # in a forked child this only drops our copy of the parent's descriptor
+
+    def _connect(self) -> None:
+        self._drop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.connect_timeout)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionLostError(f"cannot connect to the daemon at {self.socket_path}: {exc}") from None
+        sock.settimeout(self.timeout)
+        self._sock, self._proto, self._pid = sock, ClientProtocol(), os.getpid()
+        self.generation += 1
+        try:
+            rid, data = self._proto.send_hello(self.name)
+            self._send(data)
+            info = self._wait(rid)
+        except BaseException:
+            self._drop()
+            raise
+        self.server_info = info.limits
+        self.limits = _Limits(info.limits)
+
+    def close(self) -> None:
+        """Close the connection (the daemon aborts versions left open on it)."""
+        with self._lock:
+            self._drop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- requests --
+    def _read_some(self, timeout: float | None) -> None:
+        sock = self._sock
+        if timeout is not None:
+            sock.settimeout(timeout)
+        try:
+            data = sock.recv(1 << 20)
+        except socket.timeout:
+            self._drop()
+            raise RequestTimeoutError(f"no answer from the daemon within {timeout or self.timeout}s") from None
+        except OSError as exc:
+            self._drop()
+            raise ConnectionLostError(f"connection to the daemon failed: {exc}") from None
+        finally:
+            if timeout is not None and self._sock is not None:
+                self._sock.settimeout(self.timeout)
+        if not data:
+            proto = self._proto
+            self._drop()
+            ev = proto.next_event() if proto is not None else NEED_DATA
+            if isinstance(ev, ErrorResponse) and ev.request_id == 0:
+                raise ev.error
+            raise ConnectionLostError("the daemon closed the connection")
+        proto = self._proto
+        proto.receive_data(data)
+        while True:
+            ev = proto.next_event()
+            if ev is NEED_DATA or ev is CLOSED:
+                return
+            if isinstance(ev, ConnectionFailed) or (isinstance(ev, ErrorResponse) and ev.request_id == 0):
+                self._drop()
+                raise ev.error
+            self._stash.setdefault(ev.request_id, deque()).append(ev)
+
+    def _next(self, rid: int, timeout: float | None = None):
+        """The next answer event of ``rid`` (raising its error)."""
+        while True:
+            q = self._stash.get(rid)
+            if q:
+                ev = q.popleft()
+                if not q:
+                    del self._stash[rid]
+                if isinstance(ev, ErrorResponse):
+                    raise ev.error
+                return ev
+            if self._sock is None:
+                raise ConnectionLostError("the connection to the daemon was lost")
+            self._read_some(timeout)
+
+    def _wait(self, rid: int, timeout: float | None = None):
+        return self._next(rid, timeout).value
+
+    def _call(self, method: str, *args, timeout: float | None = None):
+        with self._lock:
+            proto = self._ensure()
+            rid, data = getattr(proto, method)(*args)
+            self._send(data)
+            return self._wait(rid, timeout)
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            self._raise_goodbye()
+            self._drop()
+            raise ConnectionLostError(f"cannot send to the daemon: {exc}") from None
+
+    def _raise_goodbye(self) -> None:
+        """If the daemon closed after a connection-level error (e.g. permission denied), raise it."""
+        sock, proto = self._sock, self._proto
+        if sock is None or proto is None:
+            return
+        try:
+            sock.settimeout(0.5)
+            data = sock.recv(1 << 16)
+        except OSError:
+            return
+        proto.receive_data(data)
+        ev = proto.next_event()
+        if isinstance(ev, (ErrorResponse, ConnectionFailed)) and ev.request_id == 0:
+            self._drop()
+            raise ev.error
+
+    def _call_many(self, method: str, first, batches: list) -> list:
+        """Pipeline one request per batch (at most ``max_inflight`` unanswered); answers in order."""
+        with self._lock:
+            proto = self._ensure()
+            if len(batches) == 1:
+                rid, data = getattr(proto, method)(first, batches[0])
+                self._send(data)
+                return [self._wait(rid)]
+            window = self.limits.max_inflight
+            rids: list[int] = []
+            out: list = []
+            fn = getattr(proto, method)
+            sent = 0
+            errors: list[BaseException] = []
+            while len(out) < len(batches):
+                while sent < len(batches) and sent - len(out) < window:
+                    rid, data = fn(first, batches[sent])
+                    self._send(data)
+                    rids.append(rid)
+                    sent += 1
+                try:
+                    out.append(self._wait(rids[len(out)]))
+                except ConnectionLostError:
+                    raise
+                except Exception as exc:  # keep reading the other answers, raise the first error after
+                    errors.append(exc)
+                    out.append(None)
+            if errors:
+                raise errors[0]
+            return out
+
+    # -- the API --
+    def _check_gen(self, generation: int) -> None:
+        if generation != self.generation or self._sock is None or self._pid != os.getpid():
+            raise InterfaceError("this store handle belongs to a connection that is gone (closed, lost or forked)")
+
+    def ping(self, payload: bytes = b"") -> bytes:
+        return self._call("send_ping", payload)
+
+    def stats(self) -> dict:
+        return self._call("send_stats")
+
+    def open(self, store_id: StoreId, version: int, ckptid: str | None = None) -> "StoreHandle":
+        """Open committed ``version`` of ``store_id`` (attempt ``ckptid``) for update."""
+        with self._lock:
+            handle, ref = self._call("send_open", store_id, version, ckptid)
+            return StoreHandle(self, handle, store_id, ref, self.generation)
+
+    def await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float = 30.0) -> bool:
+        """True once the daemon has made ``ref`` of ``store_id`` durable; False on timeout."""
+        return self._call("send_await_durable", store_id, ref, float(timeout), timeout=max(self.timeout, timeout + 5))
+
+
+class StoreHandle:
+    """One open version of a store (single-use: commit or abort it; ``with`` aborts on error)."""
+
+    def __init__(self, client: Client, handle: int, store_id: StoreId, ref: CheckpointRef, generation: int):
+        self.client = client
+        self.handle = handle
+        self.store_id = store_id
+        self.ref = ref
+        self._gen = generation
+        self.done = False
+
+    @property
+    def version(self) -> int:
+        return self.ref.version
+
+    def _batches(self, items: list, pairs: bool) -> list:
+        lim = self.client.limits
+        return _split(items, lim.max_batch, lim.budget, pairs)
+
+    def get_many(self, keys: Iterable[bytes]) -> list:
+        """The value of each key (None when absent), this version's changes included."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            parts = self.client._call_many("send_get_many", self.handle, self._batches(keys, False))
+        if len(parts) == 1:
+            return parts[0]
+        return [v for part in parts for v in part]
+
+    def get(self, key: bytes):
+        return self.get_many([key])[0]
+
+    def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> int:
+        items = items if isinstance(items, list) else list(items)
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            return sum(self.client._call_many("send_put_many", self.handle, self._batches(items, True)))
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.put_many([(key, value)])
+
+    def remove_many(self, keys: Iterable[bytes]) -> int:
+        keys = keys if isinstance(keys, list) else list(keys)
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            return sum(self.client._call_many("send_remove_many", self.handle, self._batches(keys, False)))
+
+    def remove(self, key: bytes) -> None:
+        self.remove_many([key])
+
+    def scan(self, prefix: bytes = b"", limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) whose key starts with ``prefix`` (at most ``limit``), streamed in chunks."""
+        c = self.client
+        with c._lock:
+            c._check_gen(self._gen)
+            rid, data = c._proto.send_scan(self.handle, prefix, limit)
+            c._send(data)
+        while True:
+            with c._lock:
+                ev = c._next(rid)
+            yield from ev.value
+            if not ev.more:
+                return
+
+    def commit(self, ckptid: str | None = None) -> CheckpointRef:
+        """Commit as version ``version + 1``; returns its (version, ckptid) once queued for upload."""
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            ref = self.client._call("send_commit", self.handle, ckptid)
+        self.done = True
+        return ref
+
+    def abort(self) -> None:
+        """Drop this version's changes (a no-op on a lost connection: the daemon aborted it)."""
+        if self.done:
+            return
+        self.done = True
+        with self.client._lock:
+            try:
+                self.client._check_gen(self._gen)
+            except InterfaceError:
+                return
+            self.client._call("send_abort", self.handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.done:
+            self.abort()
+
+
+def _forget_shared_after_fork() -> None:
+    Client._shared_lock = threading.Lock()
+    Client._shared = {path: c for path, c in Client._shared.items()}
+    for c in Client._shared.values():
+        c._lock = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_shared_after_fork)
+
+
+# --- asyncio client -------------------------------------------------------------------------------
+class AsyncClient:
+    """An asyncio connection to the daemon; requests from many tasks are pipelined on it."""
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 name: str = "statestore_async.asyncclient"):
+        self.socket_path = socket_path or default_socket_path()
+        self.timeout = timeout
+        self.name = name
+        self._proto: ClientProtocol | None = None
+        self._reader = self._writer = None
+        self._task: asyncio.Task | None = None
+        self._waiters: dict[int, object] = {}
+        self._error: BaseException | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self.limits: _Limits | None = None
+
+    @classmethod
+    async def connect(cls, socket_path: str | None = None, **kwargs) -> "AsyncClient":
+        c = cls(socket_path, **kwargs)
+        await c._connect()
+        return c
+
+    async def _connect(self) -> None:
+        try:
+            self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot connect to the daemon at {self.socket_path}: {exc}") from None
+        self._proto = ClientProtocol()
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        self._slots = asyncio.Semaphore(1)
+        info = await self._call("send_hello", self.name)
+        self.limits = _Limits(info.limits)
+        self._slots = asyncio.Semaphore(self.limits.max_inflight)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            try:
+                await self._writer.wait_closed()
+            except OSError:
+                pass
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail(ConnectionLostError("the client was closed"))
+
+    async def __aenter__(self):
+        if self._proto is None:
+            await self._connect()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        waiters, self._waiters = self._waiters, {}
+        for w in waiters.values():
+            if isinstance(w, asyncio.Queue):
+                w.put_nowait(exc)
+            elif not w.done():
+                w.set_exception(exc)
+
+    async def _read_loop(self) -> None:
+        proto = self._proto
+        try:
+            while True:
+                data = await self._reader.read(1 << 20)
+                if not data:
+                    raise ConnectionLostError("the daemon closed the connection")
+                proto.receive_data(data)
+                while True:
+                    ev = proto.next_event()
+                    if ev is NEED_DATA or ev is CLOSED:
+                        break
+                    if isinstance(ev, ConnectionFailed) or (isinstance(ev, ErrorResponse) and ev.request_id == 0):
+                        raise ev.error
+                    w = self._waiters.get(ev.request_id)
+                    if w is None:
+                        continue
+                    if isinstance(w, asyncio.Queue):
+                        w.put_nowait(ev)
+                        if isinstance(ev, ErrorResponse) or not ev.more:
+                            del self._waiters[ev.request_id]
+                    else:
+                        del self._waiters[ev.request_id]
+                        if not w.done():
+                            if isinstance(ev, ErrorResponse):
+                                w.set_exception(ev.error)
+                            else:
+                                w.set_result(ev.value)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._fail(exc if isinstance(exc, Exception) else ConnectionLostError(str(exc)))
+
+    def _start(self, method: str, *args, stream: bool = False):
+        if self._error is not None:
+            raise self._error
+        rid, data = getattr(self._proto, method)(*args)
+        w = asyncio.Queue() if stream else asyncio.get_running_loop().create_future()
+        self._waiters[rid] = w
+        self._writer.write(data)
+        return rid, w
+
+    async def _call(self, method: str, *args, timeout: float | None = None):
+        async with self._slots:
+            rid, fut = self._start(method, *args)
+            try:
+                return await asyncio.wait_for(fut, timeout or self.timeout)
+            except asyncio.TimeoutError:
+                self._proto.forget(rid)
+                self._waiters.pop(rid, None)
+                raise RequestTimeoutError(f"no answer from the daemon within {timeout or self.timeout}s") from None
+
+    async def _call_many(self, method: str, first, batches: list) -> list:
+        return list(await asyncio.gather(*(self._call(method, first, b) for b in batches)))
+
+    async def ping(self, payload: bytes = b"") -> bytes:
+        return await self._call("send_ping", payload)
+
+    async def stats(self) -> dict:
+        return await self._call("send_stats")
+
+    async def open(self, store_id: StoreId, version: int, ckptid: str | None = None) -> "AsyncStoreHandle":
+        handle, ref = await self._call("send_open", store_id, version, ckptid)
+        return AsyncStoreHandle(self, handle, store_id, ref)
+
+    async def await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float = 30.0) -> bool:
+        return await self._call("send_await_durable", store_id, ref, float(timeout), timeout=max(self.timeout, timeout + 5))
+
+
+class AsyncStoreHandle:
+    """One open version of a store, asyncio flavour (``async with`` aborts when not committed)."""
+
+    def __init__(self, client: AsyncClient, handle: int, store_id: StoreId, ref: CheckpointRef):
+        self.client = client
+        self.handle = handle
+        self.store_id = store_id
+        self.ref = ref
+        self.done = False
+
+    @property
+    def version(self) -> int:
+        return self.ref.version
+
+    def _batches(self, items: list, pairs: bool) -> list:
+        lim = self.client.limits
+        return _split(items, lim.max_batch, lim.budget, pairs)
+
+    async def get_many(self, keys: Iterable[bytes]) -> list:
+        keys = keys if isinstance(keys, list) else list(keys)
+        parts = await self.client._call_many("send_get_many", self.handle, self._batches(keys, False))
+        return parts[0] if len(parts) == 1 else [v for p in parts for v in p]
+
+    async def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> int:
+        items = items if isinstance(items, list) else list(items)
+        return sum(await self.client._call_many("send_put_many", self.handle, self._batches(items, True)))
+
+    async def remove_many(self, keys: Iterable[bytes]) -> int:
+        keys = keys if isinstance(keys, list) else list(keys)
+        return sum(await self.client._call_many("send_remove_many", self.handle, self._batches(keys, False)))
+
+    async def scan(self, prefix: bytes = b"", limit: int | None = None):
+        """Async iterator of (key, value) whose key starts with ``prefix``."""
+        c = self.client
+        async with c._slots:
+            rid, q = c._start("send_scan", self.handle, prefix, limit, stream=True)
+            while True:
+                ev = await asyncio.wait_for(q.get(), c.timeout)
+                if isinstance(ev, BaseException):
+                    raise ev
+                if isinstance(ev, ErrorResponse):
+                    raise ev.error
+                for kv in ev.value:
+                    yield kv
+                if not ev.more:
+                    return
+
+    async def commit(self, ckptid: str | None = None) -> CheckpointRef:
+        ref = await self.client._call("send_commit", self.handle, ckptid)
+        self.done = True
+        return ref
+
+    async def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.client._error is None:
+            await self.client._call("send_abort", self.handle)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        if not self.done:
+            await self.abort()

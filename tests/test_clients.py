@@ -1,0 +1,232 @@
+"""The blocking client against a real daemon process: API, fork safety, many processes, kill -9."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from statestore_async import errors
+from statestore_async import protocol as P
+from statestore_async.client import Client, StoreHandle
+from statestore_async.ids import StoreId
+
+
+def key(i: int) -> bytes:
+    return b"\x01\x02" + b"k%07d" % i
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """A daemon process (max_batch 1000 so that big batches are split); yields (socket, root)."""
+    sockdir = tempfile.mkdtemp(prefix="ssc-", dir="/tmp")
+    sock = f"{sockdir}/d.sock"
+    tmp = tmp_path_factory.mktemp("clients")
+    log_path = tmp / "daemon.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock,
+                                 "--max-batch", "1000", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                Client(sock, connect_timeout=1).ping()
+                break
+            except errors.StateStoreError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start: {log_path.read_text()}")
+                time.sleep(0.05)
+        yield sock, f"file://{tmp}/root"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_round_trip_with_transparent_splitting(daemon):
+    sock, root = daemon
+    c = Client(sock)
+    sid = StoreId(root, "basic", 0)
+    items = [(key(i), b"value-%d" % i) for i in range(5500)]
+    with c.open(sid, 0) as h:
+        assert h.put_many(iter(items)) == 5500  # 6 requests, pipelined
+        assert h.remove_many([key(0), key(1)]) == 2
+        assert h.get_many(k for k, _ in items) == [None, None] + [v for _, v in items[2:]]
+        assert sorted(h.scan(b"\x01\x02k0001")) == items[1000:2000]
+        assert len(list(h.scan(limit=10))) == 10
+        ref = h.commit()
+    assert c.await_durable(sid, ref, 10)
+    with c.open(sid, ref.version, ref.ckptid) as h:
+        assert h.get_many([key(0), key(2), key(5499)]) == [None, b"value-2", b"value-5499"]
+    # the with block aborted it: the store can be opened again
+    with c.open(sid, ref.version, ref.ckptid) as h:
+        assert h.get(key(3)) == b"value-3"
+    c.close()
+
+
+def test_errors_are_raised_as_the_daemons_classes(daemon):
+    sock, root = daemon
+    c = Client(sock)
+    sid = StoreId(root, "errs", 0)
+    with pytest.raises(errors.VersionNotFoundError):
+        c.open(sid, 5, "ef" * 16)
+    h = c.open(sid, 0)
+    with pytest.raises(errors.WriterConflictError):
+        Client(sock).open(sid, 0)
+    with pytest.raises(errors.KeyFormatError):
+        h.put_many([(b"x", b"y")])
+    h.commit()
+    with pytest.raises(errors.StoreStateError):
+        h.put_many([(key(1), b"y")])
+    assert c.ping(b"still fine") == b"still fine"
+
+
+def test_shared_client_survives_fork(daemon):
+    sock, root = daemon
+    parent = Client.shared(sock)
+    assert parent.ping(b"p") == b"p"
+    parent_handle = parent.open(StoreId(root, "fork", 0), 0)
+    pid = os.fork()
+    if pid == 0:  # child: same object, new connection; the parent's handle is refused, not misused
+        code = 1
+        try:
+            child = Client.shared(sock)
+            ok = child is parent and child.ping(b"c") == b"c"
+            try:
+                parent_handle.put_many([(key(1), b"from child")])
+                ok = False
+            except errors.InterfaceError:
+                pass
+            with child.open(StoreId(root, "fork", 1), 0) as h:
+                h.put_many([(key(1), b"child")])
+                h.commit()
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    parent_handle.put_many([(key(1), b"parent")])  # the parent's connection was not disturbed
+    assert parent_handle.get_many([key(1)]) == [b"parent"]
+    parent_handle.abort()
+    with parent.open(StoreId(root, "fork", 1), 1, None) as h:
+        assert h.get(key(1)) == b"child"
+
+
+WORKER = r"""
+import sys
+from statestore_async.client import Client
+from statestore_async.ids import StoreId
+sock, root, p = sys.argv[1], sys.argv[2], int(sys.argv[3])
+c = Client.shared(sock)
+sid = StoreId(root, "many", p)
+ref = None
+for b in range(5):
+    h = c.open(sid, b, ref.ckptid if ref else None)
+    h.put_many([(b"\x00\x01%d-%d" % (p, i), b"%d-%d-%d" % (p, b, i)) for i in range(300)])
+    h.remove_many([b"\x00\x01%d-%d" % (p, b)])
+    ref = h.commit()
+print(ref.version, ref.ckptid)
+"""
+
+
+def test_32_client_processes_each_with_its_own_store(daemon):
+    sock, root = daemon
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, sock, root, str(p)], stdout=subprocess.PIPE)
+             for p in range(32)]
+    try:
+        outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs)
+    c = Client(sock)
+    for p, (version, ckptid) in enumerate(outs):
+        assert int(version) == 5
+        with c.open(StoreId(root, "many", p), 5, ckptid.decode()) as h:
+            got = dict(h.scan(b"\x00\x01"))
+        assert len(got) == 299  # every batch rewrites all keys, then removes one; the last removal stays
+        assert got[b"\x00\x01%d-3" % p] == b"%d-4-3" % p
+        assert b"\x00\x01%d-4" % p not in got
+
+
+KILLED = r"""
+import sys, time
+from statestore_async.client import Client
+from statestore_async.ids import StoreId
+sock, root, ckptid = sys.argv[1], sys.argv[2], sys.argv[3]
+c = Client(sock)
+h = c.open(StoreId(root, "kill", 0), 1, ckptid)
+h.put_many([(b"\x00\x09half-%d" % i, b"never committed") for i in range(3000)])
+print("ready", flush=True)
+while True:
+    h.put_many([(b"\x00\x09more", b"x")])
+"""
+
+
+def test_kill_9_mid_version_leaves_the_store_consistent(daemon):
+    sock, root = daemon
+    c = Client(sock)
+    sid = StoreId(root, "kill", 0)
+    with c.open(sid, 0) as h:
+        h.put_many([(key(i), b"base") for i in range(100)])
+        ref = h.commit()
+    proc = subprocess.Popen([sys.executable, "-c", KILLED, sock, root, ref.ckptid], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            h = c.open(sid, 1, ref.ckptid)
+            break
+        except errors.WriterConflictError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert sorted(h.scan()) == [(key(i), b"base") for i in range(100)]
+    h.put_many([(key(0), b"after")])
+    r2 = h.commit()
+    assert r2.version == 2
+    with c.open(sid, 2, r2.ckptid) as h:
+        assert h.get_many([key(0), b"\x00\x09half-1"]) == [b"after", None]
+
+
+def test_timeouts_and_lost_daemon_are_connection_errors(tmp_path):
+    with pytest.raises(P.ConnectionLostError):
+        Client(str(tmp_path / "nobody.sock"), connect_timeout=0.5).ping()
+
+
+def test_handle_is_bound_to_its_connection(daemon):
+    sock, root = daemon
+    c = Client(sock)
+    h = c.open(StoreId(root, "gen", 0), 0)
+    assert isinstance(h, StoreHandle)
+    c.close()
+    with pytest.raises(errors.InterfaceError):
+        h.get_many([key(1)])
+    assert c.ping(b"reconnected") == b"reconnected"
+    deadline = time.monotonic() + 10
+    while True:  # the daemon aborts the old version once it sees the close
+        try:
+            h2 = c.open(StoreId(root, "gen", 0), 0)
+            break
+        except errors.WriterConflictError:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    assert h2.get(key(1)) is None
+    h2.abort()

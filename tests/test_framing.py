@@ -1,0 +1,147 @@
+"""Framing: frames and byte-string lists, compiled and reference implementations alike."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statestore_async import _accel
+from statestore_async.errors import DecodeError, EncodeError
+from conftest import implementations, resolve_impl
+
+IMPLS = implementations("framing")
+blobs = st.binary(max_size=40)
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=IMPLS)
+def fr(request):
+    return resolve_impl(request.param)
+
+
+def _outcome(fn, *args):
+    try:
+        return ("ok", fn(*args))
+    except (DecodeError, EncodeError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+# --- frames -----------------------------------------------------------------------------------------
+def test_frame_layout(fr):
+    data = fr.encode_frame(7, 1, 0xDEADBEEF, b"abc")
+    assert data == struct.pack("<IBBI", 3, 7, 1, 0xDEADBEEF) + b"abc"
+    assert fr.HEADER_SIZE == 10
+
+
+def test_split_frames_partial_and_many(fr):
+    stream = b"".join(fr.encode_frame(i % 11, 0, i, bytes([i]) * i) for i in range(20))
+    for cut in (0, 1, 9, 10, 11, len(stream) - 1, len(stream)):
+        frames, consumed, oversized = fr.split_frames(bytearray(stream[:cut]), 1000)
+        assert oversized is None
+        assert stream[:consumed] == b"".join(fr.encode_frame(*f) for f in frames)
+        assert cut - consumed < 10 + 19  # never more than one incomplete frame left
+    frames, consumed, _ = fr.split_frames(stream, 1000)
+    assert consumed == len(stream)
+    assert [f[2] for f in frames] == list(range(20))
+    assert frames[5] == (5, 0, 5, b"\x05" * 5)
+
+
+def test_split_frames_reports_oversized(fr):
+    good = fr.encode_frame(2, 0, 1, b"x" * 5)
+    bad = struct.pack("<IBBI", 1001, 3, 0, 99)
+    frames, consumed, oversized = fr.split_frames(good + bad + b"junk", 1000)
+    assert frames == [(2, 0, 1, b"x" * 5)]
+    assert consumed == len(good)
+    assert oversized == (3, 0, 99, 1001)
+
+
+def test_encode_frame_rejects_bad_header(fr):
+    for args in ((256, 0, 1), (1, -1, 1), (1, 0, 1 << 32)):
+        with pytest.raises(EncodeError):
+            fr.encode_frame(*args, b"")
+    with pytest.raises(EncodeError):
+        fr.encode_frame(1, 0, 1, "text")
+
+
+# --- lists ------------------------------------------------------------------------------------------
+@SETTINGS
+@given(items=st.lists(blobs, max_size=30), prefix=st.binary(max_size=5))
+def test_list_round_trip(fr, items, prefix):
+    data = prefix + fr.encode_list(items)
+    assert fr.decode_list(data, len(prefix)) == (items, len(data))
+
+
+@SETTINGS
+@given(items=st.lists(st.one_of(st.none(), blobs), max_size=30))
+def test_optional_list_round_trip_keeps_none_apart_from_empty(fr, items):
+    data = fr.encode_optional_list(items)
+    assert fr.decode_optional_list(data) == (items, len(data))
+
+
+def test_none_and_empty_differ(fr):
+    assert fr.decode_optional_list(fr.encode_optional_list([None, b""]))[0] == [None, b""]
+
+
+@SETTINGS
+@given(items=st.lists(st.tuples(blobs, blobs), max_size=30))
+def test_pairs_round_trip(fr, items):
+    data = fr.encode_pairs(items)
+    assert fr.decode_pairs(bytearray(data)) == (items, len(data))
+
+
+def test_encoders_take_bytes_like_and_refuse_the_rest(fr):
+    assert fr.encode_list([bytearray(b"a"), memoryview(b"b")]) == fr.encode_list([b"a", b"b"])
+    for bad in (["s"], [None], [1]):
+        with pytest.raises(EncodeError):
+            fr.encode_list(bad)
+    with pytest.raises(EncodeError):
+        fr.encode_pairs([(b"k",)])
+    with pytest.raises(EncodeError):
+        fr.encode_pairs([(b"k", None)])
+
+
+def test_huge_counts_fail_before_allocating(fr):
+    data = struct.pack("<I", 0xFFFFFFF0) + b"\x00" * 16
+    for dec in (fr.decode_list, fr.decode_optional_list, fr.decode_pairs):
+        with pytest.raises(DecodeError, match="cannot fit"):
+            dec(data)
+    with pytest.raises(DecodeError, match="at most 3"):
+        fr.decode_list(fr.encode_list([b""] * 4), 0, 3)
+
+
+def test_truncations_and_overruns(fr):
+    data = fr.encode_pairs([(b"key", b"value"), (b"k2", b"v2")])
+    for cut in range(len(data)):
+        with pytest.raises(DecodeError):
+            fr.decode_pairs(data[:cut])
+    with pytest.raises(DecodeError):
+        fr.decode_list(struct.pack("<II", 1, 50) + b"short")
+    with pytest.raises(DecodeError, match="offset"):
+        fr.decode_list(b"\x00" * 4, 5)
+    with pytest.raises(DecodeError):
+        fr.decode_list(b"", 0)
+
+
+# --- the twins agree on garbage ---------------------------------------------------------------------
+@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@settings(max_examples=400, deadline=None)
+@given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20))
+def test_reference_and_native_agree_on_any_bytes(data, offset, max_count):
+    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    for name in ("decode_list", "decode_optional_list", "decode_pairs"):
+        assert _outcome(getattr(ref, name), data, offset, max_count) == _outcome(getattr(nat, name), data, offset, max_count)
+    assert ref.split_frames(data, max_count) == nat.split_frames(data, max_count)
+
+
+@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(st.one_of(st.none(), blobs), max_size=20))
+def test_reference_and_native_encode_the_same_bytes(items):
+    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    assert ref.encode_optional_list(items) == nat.encode_optional_list(items)
+    present = [x for x in items if x is not None]
+    assert ref.encode_list(present) == nat.encode_list(present)
+    pairs = list(zip(present, reversed(present)))
+    assert ref.encode_pairs(pairs) == nat.encode_pairs(pairs)

@@ -1,0 +1,360 @@
+"""The daemon, in-process on a tmp socket (under asyncio and uvloop), and once as a real process."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from statestore_async import errors, framing
+from statestore_async import protocol as P
+from statestore_async.client import AsyncClient, Client
+from statestore_async.config import DaemonConfig
+from statestore_async.ids import DELTA, StoreId, file_key
+from statestore_async.objectstore import LocalObjectStore
+from statestore_async.server import Daemon
+
+
+class CountingStore(LocalObjectStore):
+    """The local object store, counting reads (to prove that a hot reopen reads nothing)."""
+
+    def __init__(self, root):
+        super().__init__(root, fsync=False)
+        self.reads = 0
+
+    @classmethod
+    def open(cls, uri: str):
+        return cls(uri.removeprefix("file://"))
+
+    async def get(self, key, start=None, end=None):
+        self.reads += 1
+        return await super().get(key, start, end)
+
+    async def head(self, key):
+        self.reads += 1
+        return await super().head(key)
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="ssa-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def make_daemon(sockdir):
+    started = []
+
+    async def make(**settings):
+        settings.setdefault("socket", f"{sockdir}/run{len(started)}/d.sock")
+        d = Daemon(DaemonConfig(**settings), open_objstore=CountingStore.open)
+        await d.start()
+        started.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in started:
+            await d.stop()
+
+
+@pytest.fixture
+def root(tmp_path):
+    return f"file://{tmp_path}/root"
+
+
+def key(i: int) -> bytes:
+    return b"\x00\x07" + b"key-%06d" % i
+
+
+async def test_every_operation(make_daemon, root):
+    d = await make_daemon()
+    sid = StoreId(root, "op", 1)
+    async with AsyncClient(d.config.socket) as c:
+        assert await c.ping(b"\x00hello") == b"\x00hello"
+        h = await c.open(sid, 0)
+        assert h.ref.version == 0
+        assert await h.put_many([(key(i), b"v%d" % i) for i in range(100)]) == 100
+        assert await h.put_many([(key(5), b"")]) == 1
+        assert await h.remove_many([key(7), key(1000)]) == 2
+        assert await h.get_many([key(5), key(6), key(7), key(1000)]) == [b"", b"v6", None, None]
+        scanned = [kv async for kv in h.scan(b"\x00\x07key-00001")]
+        assert sorted(scanned) == [(key(i), b"v%d" % i) for i in range(10, 20)]
+        assert len([kv async for kv in h.scan(b"", limit=7)]) == 7
+        ref = await h.commit()
+        assert ref.version == 1
+        assert await c.await_durable(sid, ref, 10)
+        assert os.path.exists(f"{root.removeprefix('file://')}/{file_key(sid, ref, DELTA)}")
+        with pytest.raises(errors.StoreStateError):
+            await h.put_many([(key(1), b"x")])
+        h2 = await c.open(sid, 1, ref.ckptid)
+        assert await h2.get_many([key(6), key(7)]) == [b"v6", None]
+        await h2.abort()
+        with pytest.raises(P.UnknownHandleError):
+            await c._call("send_get_many", 999, [key(1)])
+        stats = await c.stats()
+        assert stats["registry"]["stores"] == 1 and stats["uploader"]["durable"] == 1
+        assert stats["daemon"]["requests_by_op"]["Commit"] == 1
+
+
+async def test_big_scan_is_streamed_in_chunks(make_daemon, root):
+    d = await make_daemon()
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(StoreId(root, "op", 2), 0)
+        items = [(key(i), b"x" * 300) for i in range(10000)]
+        await h.put_many(items)
+        got = [kv async for kv in h.scan(b"")]
+        assert sorted(got) == items
+        await h.abort()
+
+
+async def test_pipelining_many_requests_in_flight(make_daemon, root):
+    d = await make_daemon(max_inflight=4)
+    sid = StoreId(root, "op", 3)
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(sid, 0)
+        await h.put_many([(key(i), b"%d" % i) for i in range(500)])
+        results = await asyncio.gather(*(h.get_many([key(i), key(i + 1)]) for i in range(0, 500, 2)))
+        assert results == [[b"%d" % i, b"%d" % (i + 1)] for i in range(0, 500, 2)]
+        ref = await h.commit()
+        # slow requests (they wait) are capped per connection: the rest wait for room
+        assert all(await asyncio.gather(*(c.await_durable(sid, ref, 5) for _ in range(20))))
+        assert d.counters["max_inflight_seen"] <= 4
+
+
+async def test_batches_over_the_limit_are_split_by_the_client_and_refused_raw(make_daemon, root):
+    d = await make_daemon(max_batch=10, max_frame_bytes=4096)
+    sid = StoreId(root, "op", 4)
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(sid, 0)
+        items = [(key(i), b"v" * 100) for i in range(95)]
+        assert await h.put_many(items) == 95
+        assert await h.get_many([k for k, _ in items]) == [v for _, v in items]
+        assert d.requests_by_op["PutMany"] >= 10
+        # a raw request over max_batch: a coded error, nothing applied
+        with pytest.raises(P.LimitExceededError):
+            await c._call("send_put_many", h.handle, [(key(1000 + i), b"x") for i in range(11)])
+        assert await h.get_many([key(1000)]) == [None]
+        with pytest.raises(P.LimitExceededError):
+            await h.put_many([(key(1), b"x" * 5000)])
+        await h.abort()
+
+
+async def test_oversized_frame_gets_an_error_then_close_and_others_keep_going(make_daemon, root):
+    d = await make_daemon(max_frame_bytes=1000)
+    async with AsyncClient(d.config.socket) as other:
+        r, w = await asyncio.open_unix_connection(d.config.socket)
+        w.write(P.ClientProtocol().send_hello()[1] + framing.encode_frame(P.Op.PING, 0, 42, b"x" * 2000))
+        data = await asyncio.wait_for(r.read(), 5)  # until the daemon closes
+        frames, _, _ = framing.split_frames(data, 1 << 20)
+        assert frames[-1][2] == 42 and frames[-1][1] == P.RESPONSE | P.ERROR
+        assert isinstance(P.decode_error(frames[-1][3]), P.FrameTooLargeError)
+        w.close()
+        assert await other.ping(b"ok") == b"ok"
+
+
+async def test_one_writer_per_store(make_daemon, root):
+    d = await make_daemon()
+    sid = StoreId(root, "op", 5)
+    async with AsyncClient(d.config.socket) as a, AsyncClient(d.config.socket) as b:
+        ha = await a.open(sid, 0)
+        with pytest.raises(errors.WriterConflictError):
+            await b.open(sid, 0)
+        await ha.abort()
+        hb = await b.open(sid, 0)
+        await hb.put_many([(key(1), b"b")])
+        assert (await hb.commit()).version == 1
+
+
+async def test_disconnect_mid_version_aborts_it(make_daemon, root):
+    d = await make_daemon()
+    sid = StoreId(root, "op", 6)
+    a = await AsyncClient.connect(d.config.socket)
+    h = await a.open(sid, 0)
+    await h.put_many([(key(1), b"lost")])
+    await a.close()
+    async with AsyncClient(d.config.socket) as b:
+        for _ in range(100):  # the daemon sees the close a moment later
+            try:
+                h2 = await b.open(sid, 0)
+                break
+            except errors.WriterConflictError:
+                await asyncio.sleep(0.01)
+        assert await h2.get_many([key(1)]) == [None]
+        await h2.abort()
+    assert d.counters["aborted_on_disconnect"] == 1
+
+
+async def test_hot_reopen_reads_nothing(make_daemon, root):
+    d = await make_daemon()
+    sid = StoreId(root, "op", 7)
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(sid, 0)
+        await h.put_many([(key(i), b"1") for i in range(50)])
+        r1 = await h.commit()
+        h = await c.open(sid, 1, r1.ckptid)
+        await h.put_many([(key(0), b"2")])
+        r2 = await h.commit()
+        assert await c.await_durable(sid, r2, 10)
+        store = d.objstores(root)
+        reads = store.reads
+        for ref, expect in ((r2, b"2"), (r1, b"1"), (r2, b"2")):  # forward, retry (rollback), forward again
+            h = await c.open(sid, ref.version, ref.ckptid)
+            assert await h.get_many([key(0)]) == [expect]
+            await h.abort()
+        assert store.reads == reads
+        assert d.registry.counters["loads"] == 0
+
+
+async def test_eviction_under_a_tiny_budget_then_reload_gives_equal_data(make_daemon, root):
+    d = await make_daemon(memory_budget=60_000)
+    data = {p: [(key(i), b"p%d-%d" % (p, i) * 10) for i in range(200)] for p in range(4)}
+    refs = {}
+    async with AsyncClient(d.config.socket) as c:
+        for p, items in data.items():
+            sid = StoreId(root, "ev", p)
+            h = await c.open(sid, 0)
+            await h.put_many(items)
+            refs[p] = await h.commit()
+            assert await c.await_durable(sid, refs[p], 10)
+        d.registry.enforce_budget()
+        assert d.registry.counters["evictions"] >= 2
+        assert d.registry.memory_bytes <= 60_000
+        assert d.registry.get(StoreId(root, "ev", 0)) is None
+        for p, items in data.items():
+            h = await c.open(StoreId(root, "ev", p), 1, refs[p].ckptid)
+            assert sorted([kv async for kv in h.scan(b"")]) == sorted(items)
+            await h.abort()
+        assert d.registry.counters["loads"] >= 2
+
+
+async def test_an_idle_store_with_uploads_pending_is_not_evicted(make_daemon, root):
+    d = await make_daemon(memory_budget=1)
+    gate = asyncio.Event()
+    store = d.objstores(root)
+    real = store.put_if_absent
+
+    async def slow_put(k, data):
+        await gate.wait()
+        return await real(k, data)
+
+    store.put_if_absent = slow_put
+    sid = StoreId(root, "pend", 0)
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(sid, 0)
+        await h.put_many([(key(1), b"x" * 1000)])
+        ref = await h.commit()
+        d.registry.enforce_budget()
+        assert d.registry.get(sid) is not None
+        assert not await c.await_durable(sid, ref, 0.05)
+        gate.set()
+        assert await c.await_durable(sid, ref, 10)
+        d.registry.enforce_budget()
+        assert d.registry.get(sid) is None
+
+
+async def test_concurrent_opens_wait_for_one_load(make_daemon, root):
+    d = await make_daemon()
+    sid = StoreId(root, "load", 0)
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(sid, 0)
+        await h.put_many([(key(1), b"v")])
+        ref = await h.commit()
+        assert await c.await_durable(sid, ref, 10)
+    d.registry._stores.clear()  # as if evicted
+    clients = [await AsyncClient.connect(d.config.socket) for _ in range(5)]
+    try:
+        results = await asyncio.gather(*(cl.open(sid, 1, ref.ckptid) for cl in clients), return_exceptions=True)
+        opened = [r for r in results if not isinstance(r, BaseException)]
+        assert len(opened) == 1 and all(isinstance(r, errors.WriterConflictError) for r in results if r not in opened)
+        assert await opened[0].get_many([key(1)]) == [b"v"]
+        assert d.registry.counters["loads"] == 1
+    finally:
+        for cl in clients:
+            await cl.close()
+
+
+async def test_unknown_versions_are_coded_errors(make_daemon, root):
+    d = await make_daemon()
+    async with AsyncClient(d.config.socket) as c:
+        with pytest.raises(errors.VersionNotFoundError):
+            await c.open(StoreId(root, "op", 9), 3, "cd" * 16)
+        with pytest.raises(errors.VersionNotFoundError):
+            await c.open(StoreId(root, "op", 9), 3)
+        h = await c.open(StoreId(root, "op", 9), 0)
+        with pytest.raises(errors.KeyFormatError):
+            await h.put_many([(b"k", b"too short a key")])
+        assert [kv async for kv in h.scan()] == []
+
+
+async def test_socket_file_mode_stale_socket_and_live_daemon(make_daemon, sockdir):
+    path = f"{sockdir}/s/d.sock"
+    os.makedirs(os.path.dirname(path))
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # a socket file nobody listens on
+    d = await make_daemon(socket=path, socket_mode=0o600)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with pytest.raises(errors.InterfaceError, match="live daemon"):
+        await make_daemon(socket=path)
+    with open(f"{sockdir}/s/file", "w"):
+        pass
+    with pytest.raises(errors.InterfaceError, match="not a socket"):
+        await make_daemon(socket=f"{sockdir}/s/file")
+    assert await (await AsyncClient.connect(path)).ping() == b""
+    await d.stop()
+    assert not os.path.exists(path)
+
+
+# --- the daemon as a process: SIGTERM finishes requests and drains uploads -----------------------------
+def spawn_daemon(sock: str, *args: str, log_path: str) -> subprocess.Popen:
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock, *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"daemon exited: {open(log_path).read()}")
+        try:
+            Client(sock, timeout=2, connect_timeout=1).ping()
+            return proc
+        except errors.StateStoreError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("daemon did not start")
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_sigterm_drains_uploads_and_exits_0(sockdir, tmp_path, loop):
+    sock = f"{sockdir}/d.sock"
+    root = f"file://{tmp_path}/root"
+    log_path = f"{tmp_path}/daemon.log"
+    proc = spawn_daemon(sock, "--loop", loop, "--upload-concurrency", "1", log_path=log_path)
+    try:
+        c = Client(sock)
+        refs = []
+        for p in range(20):
+            sid = StoreId(root, "term", p)
+            with c.open(sid, 0) as h:
+                h.put_many([(key(i), os.urandom(200)) for i in range(2000)])
+                refs.append((sid, h.commit()))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, open(log_path).read()
+        assert "uploads drained: True" in open(log_path).read()
+        for sid, ref in refs:
+            assert os.path.exists(f"{tmp_path}/root/{file_key(sid, ref, DELTA)}")
+        assert not os.path.exists(sock)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
