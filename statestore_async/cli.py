@@ -129,10 +129,15 @@ def _cleanup(store_id, refs, file_key) -> None:
         return
     import asyncio
 
+    from .config import load_config
     from .objectstore import open_object_store
 
     async def go():
-        store = open_object_store(store_id.root)
+        try:
+            s3 = load_config().s3_options()
+        except Exception:  # no readable daemon config here: the AWS chain's defaults
+            s3 = None
+        store = open_object_store(store_id.root, s3_options=s3)
         try:
             for ref in refs:
                 for kind in ("delta", "snapshot"):

@@ -115,6 +115,16 @@ class DaemonConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise InterfaceError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
 
+    def s3_options(self) -> dict:
+        """Options for ``S3ObjectStore`` from the s3_* settings (credentials: the AWS chain)."""
+        return {
+            "endpoint_url": self.s3_endpoint_url or None,
+            "region": self.s3_region or None,
+            "sse": self.s3_sse or None,
+            "kms_key_id": self.s3_kms_key_id or None,
+            "addressing_style": self.s3_addressing_style,
+        }
+
     @property
     def effective_allowed_uids(self) -> tuple[int, ...]:
         return self.allowed_uids or (os.getuid(),)

@@ -376,9 +376,15 @@ class _Connection(asyncio.Protocol):
 class Daemon:
     """One node's daemon: ``await start()``, serve, ``await stop()``."""
 
-    def __init__(self, config: DaemonConfig, *, open_objstore=open_object_store):
+    def __init__(self, config: DaemonConfig, *, open_objstore=None):
         self.config = config
         self.allowed_uids = tuple(config.effective_allowed_uids)
+        if open_objstore is None:
+            s3 = config.s3_options()
+
+            def open_objstore(uri: str):
+                return open_object_store(uri, s3_options=s3)
+
         self.objstores = ObjectStores(open_objstore)
         self.uploader: Uploader | None = None
         self.registry: StoreRegistry | None = None
@@ -531,7 +537,7 @@ def configure_logging(config: DaemonConfig) -> None:
 
 
 # --- running it -----------------------------------------------------------------------------------
-async def serve(config: DaemonConfig, *, open_objstore=open_object_store) -> int:
+async def serve(config: DaemonConfig, *, open_objstore=None) -> int:
     """Run the daemon until SIGTERM or SIGINT; then stop gracefully. Returns the exit code (0)."""
     daemon = Daemon(config, open_objstore=open_objstore)
     await daemon.start()

@@ -14,8 +14,12 @@ from .local import LocalObjectStore
 __all__ = ["ObjectInfo", "ObjectStore", "LocalObjectStore", "check_key", "open_object_store"]
 
 
-def open_object_store(uri: str, **options) -> ObjectStore:
-    """Open the object store a URI names (``file:///…``, a plain path, or ``s3://bucket/prefix``)."""
+def open_object_store(uri: str, *, s3_options: dict | None = None, **options) -> ObjectStore:
+    """Open the object store a URI names (``file:///…``, a plain path, or ``s3://bucket/prefix``).
+
+    ``options`` go to whichever store the URI selects; ``s3_options`` only to an S3 store (so a
+    daemon can hold one set of S3 settings and still open local roots).
+    """
     parsed = urlparse(uri)
     if parsed.scheme in ("", "file"):
         if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
@@ -29,5 +33,5 @@ def open_object_store(uri: str, **options) -> ObjectStore:
             from .s3 import S3ObjectStore
         except ImportError as exc:
             raise InterfaceError(f"S3 support is not available: {exc}") from exc
-        return S3ObjectStore.from_uri(uri, **options)
+        return S3ObjectStore.from_uri(uri, **{**(s3_options or {}), **options})
     raise InterfaceError(f"unsupported object store URI {uri!r}: use file:///path or s3://bucket/prefix")
