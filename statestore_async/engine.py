@@ -328,6 +328,21 @@ class VersionedStore:
                 return c.child_lineage[1:]
         raise VersionNotFoundError(f"no lineage known for {ref}")
 
+    def _lineage_tail(self) -> tuple[CheckpointRef, ...]:
+        """The head's lineage cut after the newest state known to have a snapshot (or version 0).
+
+        A snapshot may become durable after later commits were made on top of it: lineages of
+        new commits stop there all the same.
+        """
+        if self._head in self._snapshots or self._head.version == 0:
+            return ()
+        tail = []
+        for r in self._lineage:
+            tail.append(r)
+            if r in self._snapshots or r.version == 0:
+                break
+        return tuple(tail)
+
     def _mutate(self, changes: dict) -> dict:
         """Apply key → value|None to the map; return the pre-images (the undo of this change)."""
         data = self._data
@@ -358,10 +373,7 @@ class VersionedStore:
         # a tombstone for a key that did not exist changes nothing: leave it out of the delta
         records = {k: v for k, v in overlay.items() if v is not None or pre[k] is not None}
         undo = pre if len(records) == len(pre) else {k: pre[k] for k in records}
-        if parent in self._snapshots or parent.version == 0:
-            lineage = (parent,)
-        else:
-            lineage = (parent,) + self._lineage
+        lineage = (parent,) + self._lineage_tail()
         nbytes = sum(map(len, undo)) + sum(len(v) for v in undo.values() if v is not None) + len(undo) * ENTRY_OVERHEAD
         self._history.append(_Commit(parent, child, lineage, undo, records, nbytes))
         if len(self._history) > self._history_limit:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
-from .errors import ObjectNotFoundError
+from .errors import CorruptFileError, ObjectNotFoundError
 from .ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
 
 
@@ -57,6 +57,17 @@ async def read_checkpoint_file(
     """
     stats = stats if stats is not None else ReadStats()
     key = file_key(store_id, ref, kind)
+    try:
+        return await _read(objstore, key, store_id, ref, kind, stats)
+    except CorruptFileError:
+        # a damaged local copy (see objectstore.cache): drop it and read the origin once
+        forget = getattr(objstore, "forget", None)
+        if forget is None or not forget(key):
+            raise
+        return await _read(objstore, key, store_id, ref, kind, stats)
+
+
+async def _read(objstore, key, store_id, ref, kind, stats):
     parser = CheckpointParser(key, expect=(store_id, ref, kind))
     records: list = []
     try:

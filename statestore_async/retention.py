@@ -37,8 +37,13 @@ async def _read_header(objstore, key: str):
     return parse_header(head, key)
 
 
-async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef], existing: set[str]) -> set[str]:
-    """Every file the loads of ``keep`` read, given the set of existing keys. LineageError if one cannot load."""
+async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef], existing: set[str],
+                       *, skip_broken: bool = False) -> set[str]:
+    """Every file the loads of ``keep`` read, given the set of existing keys.
+
+    A kept state that cannot load raises ``LineageError`` — or, with ``skip_broken``, is left out
+    (it is garbage nobody can load: e.g. an old attempt whose base was already collected).
+    """
     needed: set[str] = set()
     done: set[CheckpointRef] = set()
 
@@ -65,23 +70,35 @@ async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef
             ref = lineage[-1] if lineage else CheckpointRef(0, "")
 
     for ref in keep:
-        await walk(ref, ref)
+        if not skip_broken:
+            await walk(ref, ref)
+            continue
+        before, before_done = set(needed), set(done)
+        try:
+            await walk(ref, ref)
+        except LineageError as exc:
+            log.warning("retention of %s: %s; that state is not kept", store_id, exc)
+            needed, done = before, before_done
     return needed
 
 
 async def cleanup_store(
     objstore,
     store_id: StoreId,
-    keep: Iterable[CheckpointRef],
+    keep: Iterable[CheckpointRef] | None,
     *,
     min_version: int,
     dry_run: bool = False,
 ) -> CleanupReport:
-    """Delete the files of ``store_id`` older than ``min_version`` that no kept state needs."""
-    keep = list(keep)
-    if not keep:
+    """Delete the files of ``store_id`` older than ``min_version`` that no kept state needs.
+
+    ``keep=None`` keeps every state that has a file at ``min_version`` or above (every attempt in
+    the window, in a manifest or not); states among those that cannot load are skipped.
+    """
+    keep = list(keep) if keep is not None else None
+    if keep is not None and not keep:
         raise InterfaceError("cleanup needs at least one state to keep")
-    if any(r.version < 0 for r in keep) or min_version < 0:
+    if min_version < 0:
         raise InterfaceError("versions are >= 0")
     report = CleanupReport()
     files: dict[str, CheckpointRef] = {}
@@ -90,7 +107,12 @@ async def cleanup_store(
         if parsed is not None and info.key.rsplit("/", 1)[0] == store_id.prefix:
             files[info.key] = parsed[0]
     report.listed = len(files)
-    report.needed = await needed_files(objstore, store_id, keep, set(files))
+    window = keep is None
+    if window:
+        keep = sorted({ref for ref in files.values() if ref.version >= min_version}, reverse=True)
+        if not keep:
+            return report
+    report.needed = await needed_files(objstore, store_id, keep, set(files), skip_broken=window)
     for key, ref in sorted(files.items(), key=lambda kv: kv[1].version):
         if ref.version >= min_version:
             report.kept_recent += 1

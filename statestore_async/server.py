@@ -32,6 +32,7 @@ from .config import DaemonConfig
 from .errors import InterfaceError, ObjectStoreError, StateStoreError
 from .ids import DELTA, SNAPSHOT, StoreId, file_key
 from .objectstore import open_object_store
+from .objectstore.cache import CachingObjectStore
 from .engine import State
 from .protocol import (
     CLOSED,
@@ -55,6 +56,7 @@ from .protocol import (
     Stats,
     UnknownHandleError,
 )
+from .maintenance import Maintenance
 from .registry import ObjectStores, StoreRegistry
 from .uploader import Uploader, UploadState
 
@@ -383,11 +385,15 @@ class Daemon:
             s3 = config.s3_options()
 
             def open_objstore(uri: str):
-                return open_object_store(uri, s3_options=s3)
+                store = open_object_store(uri, s3_options=s3)
+                if config.cache_dir:
+                    store = CachingObjectStore(store, config.cache_dir, config.cache_bytes)
+                return store
 
         self.objstores = ObjectStores(open_objstore)
         self.uploader: Uploader | None = None
         self.registry: StoreRegistry | None = None
+        self.maintenance: Maintenance | None = None
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server = None
@@ -415,6 +421,10 @@ class Daemon:
         cfg = self.config
         self.uploader = Uploader(self.objstores, concurrency=cfg.upload_concurrency, queue_bytes=cfg.upload_queue_bytes)
         self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget)
+        self.maintenance = Maintenance(self.registry, self.objstores, snapshot_interval=cfg.snapshot_interval,
+                                       snapshot_delta_bytes=cfg.snapshot_delta_bytes,
+                                       retention_versions=cfg.retention_versions)
+        self.uploader.on_durable = self.maintenance.note_durable
         prepare_socket_path(cfg.socket, cfg.socket_mode)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), path=cfg.socket, backlog=1024)
@@ -446,6 +456,7 @@ class Daemon:
                        "requests_by_op": dict(self.requests_by_op)},
             "registry": self.registry.stats() if self.registry else {},
             "uploader": self.uploader.stats() if self.uploader else {},
+            "maintenance": self.maintenance.stats() if self.maintenance else {},
         }
 
     async def stop(self) -> bool:
@@ -462,6 +473,9 @@ class Daemon:
         drained = True
         if self.uploader is not None:
             drained = await self.uploader.drain(cfg.drain_timeout)
+        if self.maintenance is not None:
+            await self.maintenance.close()
+        if self.uploader is not None:
             if not drained:
                 log.error("drain timed out after %.1fs: %s", cfg.drain_timeout, self.uploader.stats())
             await self.uploader.close()

@@ -317,3 +317,13 @@ def test_model_random_batches_retries_and_aborts(batches):
         w = s.open(ref.version, ref.ckptid)
         assert dict(w.items()) == model[ref]
         w.abort()
+
+
+def test_a_snapshot_marked_late_still_cuts_later_lineages():
+    s = VersionedStore(SID)
+    refs = [commit_batch(s, v, [(k(v), b"x")]).ref for v in range(4)]  # versions 1..4
+    s.mark_snapshot(refs[1])  # the snapshot of version 2 became durable after version 4 was made
+    d = commit_batch(s, 4, [(k(9), b"y")])
+    assert d.lineage == (refs[3], refs[2], refs[1])
+    s.mark_snapshot(d.ref)
+    assert commit_batch(s, 5, [(k(9), b"z")]).lineage == (d.ref,)

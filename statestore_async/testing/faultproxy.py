@@ -23,8 +23,12 @@ _SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown
              b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
 
 
-async def _read_message(reader: asyncio.StreamReader) -> bytes | None:
-    """One HTTP/1.1 message (head + body by Content-Length or chunked), or None at EOF."""
+async def _read_message(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None = None) -> bytes | None:
+    """One HTTP/1.1 message (head + body by Content-Length or chunked), or None at EOF.
+
+    For a request with ``Expect: 100-continue`` (given the client's ``writer``) the proxy answers
+    ``100 Continue`` itself so the client sends its body, and drops that header going upstream.
+    """
     try:
         head = await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -35,6 +39,10 @@ async def _read_message(reader: asyncio.StreamReader) -> bytes | None:
         if b":" in line:
             k, v = line.split(b":", 1)
             headers[k.strip().lower()] = v.strip()
+    if writer is not None and headers.get(b"expect", b"").lower() == b"100-continue":
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        head = b"\r\n".join(l for l in lines if not l.lower().startswith(b"expect:"))
     body = b""
     if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
         parts = []
@@ -121,7 +129,7 @@ class FaultProxy:
                 return
             up_r, up_w = await asyncio.open_connection(*self.upstream)
             while True:
-                request = await _read_message(reader)
+                request = await _read_message(reader, writer)
                 if request is None:
                     return
                 self.stats["requests"] += 1

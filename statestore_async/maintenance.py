@@ -1,0 +1,127 @@
+"""Maintenance in the daemon, off the request path: snapshots and retention (DESIGN §4, §5).
+
+When the uploader reports a delta durable, its store is checked: if the head's delta chain (the
+deltas since its last snapshot) is ``snapshot_interval`` long or holds more than
+``snapshot_delta_bytes``, a snapshot of the head is written from a frozen view — in bounded steps,
+giving way to requests between steps — with ``put_if_absent``. Only once the snapshot is in the
+object store does the store learn of it (``mark_snapshot``), so later deltas' lineages stop there.
+After each snapshot, retention deletes files older than the window (the last ``retention_versions``
+versions) that no state in the window needs (``retention.cleanup_store`` with ``keep=None``).
+
+Maintenance never blocks a commit; it is best effort: a failed snapshot is retried at the next
+durable delta, a failed cleanup at the next snapshot.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from .checkpoint import snapshot_steps
+from .errors import ObjectExistsError, StateStoreError
+from .ids import SNAPSHOT, CheckpointRef, StoreId, file_key
+from .retention import cleanup_store
+
+log = logging.getLogger(__name__)
+
+
+async def _give_way() -> None:
+    await asyncio.sleep(0)
+
+
+class Maintenance:
+    """Snapshots and retention for the stores of one daemon's registry."""
+
+    def __init__(self, registry, objstores, *, snapshot_interval: int = 10, snapshot_delta_bytes: int = 256 << 20,
+                 retention_versions: int = 100, concurrency: int = 1):
+        self._registry = registry
+        self._objstores = objstores
+        self.snapshot_interval = snapshot_interval
+        self.snapshot_delta_bytes = snapshot_delta_bytes
+        self.retention_versions = retention_versions
+        self._chain_bytes: dict[StoreId, int] = {}
+        self._busy: set[StoreId] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._sem = asyncio.Semaphore(concurrency)
+        self._closed = False
+        self.counters = {"snapshots": 0, "snapshot_bytes": 0, "snapshot_errors": 0, "cleanups": 0,
+                         "files_deleted": 0, "cleanup_errors": 0}
+
+    def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int) -> None:
+        """The uploader made the delta of ``ref`` durable (``nbytes`` bytes): snapshot if due."""
+        if self._closed:
+            return
+        self._chain_bytes[store_id] = self._chain_bytes.get(store_id, 0) + nbytes
+        store = self._registry.get(store_id)
+        if store is None or store.head != ref or store_id in self._busy:
+            return
+        chain = len(store.lineage)
+        if chain >= self.snapshot_interval or self._chain_bytes[store_id] >= self.snapshot_delta_bytes:
+            self._busy.add(store_id)
+            task = asyncio.get_running_loop().create_task(self._snapshot(store_id, ref))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _snapshot(self, store_id: StoreId, ref: CheckpointRef) -> None:
+        try:
+            async with self._sem:
+                store = self._registry.get(store_id)
+                if store is None or self._closed:
+                    return
+                # the head may have moved on since: a snapshot is self-contained, take the head now
+                ref = store.head
+                if ref.version == 0 or store.has_snapshot(ref):
+                    return
+                view = store.freeze()
+                try:
+                    data = None
+                    for item in snapshot_steps(view):
+                        if item is None:
+                            await _give_way()
+                        else:
+                            data = item
+                finally:
+                    view.release()
+                objstore = self._objstores(store_id.root)
+                key = file_key(store_id, ref, SNAPSHOT)
+                try:
+                    await objstore.put_if_absent(key, data)
+                except ObjectExistsError:
+                    pass  # the same state, snapshotted by another holder of it: same records
+                store.mark_snapshot(ref)
+                self._chain_bytes[store_id] = 0
+                self.counters["snapshots"] += 1
+                self.counters["snapshot_bytes"] += len(data)
+                log.info("snapshot of %s at %s: %d bytes", store_id, ref, len(data))
+                await self._cleanup(objstore, store_id, ref)
+        except StateStoreError as exc:
+            self.counters["snapshot_errors"] += 1
+            log.warning("snapshot of %s at %s failed (retried at the next durable delta): %s", store_id, ref, exc)
+        except Exception:
+            self.counters["snapshot_errors"] += 1
+            log.exception("snapshot of %s at %s failed", store_id, ref)
+        finally:
+            self._busy.discard(store_id)
+
+    async def _cleanup(self, objstore, store_id: StoreId, ref: CheckpointRef) -> None:
+        min_version = ref.version - self.retention_versions + 1
+        if min_version <= 1:
+            return
+        try:
+            report = await cleanup_store(objstore, store_id, None, min_version=min_version)
+        except StateStoreError as exc:
+            self.counters["cleanup_errors"] += 1
+            log.warning("retention of %s failed (retried after the next snapshot): %s", store_id, exc)
+            return
+        self.counters["cleanups"] += 1
+        self.counters["files_deleted"] += len(report.deleted)
+
+    async def close(self) -> None:
+        """Stop: cancel snapshots in progress (they are optional; the deltas are the truth)."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stats(self) -> dict:
+        return {"in_progress": len(self._busy), **self.counters}

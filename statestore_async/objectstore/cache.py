@@ -1,0 +1,174 @@
+"""``CachingObjectStore``: a bounded local-disk cache of checkpoint files in front of another store.
+
+Delta and snapshot files never change once written, so a copy is kept on local disk when one is
+uploaded (``put_if_absent`` succeeded) or downloaded whole; later GETs of it read the copy. A
+daemon restarted on the same node therefore reloads its stores without downloading them. Only
+checkpoint files are cached (manifests and anything else pass through). The cache is bounded by
+bytes, least recently used out first; ``forget`` drops a copy (the loader does it when a cached copy
+fails its checksums, then reads the origin). Copies are written atomically (temp + rename), so a
+crash never leaves a partial copy behind.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from ..ids import parse_file_name
+from .base import ObjectInfo, ObjectStore, check_key
+
+log = logging.getLogger(__name__)
+
+
+class CachingObjectStore(ObjectStore):
+    """``inner`` with a local cache of its checkpoint files in ``cache_dir`` (at most ``max_bytes``)."""
+
+    def __init__(self, inner: ObjectStore, cache_dir: str | os.PathLike, max_bytes: int):
+        self.inner = inner
+        self.uri = inner.uri
+        self.max_bytes = max_bytes
+        self.dir = Path(cache_dir) / hashlib.sha256(inner.uri.encode()).hexdigest()[:20]
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._lru: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
+        self.total = 0
+        self.hits = 0
+        self.misses = 0
+        self._scan()
+
+    def _scan(self) -> None:
+        found = []
+        for dirpath, _, names in os.walk(self.dir):
+            for name in names:
+                p = Path(dirpath) / name
+                if name.startswith(".tmp-"):
+                    p.unlink(missing_ok=True)
+                    continue
+                st = p.stat()
+                found.append((st.st_atime, p.relative_to(self.dir).as_posix(), st.st_size))
+        for _, key, size in sorted(found):
+            self._lru[key] = size
+            self.total += size
+
+    @staticmethod
+    def cacheable(key: str) -> bool:
+        return parse_file_name(key) is not None
+
+    def _path(self, key: str) -> Path:
+        return self.dir.joinpath(*check_key(key).split("/"))
+
+    def _touch(self, key: str) -> bool:
+        with self._lock:
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                return True
+            return False
+
+    def _store(self, key: str, data) -> None:
+        """Write a copy (in a worker thread) and evict to the bound."""
+        if len(data) > self.max_bytes:
+            return
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:  # a full or broken cache disk only costs downloads
+            tmp.unlink(missing_ok=True)
+            log.warning("cannot cache %s: %s", key, exc)
+            return
+        with self._lock:
+            old = self._lru.pop(key, 0)
+            self._lru[key] = len(data)
+            self.total += len(data) - old
+            victims = []
+            while self.total > self.max_bytes and self._lru:
+                k, size = self._lru.popitem(last=False)
+                self.total -= size
+                victims.append(k)
+        for k in victims:
+            self._path(k).unlink(missing_ok=True)
+
+    def forget(self, key: str) -> bool:
+        """Drop the cached copy of ``key``; True if there was one."""
+        with self._lock:
+            size = self._lru.pop(key, None)
+            if size is None:
+                return False
+            self.total -= size
+        self._path(key).unlink(missing_ok=True)
+        return True
+
+    def _read(self, key: str, start, end) -> bytes | None:
+        try:
+            with open(self._path(key), "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read() if end is None else f.read(max(0, end - (start or 0)))
+        except OSError:
+            self.forget(key)
+            return None
+
+    # --- the contract ------------------------------------------------------------------------------
+    async def put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
+        info = await self.inner.put_if_absent(key, data)
+        if self.cacheable(key):
+            await asyncio.to_thread(self._store, key, data)
+        return info
+
+    async def put(self, key: str, data: bytes) -> ObjectInfo:
+        self.forget(key)
+        return await self.inner.put(key, data)
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if self.cacheable(key) and self._touch(key):
+            data = await asyncio.to_thread(self._read, key, start, end)
+            if data is not None:
+                self.hits += 1
+                return data
+        self.misses += 1
+        data = await self.inner.get(key, start, end)
+        if self.cacheable(key) and start is None and end is None:
+            await asyncio.to_thread(self._store, key, data)
+        return data
+
+    async def get_stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
+        if self.cacheable(key) and self._touch(key):
+            data = await asyncio.to_thread(self._read, key, None, None)
+            if data is not None:
+                self.hits += 1
+                for i in range(0, len(data), chunk_size):
+                    yield data[i : i + chunk_size]
+                return
+        self.misses += 1
+        parts = []
+        async for chunk in self.inner.get_stream(key, chunk_size):
+            parts.append(chunk)
+            yield chunk
+        if self.cacheable(key):
+            await asyncio.to_thread(self._store, key, b"".join(parts))
+
+    async def head(self, key: str) -> ObjectInfo:
+        return await self.inner.head(key)
+
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    async def delete(self, key: str) -> None:
+        self.forget(key)
+        await self.inner.delete(key)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    @property
+    def counts(self):
+        return getattr(self.inner, "counts", None)

@@ -1,0 +1,310 @@
+"""Durability on a real S3 server (SeaweedFS): async uploads, AWAIT_DURABLE, faults survived,
+recovery from S3 alone, snapshots and retention in the daemon, and the local cache."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import botocore.session
+import pytest
+
+from statestore_async.client import AsyncClient
+from statestore_async.config import DaemonConfig
+from statestore_async.errors import ObjectNotFoundError
+from statestore_async.ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
+from statestore_async.loader import load_store
+from statestore_async.objectstore.s3 import S3ObjectStore
+from statestore_async.server import Daemon
+from statestore_async.testing.faultproxy import FaultProxy
+
+pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
+
+
+def key(i: int) -> bytes:
+    return (i % 4096).to_bytes(2, "big") + b"key-%06d" % i
+
+
+@pytest.fixture
+def sockdir():
+    d = tempfile.mkdtemp(prefix="ssd-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def aws_env(monkeypatch, seaweedfs):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture
+def proxy(seaweedfs):
+    p = FaultProxy(seaweedfs.port).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def s3(seaweedfs, s3_bucket):
+    """A direct S3 client on the server (not through the proxy): the test's own eyes."""
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=seaweedfs.endpoint_url, aws_access_key_id=seaweedfs.access_key,
+        aws_secret_access_key=seaweedfs.secret_key, region_name="us-east-1")
+
+
+def exists(s3, bucket, k) -> bool:
+    try:
+        s3.head_object(Bucket=bucket, Key=k)
+        return True
+    except s3.exceptions.ClientError:
+        return False
+
+
+@pytest.fixture
+async def make_daemon(sockdir, aws_env):
+    started = []
+
+    async def make(endpoint, **settings):
+        settings.setdefault("socket", f"{sockdir}/n{len(started)}/d.sock")
+        cfg = DaemonConfig(s3_endpoint_url=endpoint, s3_region="us-east-1", s3_addressing_style="path", **settings)
+        d = Daemon(cfg)
+        await d.start()
+        started.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in started:
+            await d.stop()
+
+
+async def commit_version(client, sid, version, n=200, salt=0, ckptid=None):
+    h = await client.open(sid, version, ckptid)
+    await h.put_many([(key(i), b"v%d-%d-%d" % (version, i, salt)) for i in range(version * 10, version * 10 + n)])
+    t = time.perf_counter()
+    ref = await h.commit()
+    return ref, time.perf_counter() - t
+
+
+async def test_commit_returns_before_the_upload_and_durable_means_the_object_exists(
+        make_daemon, proxy, s3, s3_bucket, sockdir):
+    proxy.latency = 0.5
+    d = await make_daemon(proxy.endpoint_url)
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    async with AsyncClient(d.config.socket) as c:
+        ref, took = await commit_version(c, sid, 0)
+        k = f"ckpt/{file_key(sid, ref, DELTA)}"
+        assert took < 0.25  # the commit did not wait for the 0.5 s PUT
+        assert not exists(s3, s3_bucket, k)
+        assert await c.await_durable(sid, ref, timeout=20)
+        assert exists(s3, s3_bucket, k)  # checked with our own HEAD on the server
+
+
+async def test_ten_percent_503_is_invisible_and_everything_becomes_durable(make_daemon, proxy, s3, s3_bucket):
+    proxy.error_rate = 0.10
+    d = await make_daemon(proxy.endpoint_url)
+    async with AsyncClient(d.config.socket) as c:
+        refs = []
+        for p in range(6):
+            sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", p)
+            v, ckpt = 0, None
+            for _ in range(5):
+                ref, _ = await commit_version(c, sid, v, n=50, ckptid=ckpt)
+                refs.append((sid, ref))
+                v, ckpt = ref.version, ref.ckptid
+        for sid, ref in refs:
+            assert await c.await_durable(sid, ref, timeout=60)
+            assert exists(s3, s3_bucket, f"ckpt/{file_key(sid, ref, DELTA)}")
+    assert proxy.stats["503"] > 0
+
+
+async def test_an_outage_keeps_commits_returning_until_the_queue_bound_then_durability_resumes(
+        make_daemon, proxy, s3, s3_bucket):
+    # a queue bound of about 3 deltas: three commits return at once, the fourth waits for S3
+    d = await make_daemon(proxy.endpoint_url, upload_queue_bytes=3 * 200 * 30)
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    async with AsyncClient(d.config.socket) as c:
+        ref, _ = await commit_version(c, sid, 0)
+        assert await c.await_durable(sid, ref, timeout=20)
+        proxy.outage(5.0)
+        t0 = time.monotonic()
+        times, refs = [], [ref]
+        for _ in range(5):
+            ref, took = await commit_version(c, sid, refs[-1].version, ckptid=refs[-1].ckptid)
+            times.append(took)
+            refs.append(ref)
+        assert max(times[:3]) < 0.5, times  # commits keep returning during the outage ...
+        assert sum(times) > 2.0, times  # ... until the queue is full: then they wait (never dropped)
+        for r in refs:
+            assert await c.await_durable(sid, r, timeout=60)
+        assert time.monotonic() - t0 >= 4.5
+        for r in refs:
+            assert exists(s3, s3_bucket, f"ckpt/{file_key(sid, r, DELTA)}")
+    assert proxy.stats["outage"] > 0
+
+
+async def test_two_daemons_at_the_same_version_both_files_exist(make_daemon, seaweedfs, s3, s3_bucket):
+    a = await make_daemon(seaweedfs.endpoint_url)
+    b = await make_daemon(seaweedfs.endpoint_url)
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    async with AsyncClient(a.config.socket) as ca, AsyncClient(b.config.socket) as cb:
+        ra, _ = await commit_version(ca, sid, 0, salt=1)
+        rb, _ = await commit_version(cb, sid, 0, salt=2)
+        assert ra.version == rb.version == 1 and ra.ckptid != rb.ckptid
+        assert await ca.await_durable(sid, ra, timeout=20) and await cb.await_durable(sid, rb, timeout=20)
+    for r, salt in ((ra, 1), (rb, 2)):
+        assert exists(s3, s3_bucket, f"ckpt/{file_key(sid, r, DELTA)}")
+        async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
+            store, _ = await load_store(st, sid, r)
+            assert store.get(key(10)) == b"v0-10-%d" % salt  # nothing overwritten
+
+
+async def test_recovery_from_s3_alone_snapshot_plus_20_deltas(make_daemon, seaweedfs, s3_bucket):
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    model: dict = {}
+    a = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=5)
+    async with AsyncClient(a.config.socket) as c:
+        ref = CheckpointRef(0, "")
+        for v in range(5):
+            h = await c.open(sid, ref.version, ref.ckptid or None)
+            items = [(key(i), b"a%d-%d" % (v, i)) for i in range(v * 300, v * 300 + 1000)]
+            await h.put_many(items)
+            model.update(items)
+            ref = await h.commit()
+        assert await c.await_durable(sid, ref, timeout=20)
+    for _ in range(100):  # maintenance snapshots version 5 in the background
+        if a.maintenance.counters["snapshots"]:
+            break
+        await asyncio.sleep(0.05)
+    await a.stop()
+    b = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=1000)
+    async with AsyncClient(b.config.socket) as c:
+        for v in range(5, 25):
+            h = await c.open(sid, ref.version, ref.ckptid)
+            items = [(key(i), b"b%d-%d" % (v, i)) for i in range(v * 97, v * 97 + 400)]
+            removes = [key(i) for i in range(v, 5000, 251)]
+            await h.put_many(items)
+            await h.remove_many(removes)
+            model.update(items)
+            for r in removes:
+                model.pop(r, None)
+            ref = await h.commit()
+        assert await c.await_durable(sid, ref, timeout=30)
+    await b.stop()
+    assert ref.version == 25
+    # a fresh daemon, no cache: everything comes from S3
+    fresh = await make_daemon(seaweedfs.endpoint_url)
+    async with AsyncClient(fresh.config.socket) as c:
+        h = await c.open(sid, ref.version, ref.ckptid)
+        got = dict([(k, v) async for k, v in h.scan(b"")])
+        await h.abort()
+    assert got == model
+    async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
+        store, report = await load_store(st, sid, ref)
+        assert report.snapshot.version == 5 and len(report.deltas) == 20 and st.counts["LIST"] == 0
+        assert dict(store.items()) == model
+
+
+async def test_snapshots_every_n_and_retention_keeps_the_window_loadable(make_daemon, seaweedfs, s3_bucket):
+    d = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=3, retention_versions=4)
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    states = {}
+    async with AsyncClient(d.config.socket) as c:
+        ref = CheckpointRef(0, "")
+        for v in range(13):
+            h = await c.open(sid, ref.version, ref.ckptid or None)
+            await h.put_many([(key(i), b"%d" % v) for i in range(v, v + 20)])
+            ref = await h.commit()
+            assert await c.await_durable(sid, ref, timeout=20)
+            for _ in range(100):
+                if not d.maintenance.stats()["in_progress"]:
+                    break
+                await asyncio.sleep(0.05)
+            states[ref] = None
+    async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
+        names = {o.key async for o in st.list(sid.prefix + "/")}
+        snaps = sorted(int(n.rsplit("/", 1)[1].split("_")[0]) for n in names if n.endswith(".snapshot"))
+        assert d.maintenance.counters["snapshots"] == 4  # versions 3, 6, 9 and 12
+        assert {9, 12} <= set(snaps) and d.maintenance.counters["files_deleted"] > 0
+        versions = sorted(int(n.rsplit("/", 1)[1].split("_")[0]) for n in names)
+        assert min(versions) == 9  # the window is 9..12 and 9 has its own snapshot: older files are gone ...
+        for r in sorted(states)[-4:]:  # ... and every state of the window still loads
+            store, _ = await load_store(st, sid, r)
+            assert store.head == r
+
+
+async def test_a_restart_on_the_same_node_reloads_from_the_local_cache(make_daemon, seaweedfs, s3_bucket, tmp_path):
+    cache = str(tmp_path / "cache")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    a = await make_daemon(seaweedfs.endpoint_url, cache_dir=cache)
+    async with AsyncClient(a.config.socket) as c:
+        ref = CheckpointRef(0, "")
+        for v in range(4):
+            ref, _ = await commit_version(c, sid, ref.version, ckptid=ref.ckptid or None)
+        assert await c.await_durable(sid, ref, timeout=20)
+    await a.stop()
+    b = await make_daemon(seaweedfs.endpoint_url, cache_dir=cache)
+    async with AsyncClient(b.config.socket) as c:
+        h = await c.open(sid, ref.version, ref.ckptid)
+        assert await h.get_many([key(35)]) == [b"v3-35-0"]
+        await h.abort()
+    objstore = b.objstores(sid.root)
+    # the 4 deltas come from the cache; the one request to S3 is the probe for a snapshot of
+    # version 4, which does not exist (a 404): nothing is downloaded
+    assert objstore.hits == 4 and objstore.misses == 1 and objstore.counts["GET"] == 1
+
+
+KILL_SCRIPT = """
+import asyncio, sys
+from statestore_async.config import load_config
+from statestore_async.server import run
+sys.exit(run(load_config(overrides={"socket": sys.argv[1], "s3_endpoint_url": sys.argv[2], "s3_region": "us-east-1",
+                                    "s3_addressing_style": "path", "loop": "uvloop"})))
+"""
+
+
+async def test_a_daemon_killed_before_upload_loses_only_versions_never_reported_durable(
+        proxy, s3, s3_bucket, sockdir, aws_env, seaweedfs):
+    sock = f"{sockdir}/k.sock"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, sock, proxy.endpoint_url],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    try:
+        for _ in range(200):
+            if os.path.exists(sock):
+                break
+            await asyncio.sleep(0.05)
+        sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+        async with AsyncClient(sock) as c:
+            durable, _ = await commit_version(c, sid, 0)
+            assert await c.await_durable(sid, durable, timeout=20)
+            proxy.outage(30)
+            lost = [durable]
+            for _ in range(3):
+                r, _ = await commit_version(c, sid, lost[-1].version, ckptid=lost[-1].ckptid)
+                lost.append(r)
+            assert not await c.await_durable(sid, lost[-1], timeout=0.5)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    proxy.outage(0)
+    assert exists(s3, s3_bucket, f"ckpt/{file_key(sid, durable, DELTA)}")
+    for r in lost[1:]:
+        assert not exists(s3, s3_bucket, f"ckpt/{file_key(sid, r, DELTA)}")
+    async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
+        store, _ = await load_store(st, sid, durable)  # what was reported durable is there
+        assert store.get(key(10)) == b"v0-10-0"
+        with pytest.raises(Exception):
+            await load_store(st, sid, lost[-1])
+        with pytest.raises(ObjectNotFoundError):
+            await st.head(file_key(sid, lost[1], SNAPSHOT))
