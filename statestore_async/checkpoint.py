@@ -196,8 +196,10 @@ def group_by_key_group(chunks: Iterable[list]) -> Iterator[list]:
                 b.append(rec)
         yield None
     ordered: list = []
-    for kg in sorted(buckets):
+    for i, kg in enumerate(sorted(buckets)):
         ordered.extend(buckets[kg])
+        if i % 256 == 255:
+            yield None
     yield ordered
 
 

@@ -232,6 +232,15 @@ class VersionedStore:
     def has_snapshot(self, ref: CheckpointRef) -> bool:
         return ref in self._snapshots
 
+    def deltas_since_snapshot(self) -> int:
+        """Deltas a load of the head would replay on top of its newest known snapshot (or version 0)."""
+        n = 0
+        for r in (self._head,) + self._lineage:
+            if r in self._snapshots or r.version == 0:
+                break
+            n += 1
+        return n
+
     # --- reading the committed state --------------------------------------------------------------
     def get(self, key: bytes):
         """The committed value of ``key`` at the head (None if absent)."""

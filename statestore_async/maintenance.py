@@ -23,6 +23,11 @@ from .retention import cleanup_store
 
 log = logging.getLogger(__name__)
 
+# Snapshot work between two yields to the event loop: small enough that a request waiting behind
+# it is delayed by about a millisecond, not tens.
+STEP_RECORDS = 4096
+STEP_BLOCK_BYTES = 256 << 10
+
 
 async def _give_way() -> None:
     await asyncio.sleep(0)
@@ -52,10 +57,10 @@ class Maintenance:
             return
         self._chain_bytes[store_id] = self._chain_bytes.get(store_id, 0) + nbytes
         store = self._registry.get(store_id)
-        if store is None or store.head != ref or store_id in self._busy:
+        if store is None or store_id in self._busy:
             return
-        chain = len(store.lineage)
-        if chain >= self.snapshot_interval or self._chain_bytes[store_id] >= self.snapshot_delta_bytes:
+        if (store.deltas_since_snapshot() >= self.snapshot_interval
+                or self._chain_bytes[store_id] >= self.snapshot_delta_bytes):
             self._busy.add(store_id)
             task = asyncio.get_running_loop().create_task(self._snapshot(store_id, ref))
             self._tasks.add(task)
@@ -74,7 +79,7 @@ class Maintenance:
                 view = store.freeze()
                 try:
                     data = None
-                    for item in snapshot_steps(view):
+                    for item in snapshot_steps(view, chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES):
                         if item is None:
                             await _give_way()
                         else:

@@ -40,6 +40,10 @@ class ObjectStores:
             store = self._stores[root] = self._open(root)
         return store
 
+    def stats(self) -> dict:
+        """Requests sent to each root's object store, by kind (PUT, GET, HEAD, LIST, DELETE)."""
+        return {root: dict(getattr(s, "counts", None) or {}) for root, s in self._stores.items()}
+
     async def close(self) -> None:
         stores, self._stores = list(self._stores.values()), {}
         for s in stores:

@@ -33,6 +33,7 @@ from .errors import InterfaceError, ObjectStoreError, StateStoreError
 from .ids import DELTA, SNAPSHOT, StoreId, file_key
 from .objectstore import open_object_store
 from .objectstore.cache import CachingObjectStore
+from .objectstore.s3 import warm_up as s3_warm_up
 from .engine import State
 from .protocol import (
     CLOSED,
@@ -425,6 +426,7 @@ class Daemon:
                                        snapshot_delta_bytes=cfg.snapshot_delta_bytes,
                                        retention_versions=cfg.retention_versions)
         self.uploader.on_durable = self.maintenance.note_durable
+        await s3_warm_up()
         prepare_socket_path(cfg.socket, cfg.socket_mode)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), path=cfg.socket, backlog=1024)
@@ -457,6 +459,7 @@ class Daemon:
             "registry": self.registry.stats() if self.registry else {},
             "uploader": self.uploader.stats() if self.uploader else {},
             "maintenance": self.maintenance.stats() if self.maintenance else {},
+            "object_stores": self.objstores.stats(),
         }
 
     async def stop(self) -> bool:

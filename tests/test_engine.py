@@ -327,3 +327,14 @@ def test_a_snapshot_marked_late_still_cuts_later_lineages():
     assert d.lineage == (refs[3], refs[2], refs[1])
     s.mark_snapshot(d.ref)
     assert commit_batch(s, 5, [(k(9), b"z")]).lineage == (d.ref,)
+
+
+def test_deltas_since_snapshot_counts_the_chain_a_load_would_replay():
+    s = VersionedStore(SID)
+    assert s.deltas_since_snapshot() == 0
+    refs = [commit_batch(s, v, [(k(v), b"x")]).ref for v in range(5)]
+    assert s.deltas_since_snapshot() == 5
+    s.mark_snapshot(refs[2])
+    assert s.deltas_since_snapshot() == 2
+    s.mark_snapshot(refs[4])
+    assert s.deltas_since_snapshot() == 0

@@ -11,6 +11,7 @@ import asyncio
 import errno
 import os
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,7 @@ class LocalObjectStore(ObjectStore):
         self.root.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="localstore")
         self._closed = False
+        self.counts: Counter = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
@@ -119,9 +121,11 @@ class LocalObjectStore(ObjectStore):
         return self._stat(key, path)
 
     async def put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
+        self.counts["PUT"] += 1
         return await self._run(self._put_if_absent, key, data)
 
     async def put(self, key: str, data: bytes) -> ObjectInfo:
+        self.counts["PUT"] += 1
         return await self._run(self._put, key, data)
 
     # --- reads -----------------------------------------------------------------------------------
@@ -152,6 +156,7 @@ class LocalObjectStore(ObjectStore):
             raise _os_error(exc, key, "read") from exc
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.counts["GET"] += 1
         return await self._run(self._get, key, start, end)
 
     async def get_stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -165,6 +170,7 @@ class LocalObjectStore(ObjectStore):
             yield chunk
 
     async def head(self, key: str) -> ObjectInfo:
+        self.counts["HEAD"] += 1
         return await self._run(self._stat, key)
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
@@ -190,6 +196,7 @@ class LocalObjectStore(ObjectStore):
         return out
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        self.counts["LIST"] += 1
         for info in await self._run(self._list, prefix):
             yield info
 
@@ -202,6 +209,7 @@ class LocalObjectStore(ObjectStore):
             raise _os_error(exc, key, "delete") from exc
 
     async def delete(self, key: str) -> None:
+        self.counts["DELETE"] += 1
         await self._run(self._delete, key)
 
     async def close(self) -> None:
