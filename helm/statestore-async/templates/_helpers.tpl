@@ -139,3 +139,31 @@ seccompProfile:
 {{- with .Values.tolerations }}{{ $_ := set $s "tolerations" . }}{{ end }}
 {{- with $s }}{{ toYaml . }}{{ end }}
 {{- end }}
+
+{{/*
+Env the daemon and the `helm test` pod share: where the config is, and S3 credentials from the
+existing Secret when one is named (otherwise the AWS chain: IRSA / workload identity).
+*/}}
+{{- define "statestore-async.daemonEnv" -}}
+- name: STATESTORE_CONFIG
+  value: {{ include "statestore-async.configPath" . | quote }}
+{{- with .Values.s3.existingSecret }}
+- name: AWS_ACCESS_KEY_ID
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.accessKeyIdKey }}
+- name: AWS_SECRET_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.secretAccessKeyKey }}
+{{- if $.Values.s3.sessionTokenKey }}
+- name: AWS_SESSION_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.s3.sessionTokenKey }}
+{{- end }}
+{{- end }}
+{{- end }}
