@@ -308,3 +308,37 @@ async def test_a_daemon_killed_before_upload_loses_only_versions_never_reported_
             await load_store(st, sid, lost[-1])
         with pytest.raises(ObjectNotFoundError):
             await st.head(file_key(sid, lost[1], SNAPSHOT))
+
+
+async def test_retention_never_deletes_what_another_daemons_attempt_in_the_window_needs(
+        make_daemon, seaweedfs, s3_bucket):
+    a = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=2, retention_versions=3)
+    b = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=1000)
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    refs = {}
+
+    async def a_commits(ca, until):
+        ref = refs.get(max(refs)) if refs else CheckpointRef(0, "")
+        while ref.version < until:
+            ref, _ = await commit_version(ca, sid, ref.version, ckptid=ref.ckptid or None)
+            refs[ref.version] = ref
+            assert await ca.await_durable(sid, ref, timeout=20)
+            for _ in range(100):  # let maintenance (snapshot + retention) finish
+                if not a.maintenance.stats()["in_progress"]:
+                    break
+                await asyncio.sleep(0.05)
+
+    async with AsyncClient(a.config.socket) as ca, AsyncClient(b.config.socket) as cb:
+        await a_commits(ca, 8)
+        # node B, working the same store, loads version 8 from S3 and makes its own attempt at 9 ...
+        other, _ = await commit_version(cb, sid, 8, salt=7, ckptid=refs[8].ckptid)
+        assert await cb.await_durable(sid, other, timeout=20)
+        # ... while node A goes on to version 10 and its retention runs (window: versions 8..10)
+        await a_commits(ca, 10)
+    assert a.maintenance.counters["files_deleted"] > 0
+    async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
+        store, _ = await load_store(st, sid, other)  # B's attempt in the window still loads
+        assert store.get(key(90)) == b"v8-90-7"
+        for v in (8, 9, 10):
+            store, _ = await load_store(st, sid, refs[v])
+            assert store.head == refs[v]
