@@ -203,3 +203,19 @@ async def test_open_object_store_by_uri(tmp_path):
         open_object_store("ftp://host/x")
     with pytest.raises(InterfaceError):
         open_object_store("file://otherhost/x")
+
+
+async def test_s3_server_side_encryption_is_requested(seaweedfs, s3_bucket):
+    import botocore.session
+
+    async with S3ObjectStore(s3_bucket, "enc", sse="AES256", **seaweedfs.client_options()) as s:
+        await s.put_if_absent("op/0/default/1_x.delta", b"secret" * 100)
+        await s.put("op/_commits/1.json", b"{}")
+        assert await s.get("op/0/default/1_x.delta", 0, 6) == b"secret"
+    raw = botocore.session.get_session().create_client(
+        "s3", endpoint_url=seaweedfs.endpoint_url, aws_access_key_id=seaweedfs.access_key,
+        aws_secret_access_key=seaweedfs.secret_key, region_name="us-east-1")
+    for k in ("enc/op/0/default/1_x.delta", "enc/op/_commits/1.json"):
+        assert raw.head_object(Bucket=s3_bucket, Key=k)["ServerSideEncryption"] == "AES256"
+    with pytest.raises(InterfaceError):
+        S3ObjectStore(s3_bucket, "", sse="rot13")
