@@ -1,4 +1,4 @@
-"""``statestore-async`` command line: ``serve``, ``health``, ``selftest``.
+"""``statestore-async`` command line: ``serve``, ``health``, ``selftest``, ``inspect``, ``verify``, ``gc``.
 
 Settings come from flags > ``STATESTORE_*`` environment > ``--config`` TOML file > defaults
 (``config.load_config``); every ``DaemonConfig`` setting has a flag (``--memory-budget 2GiB``).
@@ -149,6 +149,88 @@ def _cleanup(store_id, refs, file_key) -> None:
         asyncio.run(go())
     except Exception as exc:  # the daemon's node may see a root this pod cannot
         click.echo(f"note: could not remove the scratch files of {store_id}: {exc}", err=True)
+
+
+def _open_root(root: str):
+    """The object store of a checkpoint root, with the S3 settings of the daemon config if readable."""
+    from .objectstore import open_object_store
+
+    try:
+        s3 = load_config().s3_options()
+    except StateStoreError:
+        s3 = None
+    return open_object_store(root, s3_options=s3)
+
+
+def _run_tool(coro_fn):
+    import asyncio
+
+    try:
+        return asyncio.run(coro_fn())
+    except StateStoreError as exc:
+        click.echo(f"statestore-async: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("root")
+@click.argument("key")
+def inspect(root, key):
+    """Show and check one checkpoint file: ROOT is the checkpoint root URI, KEY the file's key under it."""
+    from .tools import inspect_file
+
+    async def go():
+        async with _open_root(root) as objstore:
+            return await inspect_file(objstore, key)
+
+    r = _run_tool(go)
+    click.echo(f"{r.name}: {r.kind} of {r.store} at version {r.version} ({r.ckptid}), {r.size} bytes, codec {r.codec}")
+    click.echo(f"  lineage: {' <- '.join(r.lineage) or '(none)'}")
+    click.echo(f"  records: {r.records} ({r.tombstones} tombstones) in {len(r.blocks)} blocks; checksums OK")
+    for off, length, count, first, last in r.blocks:
+        click.echo(f"  block @{off}: {length} bytes, {count} records, key groups {first}..{last}")
+
+
+@main.command()
+@click.argument("root")
+@click.option("--operator", "operator_id", required=True, help="operator id")
+@click.option("--version", type=int, default=None, help="manifest version (default: the latest)")
+def verify(root, operator_id, version):
+    """Load every partition a manifest names from files alone, checking every checksum (exit 1 on error)."""
+    from .tools import verify_operator
+
+    async def go():
+        async with _open_root(root) as objstore:
+            return await verify_operator(objstore, root, operator_id, version)
+
+    r = _run_tool(go)
+    for (store, p), info in sorted(r.partitions.items()):
+        click.echo(f"  {store}/{p}: {info['ref']} OK, {info['records']} records from {info['files']} files ({info['bytes']} bytes)")
+    for (store, p), msg in sorted(r.errors.items()):
+        click.echo(f"  {store}/{p}: FAILED {msg}", err=True)
+    click.echo(f"version {r.version}: {len(r.partitions)} partitions OK, {len(r.errors)} failed")
+    sys.exit(0 if r.ok else 1)
+
+
+@main.command()
+@click.argument("root")
+@click.option("--operator", "operator_id", required=True, help="operator id")
+@click.option("--keep", type=int, default=100, show_default=True, help="manifests (versions) to keep loadable")
+@click.option("--dry-run", is_flag=True, help="list what would be deleted, delete nothing")
+def gc(root, operator_id, keep, dry_run):
+    """Delete checkpoint files and manifests that none of the last KEEP versions needs."""
+    from .tools import gc_operator
+
+    async def go():
+        async with _open_root(root) as objstore:
+            return await gc_operator(objstore, root, operator_id, keep, dry_run=dry_run)
+
+    r = _run_tool(go)
+    verb = "would delete" if dry_run else "deleted"
+    for k in r.deleted_files + r.deleted_manifests:
+        click.echo(f"  {verb} {k}")
+    click.echo(f"kept versions {r.kept_manifests[:1]}..{r.kept_manifests[-1:]}; {verb} {len(r.deleted_files)} files and "
+               f"{len(r.deleted_manifests)} manifests")
 
 
 if __name__ == "__main__":
