@@ -44,6 +44,7 @@ class Maintenance:
         self.snapshot_delta_bytes = snapshot_delta_bytes
         self.retention_versions = retention_versions
         self._chain_bytes: dict[StoreId, int] = {}
+        self._headers: dict[StoreId, dict] = {}  # per store: file key -> parsed header (files never change)
         self._busy: set[StoreId] = set()
         self._tasks: set[asyncio.Task] = set()
         self._sem = asyncio.Semaphore(concurrency)
@@ -112,7 +113,10 @@ class Maintenance:
         if min_version <= 1:
             return
         try:
-            report = await cleanup_store(objstore, store_id, None, min_version=min_version)
+            headers = self._headers.setdefault(store_id, {})
+            if len(headers) > 4 * self.retention_versions:  # attempts pile up only in odd cases
+                headers.clear()
+            report = await cleanup_store(objstore, store_id, None, min_version=min_version, header_cache=headers)
         except StateStoreError as exc:
             self.counters["cleanup_errors"] += 1
             log.warning("retention of %s failed (retried after the next snapshot): %s", store_id, exc)

@@ -29,16 +29,21 @@ class CleanupReport:
     kept_recent: int = 0
 
 
-async def _read_header(objstore, key: str):
+async def _read_header(objstore, key: str, cache: dict | None = None):
+    if cache is not None and key in cache:
+        return cache[key]
     head = await objstore.get(key, 0, 65536)
     need = header_length(head, key)
     if len(head) < need:
         head = await objstore.get(key, 0, need)
-    return parse_header(head, key)
+    header = parse_header(head, key)
+    if cache is not None:
+        cache[key] = header  # files never change: a header read once stays true
+    return header
 
 
 async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef], existing: set[str],
-                       *, skip_broken: bool = False) -> set[str]:
+                       *, skip_broken: bool = False, header_cache: dict | None = None) -> set[str]:
     """Every file the loads of ``keep`` read, given the set of existing keys.
 
     A kept state that cannot load raises ``LineageError`` — or, with ``skip_broken``, is left out
@@ -59,7 +64,7 @@ async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef
                 return
             if delta not in existing:
                 raise LineageError(f"state {ref} (needed by {wanted_by}) has no file in {store_id}")
-            header = await _read_header(objstore, delta)
+            header = await _read_header(objstore, delta, header_cache)
             lineage = header.lineage
             for r in lineage[:-1]:
                 k = file_key(store_id, r, DELTA)
@@ -89,11 +94,14 @@ async def cleanup_store(
     *,
     min_version: int,
     dry_run: bool = False,
+    header_cache: dict | None = None,
 ) -> CleanupReport:
     """Delete the files of ``store_id`` older than ``min_version`` that no kept state needs.
 
     ``keep=None`` keeps every state that has a file at ``min_version`` or above (every attempt in
     the window, in a manifest or not); states among those that cannot load are skipped.
+    ``header_cache`` (key → parsed header), kept by a caller across cleanups, saves re-reading
+    the headers of files that were already walked; deleted files leave it.
     """
     keep = list(keep) if keep is not None else None
     if keep is not None and not keep:
@@ -112,7 +120,8 @@ async def cleanup_store(
         keep = sorted({ref for ref in files.values() if ref.version >= min_version}, reverse=True)
         if not keep:
             return report
-    report.needed = await needed_files(objstore, store_id, keep, set(files), skip_broken=window)
+    report.needed = await needed_files(objstore, store_id, keep, set(files), skip_broken=window,
+                                       header_cache=header_cache)
     for key, ref in sorted(files.items(), key=lambda kv: kv[1].version):
         if ref.version >= min_version:
             report.kept_recent += 1
@@ -121,6 +130,8 @@ async def cleanup_store(
             continue
         if not dry_run:
             await objstore.delete(key)
+            if header_cache is not None:
+                header_cache.pop(key, None)
         report.deleted.append(key)
     log.info("cleanup of %s: %d files, %d needed, %d deleted", store_id, report.listed, len(report.needed), len(report.deleted))
     return report
