@@ -6,7 +6,8 @@ before it happens, and every count is checked against the bytes left before anyt
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport Py_INCREF, PyObject
+from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
@@ -24,6 +25,10 @@ __all__ = [
     "decode_optional_list",
     "encode_pairs",
     "decode_pairs",
+    "check_list",
+    "check_pairs",
+    "encode_frame_list",
+    "encode_frame_pairs",
 ]
 
 HEADER_SIZE = 10
@@ -325,3 +330,171 @@ def decode_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFF
         Py_INCREF(item)
         PyList_SET_ITEM(out, i, item)
     return out, pos
+
+
+
+def check_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
+    """``(count, end offset)`` of an ``encode_list`` payload, validated like ``decode_list``."""
+    cdef const uint8_t[::1] mv = buf
+    cdef Py_ssize_t end = mv.shape[0]
+    cdef Py_ssize_t pos = _start(offset, end, "list")
+    if end == 0:
+        raise DecodeError(f"list: truncated at byte {pos}")
+    cdef const uint8_t* base = &mv[0]
+    cdef uint32_t n = _count(base, pos, end, max_count, 4, "list")
+    pos += 4
+    cdef uint32_t i, ln
+    for i in range(n):
+        if end - pos < 4:
+            raise DecodeError(f"list: truncated at byte {pos}")
+        ln = _rd32(base + pos)
+        pos += 4
+        if <Py_ssize_t>ln > end - pos:
+            raise DecodeError(f"list: an item of {ln} bytes overruns the buffer at byte {pos}")
+        pos += ln
+    return n, pos
+
+
+def check_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
+    """``(count, end offset)`` of an ``encode_pairs`` payload, validated like ``decode_pairs``."""
+    cdef const uint8_t[::1] mv = buf
+    cdef Py_ssize_t end = mv.shape[0]
+    cdef Py_ssize_t pos = _start(offset, end, "pairs")
+    if end == 0:
+        raise DecodeError(f"pairs: truncated at byte {pos}")
+    cdef const uint8_t* base = &mv[0]
+    cdef uint32_t n = _count(base, pos, end, max_count, 8, "pairs")
+    pos += 4
+    cdef uint32_t i, kl, vl
+    for i in range(n):
+        if end - pos < 4:
+            raise DecodeError(f"pairs: truncated at byte {pos}")
+        kl = _rd32(base + pos)
+        pos += 4
+        if <Py_ssize_t>kl > end - pos:
+            raise DecodeError(f"pairs: a key of {kl} bytes overruns the buffer at byte {pos}")
+        pos += kl
+        if end - pos < 4:
+            raise DecodeError(f"pairs: truncated at byte {pos}")
+        vl = _rd32(base + pos)
+        pos += 4
+        if <Py_ssize_t>vl > end - pos:
+            raise DecodeError(f"pairs: a value of {vl} bytes overruns the buffer at byte {pos}")
+        pos += vl
+    return n, pos
+
+
+cdef inline int _check_header(int opcode, int flags, long long request_id) except -1:
+    if not (0 <= opcode <= 255 and 0 <= flags <= 255 and 0 <= request_id <= 0xFFFFFFFF):
+        raise EncodeError(f"frame header out of range: opcode={opcode} flags={flags} request_id={request_id}")
+    return 0
+
+
+cdef bytes _new_frame(int opcode, int flags, long long request_id, Py_ssize_t n, bytes head):
+    """A frame of payload size ``n`` whose header and ``head`` are written; the rest is to fill."""
+    if n > 0xFFFFFFFF:
+        raise EncodeError(f"a payload of {n} bytes does not fit a frame")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, _HEADER + n)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+    _wr32(o, <uint32_t>n)
+    o[4] = <uint8_t>opcode
+    o[5] = <uint8_t>flags
+    _wr32(o + 6, <uint32_t>request_id)
+    if PyBytes_GET_SIZE(head):
+        memcpy(o + _HEADER, PyBytes_AS_STRING(head), PyBytes_GET_SIZE(head))
+    return out
+
+
+def encode_frame_list(int opcode, int flags, long long request_id, head, items):
+    """``encode_frame(opcode, flags, request_id, head + encode_list(items))`` in one step."""
+    cdef bytes h = _as_bytes(head, "a head")
+    cdef list seq = items if type(items) is list else list(items)
+    cdef Py_ssize_t i, m = len(seq), total = PyBytes_GET_SIZE(h) + 4, ln
+    cdef object x
+    for i in range(m):
+        x = seq[i]
+        if type(x) is not bytes:
+            seq = [_as_bytes(y, "a list item") for y in seq]
+            break
+    cdef bytes b
+    for i in range(m):
+        b = <bytes>seq[i]
+        ln = PyBytes_GET_SIZE(b)
+        if ln > 0xFFFFFFFE:
+            raise EncodeError(f"an item of {ln} bytes is too long")
+        total += 4 + ln
+    _check_header(opcode, flags, request_id)
+    cdef bytes out = _new_frame(opcode, flags, request_id, total, h)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+    cdef Py_ssize_t pos = _HEADER + PyBytes_GET_SIZE(h)
+    _wr32(o + pos, <uint32_t>m)
+    pos += 4
+    for i in range(m):
+        b = <bytes>seq[i]
+        ln = PyBytes_GET_SIZE(b)
+        _wr32(o + pos, <uint32_t>ln)
+        pos += 4
+        if ln:
+            memcpy(o + pos, PyBytes_AS_STRING(b), ln)
+        pos += ln
+    return out
+
+
+cdef inline bint _exact_pair(object item):
+    return (type(item) is tuple and PyTuple_GET_SIZE(item) == 2
+            and type((<tuple>item)[0]) is bytes and type((<tuple>item)[1]) is bytes)
+
+
+cdef list _normalized_pairs(list seq):
+    """The pairs of ``seq`` as (bytes, bytes) tuples, or the errors ``encode_pairs`` raises."""
+    cdef list out = []
+    for item in seq:
+        try:
+            k, v = item
+        except (TypeError, ValueError):
+            raise EncodeError(f"pairs are (key, value) tuples, got {item!r:.80}") from None
+        out.append((_as_bytes(k, "a key"), _as_bytes(v, "a value")))
+    return out
+
+
+def encode_frame_pairs(int opcode, int flags, long long request_id, head, items):
+    """``encode_frame(opcode, flags, request_id, head + encode_pairs(items))`` in one step."""
+    cdef bytes h = _as_bytes(head, "a head")
+    cdef list seq = items if type(items) is list else list(items)
+    cdef Py_ssize_t i, m = len(seq), total = PyBytes_GET_SIZE(h) + 4, kl, vl
+    for i in range(m):
+        if not _exact_pair(seq[i]):
+            seq = _normalized_pairs(seq)
+            break
+    cdef tuple t
+    for i in range(m):
+        t = <tuple>seq[i]
+        kl = PyBytes_GET_SIZE(<bytes>t[0])
+        vl = PyBytes_GET_SIZE(<bytes>t[1])
+        if kl > 0xFFFFFFFE or vl > 0xFFFFFFFE:
+            raise EncodeError("a key or value is too long")
+        total += 8 + kl + vl
+    _check_header(opcode, flags, request_id)
+    cdef bytes out = _new_frame(opcode, flags, request_id, total, h)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+    cdef Py_ssize_t pos = _HEADER + PyBytes_GET_SIZE(h)
+    _wr32(o + pos, <uint32_t>m)
+    pos += 4
+    cdef bytes b
+    for i in range(m):
+        t = <tuple>seq[i]
+        b = <bytes>t[0]
+        kl = PyBytes_GET_SIZE(b)
+        _wr32(o + pos, <uint32_t>kl)
+        pos += 4
+        if kl:
+            memcpy(o + pos, PyBytes_AS_STRING(b), kl)
+        pos += kl
+        b = <bytes>t[1]
+        vl = PyBytes_GET_SIZE(b)
+        _wr32(o + pos, <uint32_t>vl)
+        pos += 4
+        if vl:
+            memcpy(o + pos, PyBytes_AS_STRING(b), vl)
+        pos += vl
+    return out

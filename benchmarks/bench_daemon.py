@@ -10,6 +10,8 @@ the same B keys back:
   (b) daemon  our blocking client → daemon (a separate process, uvloop): put_many + get_many
   (c) redis   redis-py against a local ``redis-server`` (``--save '' --appendonly no``), one
               pipeline per round: MSET + MGET (SET + GET at batch 1)
+  (d) arrow   the same client and daemon, batches as pyarrow binary arrays: put_many_arrow +
+              get_many_arrow (no Python object per key or value on the client; needs pyarrow)
 
 Round-trip latency p50/p99 is measured at batch 1 (one get_many / one GET per round trip).
 """
@@ -145,6 +147,10 @@ def bench(args) -> None:
     redis_proc, r = start_redis(redis_exe, folder) if redis_exe else (None, None)
     rows = []
     try:
+        import pyarrow as pa
+    except ImportError:
+        pa = None
+    try:
         client = Client(sock)
         h = client.open(StoreId(f"file://{folder}/root", "bench", 0), 0)
         for b in batches:
@@ -163,6 +169,16 @@ def bench(args) -> None:
 
             a = run_for(args.seconds, dict_round, 2 * b)
             c_ops = run_for(args.seconds, daemon_round, 2 * b)
+            if pa is not None:
+                akeys, avalues = pa.array(keys, pa.binary()), pa.array([v for _, v in items], pa.binary())
+
+                def arrow_round():
+                    h.put_many_arrow(akeys, avalues)
+                    h.get_many_arrow(akeys)
+
+                ar = run_for(args.seconds, arrow_round, 2 * b)
+            else:
+                ar = float("nan")
             if r is not None:
                 if b == 1:
                     k, v = items[0]
@@ -181,7 +197,7 @@ def bench(args) -> None:
                 rd = run_for(args.seconds, redis_round, 2 * b)
             else:
                 rd = float("nan")
-            rows.append((b, a, c_ops, rd))
+            rows.append((b, a, c_ops, rd, ar))
         p50, p99 = latencies(lambda: h.get_many(all_keys[:1]), 5000)
         if r is not None:
             rp50, rp99 = latencies(lambda: r.get(all_keys[0]), 5000)
@@ -204,8 +220,10 @@ def show(rows, lat) -> None:
         from rich.table import Table
     except ImportError:  # pragma: no cover
         Console = None
-    headers = ["batch", "(a) dict ops/s", "(b) daemon ops/s", "(c) redis ops/s", "(b)/(a)", "(b)/(c)"]
-    body = [[f"{b}", f"{a:,.0f}", f"{c:,.0f}", f"{rd:,.0f}", f"{c / a:.1%}", f"{c / rd:.2f}x"] for b, a, c, rd in rows]
+    headers = ["batch", "(a) dict ops/s", "(b) daemon ops/s", "(c) redis ops/s", "(b)/(a)", "(b)/(c)",
+               "(d) arrow ops/s", "(d)/(a)", "(d)/(c)"]
+    body = [[f"{b}", f"{a:,.0f}", f"{c:,.0f}", f"{rd:,.0f}", f"{c / a:.1%}", f"{c / rd:.2f}x",
+             f"{ar:,.0f}", f"{ar / a:.1%}", f"{ar / rd:.2f}x"] for b, a, c, rd, ar in rows]
     title = (f"round trip at batch 1: daemon p50 {lat[0]:.0f} µs p99 {lat[1]:.0f} µs | "
              f"redis GET p50 {lat[2]:.0f} µs p99 {lat[3]:.0f} µs")
     if Console is not None:
@@ -214,13 +232,13 @@ def show(rows, lat) -> None:
             t.add_column(hd, justify="right")
         for row in body:
             t.add_row(*row)
-        Console().print(t)
+        Console(width=max(160, shutil.get_terminal_size().columns)).print(t)
     else:
         print(" | ".join(headers))
         for row in body:
             print(" | ".join(row))
         print(title)
-    big = [(b, a, c, rd) for b, a, c, rd in rows if b >= 1024]
+    big = [(b, a, c, rd) for b, a, c, rd, _ in rows if b >= 1024]
     if big:
         ok_a = all(c >= 0.5 * a for _, a, c, _ in big)
         ok_c = all(c >= 3 * rd for _, _, c, rd in big if rd == rd)

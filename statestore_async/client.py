@@ -22,8 +22,10 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import chain
 
+from . import arrowbatch
 from .config import default_socket_path
 from .errors import InterfaceError
+from .framing import HEADER_SIZE
 from .ids import CheckpointRef, StoreId
 from .protocol import (
     CLOSED,
@@ -37,6 +39,8 @@ from .protocol import (
 
 DEFAULT_TIMEOUT = 60.0
 _FRAME_SLACK = 64
+_READ_SIZE = 1 << 20
+_BATCH_HEAD = HEADER_SIZE + 4  # frame header + handle, before the list a batch request carries
 
 
 class RequestTimeoutError(ConnectionLostError):
@@ -66,6 +70,51 @@ def _split(items: list, max_batch: int, budget: int, pairs: bool) -> list[list]:
     return out
 
 
+def _column_frames(proto: ClientProtocol, limits: "_Limits", method: str, handle: int, n: int, cols: tuple) -> list:
+    """(request id, frame) of each request of a batch given as Arrow-layout columns: runs of at most
+    ``max_batch`` items, halved until each frame fits the budget."""
+    todo = [(s, min(limits.max_batch, n - s)) for s in range(0, n, limits.max_batch)] or [(0, 0)]
+    todo.reverse()
+    out: list = []
+    fn = getattr(proto, method)
+    try:
+        while todo:
+            start, count = todo.pop()
+            rid, data = fn(handle, count, *[(o, d, first + start, w) for o, d, first, w in cols])
+            if len(data) - _BATCH_HEAD <= limits.budget:
+                out.append((rid, data))
+                continue
+            proto.forget(rid)
+            if count <= 1:
+                raise LimitExceededError(f"one item of {len(data) - _BATCH_HEAD} bytes does not fit in a frame of "
+                                         f"{limits.budget} bytes")
+            todo += [(start + count // 2, count - count // 2), (start, count // 2)]
+    except BaseException:
+        for rid, _ in out:
+            proto.forget(rid)
+        raise
+    return out
+
+
+def _arrow_values(parts: list):
+    arrays = [arrowbatch.to_array(*p) for p in parts]
+    if len(arrays) == 1:
+        return arrays[0]
+    import pyarrow as pa
+
+    if any(pa.types.is_large_binary(a.type) for a in arrays):
+        arrays = [a.cast(pa.large_binary()) for a in arrays]
+    return pa.concat_arrays(arrays)
+
+
+def _arrow_pair(keys, values) -> tuple[int, tuple]:
+    n, kc = arrowbatch.column(keys, "keys")
+    m, vc = arrowbatch.column(values, "values")
+    if n != m:
+        raise InterfaceError(f"{n} keys but {m} values")
+    return n, (kc, vc)
+
+
 class _Limits:
     def __init__(self, limits: dict):
         self.max_batch = int(limits.get("max_batch", 100_000))
@@ -91,6 +140,7 @@ class Client:
         self._proto: ClientProtocol | None = None
         self._pid: int | None = None
         self._stash: dict[int, deque] = {}
+        self._rbuf = bytearray(_READ_SIZE)  # every read lands here: no fresh buffer per read
         self.generation = 0
         self.limits: _Limits | None = None
         self.server_info: dict = {}
@@ -160,8 +210,9 @@ class Client:
         sock = self._sock
         if timeout is not None:
             sock.settimeout(timeout)
+        rbuf = self._rbuf
         try:
-            data = sock.recv(1 << 20)
+            n = sock.recv_into(rbuf)
         except socket.timeout:
             self._drop()
             raise RequestTimeoutError(f"no answer from the daemon within {timeout or self.timeout}s") from None
@@ -171,7 +222,7 @@ class Client:
         finally:
             if timeout is not None and self._sock is not None:
                 self._sock.settimeout(self.timeout)
-        if not data:
+        if not n:
             proto = self._proto
             self._drop()
             ev = proto.next_event() if proto is not None else NEED_DATA
@@ -179,7 +230,8 @@ class Client:
                 raise ev.error
             raise ConnectionLostError("the daemon closed the connection")
         proto = self._proto
-        proto.receive_data(data)
+        with memoryview(rbuf) as view:
+            proto.receive_data(view[:n])
         while True:
             ev = proto.next_event()
             if ev is NEED_DATA or ev is CLOSED:
@@ -238,6 +290,20 @@ class Client:
             self._drop()
             raise ev.error
 
+    def _call_batch(self, method: str, handle: int, items: list, pairs: bool) -> list:
+        """One batch operation: a single request when it fits the daemon's limits (the common case:
+        the frame is encoded once, its size checked after), else split and pipelined."""
+        with self._lock:
+            proto = self._ensure()
+            lim = self.limits
+            if len(items) <= lim.max_batch:
+                rid, data = getattr(proto, method)(handle, items)
+                if len(data) - _BATCH_HEAD <= lim.budget:
+                    self._send(data)
+                    return [self._wait(rid)]
+                proto.forget(rid)
+            return self._call_many(method, handle, _split(items, lim.max_batch, lim.budget, pairs))
+
     def _call_many(self, method: str, first, batches: list) -> list:
         """Pipeline one request per batch (at most ``max_inflight`` unanswered); answers in order."""
         with self._lock:
@@ -263,6 +329,30 @@ class Client:
                 except ConnectionLostError:
                     raise
                 except Exception as exc:  # keep reading the other answers, raise the first error after
+                    errors.append(exc)
+                    out.append(None)
+            if errors:
+                raise errors[0]
+            return out
+
+    def _call_columns(self, method: str, handle: int, n: int, cols: tuple) -> list:
+        """A batch given as Arrow-layout columns: its requests pipelined (``_call_many``'s rules)."""
+        with self._lock:
+            proto = self._ensure()
+            frames = _column_frames(proto, self.limits, method, handle, n, cols)
+            window = self.limits.max_inflight
+            out: list = []
+            errors: list[BaseException] = []
+            sent = 0
+            while len(out) < len(frames):
+                while sent < len(frames) and sent - len(out) < window:
+                    self._send(frames[sent][1])
+                    sent += 1
+                try:
+                    out.append(self._wait(frames[len(out)][0]))
+                except ConnectionLostError:
+                    raise
+                except Exception as exc:
                     errors.append(exc)
                     out.append(None)
             if errors:
@@ -306,16 +396,12 @@ class StoreHandle:
     def version(self) -> int:
         return self.ref.version
 
-    def _batches(self, items: list, pairs: bool) -> list:
-        lim = self.client.limits
-        return _split(items, lim.max_batch, lim.budget, pairs)
-
     def get_many(self, keys: Iterable[bytes]) -> list:
         """The value of each key (None when absent), this version's changes included."""
         keys = keys if isinstance(keys, list) else list(keys)
         with self.client._lock:
             self.client._check_gen(self._gen)
-            parts = self.client._call_many("send_get_many", self.handle, self._batches(keys, False))
+            parts = self.client._call_batch("send_get_many", self.handle, keys, False)
         if len(parts) == 1:
             return parts[0]
         return [v for part in parts for v in part]
@@ -323,11 +409,35 @@ class StoreHandle:
     def get(self, key: bytes):
         return self.get_many([key])[0]
 
+    def get_many_arrow(self, keys):
+        """``get_many`` of a pyarrow ``binary``/``large_binary`` array of keys; the values come back as
+        a pyarrow binary array (null: absent). No Python object is made per key or value here."""
+        n, col = arrowbatch.column(keys, "keys")
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            parts = self.client._call_columns("send_get_many_buffers", self.handle, n, (col,))
+        return _arrow_values(parts)
+
+    def put_many_arrow(self, keys, values) -> int:
+        """``put_many`` of two pyarrow ``binary``/``large_binary`` arrays of equal length (no nulls),
+        sent straight from their buffers."""
+        n, cols = _arrow_pair(keys, values)
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            return sum(self.client._call_columns("send_put_many_buffers", self.handle, n, cols))
+
+    def remove_many_arrow(self, keys) -> int:
+        """``remove_many`` of a pyarrow ``binary``/``large_binary`` array of keys (no nulls)."""
+        n, col = arrowbatch.column(keys, "keys")
+        with self.client._lock:
+            self.client._check_gen(self._gen)
+            return sum(self.client._call_columns("send_remove_many_buffers", self.handle, n, (col,)))
+
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> int:
         items = items if isinstance(items, list) else list(items)
         with self.client._lock:
             self.client._check_gen(self._gen)
-            return sum(self.client._call_many("send_put_many", self.handle, self._batches(items, True)))
+            return sum(self.client._call_batch("send_put_many", self.handle, items, True))
 
     def put(self, key: bytes, value: bytes) -> None:
         self.put_many([(key, value)])
@@ -336,7 +446,7 @@ class StoreHandle:
         keys = keys if isinstance(keys, list) else list(keys)
         with self.client._lock:
             self.client._check_gen(self._gen)
-            return sum(self.client._call_many("send_remove_many", self.handle, self._batches(keys, False)))
+            return sum(self.client._call_batch("send_remove_many", self.handle, keys, False))
 
     def remove(self, key: bytes) -> None:
         self.remove_many([key])
@@ -499,20 +609,52 @@ class AsyncClient:
         if self._error is not None:
             raise self._error
         rid, data = getattr(self._proto, method)(*args)
+        return rid, self._send(rid, data, stream)
+
+    def _send(self, rid: int, data: bytes, stream: bool = False):
         w = asyncio.Queue() if stream else asyncio.get_running_loop().create_future()
         self._waiters[rid] = w
         self._writer.write(data)
-        return rid, w
+        return w
+
+    async def _answer(self, rid: int, fut, timeout: float | None):
+        try:
+            return await asyncio.wait_for(fut, timeout or self.timeout)
+        except asyncio.TimeoutError:
+            self._proto.forget(rid)
+            self._waiters.pop(rid, None)
+            raise RequestTimeoutError(f"no answer from the daemon within {timeout or self.timeout}s") from None
 
     async def _call(self, method: str, *args, timeout: float | None = None):
         async with self._slots:
             rid, fut = self._start(method, *args)
-            try:
-                return await asyncio.wait_for(fut, timeout or self.timeout)
-            except asyncio.TimeoutError:
+            return await self._answer(rid, fut, timeout)
+
+    async def _call_batch(self, method: str, handle: int, items: list, pairs: bool) -> list:
+        """Like ``Client._call_batch``: one request when the batch fits, else split and pipelined."""
+        lim = self.limits
+        if len(items) <= lim.max_batch:
+            async with self._slots:
+                if self._error is not None:
+                    raise self._error
+                rid, data = getattr(self._proto, method)(handle, items)
+                if len(data) - _BATCH_HEAD <= lim.budget:
+                    return [await self._answer(rid, self._send(rid, data), None)]
                 self._proto.forget(rid)
-                self._waiters.pop(rid, None)
-                raise RequestTimeoutError(f"no answer from the daemon within {timeout or self.timeout}s") from None
+        return await self._call_many(method, handle, _split(items, lim.max_batch, lim.budget, pairs))
+
+    async def _call_columns(self, method: str, handle: int, n: int, cols: tuple) -> list:
+        if self._error is not None:
+            raise self._error
+        frames = _column_frames(self._proto, self.limits, method, handle, n, cols)
+
+        async def one(rid: int, data: bytes):
+            async with self._slots:
+                if self._error is not None:
+                    raise self._error
+                return await self._answer(rid, self._send(rid, data), None)
+
+        return list(await asyncio.gather(*(one(rid, data) for rid, data in frames)))
 
     async def _call_many(self, method: str, first, batches: list) -> list:
         return list(await asyncio.gather(*(self._call(method, first, b) for b in batches)))
@@ -545,22 +687,33 @@ class AsyncStoreHandle:
     def version(self) -> int:
         return self.ref.version
 
-    def _batches(self, items: list, pairs: bool) -> list:
-        lim = self.client.limits
-        return _split(items, lim.max_batch, lim.budget, pairs)
-
     async def get_many(self, keys: Iterable[bytes]) -> list:
         keys = keys if isinstance(keys, list) else list(keys)
-        parts = await self.client._call_many("send_get_many", self.handle, self._batches(keys, False))
+        parts = await self.client._call_batch("send_get_many", self.handle, keys, False)
         return parts[0] if len(parts) == 1 else [v for p in parts for v in p]
+
+    async def get_many_arrow(self, keys):
+        """See ``StoreHandle.get_many_arrow``."""
+        n, col = arrowbatch.column(keys, "keys")
+        return _arrow_values(await self.client._call_columns("send_get_many_buffers", self.handle, n, (col,)))
+
+    async def put_many_arrow(self, keys, values) -> int:
+        """See ``StoreHandle.put_many_arrow``."""
+        n, cols = _arrow_pair(keys, values)
+        return sum(await self.client._call_columns("send_put_many_buffers", self.handle, n, cols))
+
+    async def remove_many_arrow(self, keys) -> int:
+        """See ``StoreHandle.remove_many_arrow``."""
+        n, col = arrowbatch.column(keys, "keys")
+        return sum(await self.client._call_columns("send_remove_many_buffers", self.handle, n, (col,)))
 
     async def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> int:
         items = items if isinstance(items, list) else list(items)
-        return sum(await self.client._call_many("send_put_many", self.handle, self._batches(items, True)))
+        return sum(await self.client._call_batch("send_put_many", self.handle, items, True))
 
     async def remove_many(self, keys: Iterable[bytes]) -> int:
         keys = keys if isinstance(keys, list) else list(keys)
-        return sum(await self.client._call_many("send_remove_many", self.handle, self._batches(keys, False)))
+        return sum(await self.client._call_batch("send_remove_many", self.handle, keys, False))
 
     async def scan(self, prefix: bytes = b"", limit: int | None = None):
         """Async iterator of (key, value) whose key starts with ``prefix``."""

@@ -19,7 +19,9 @@ import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from . import overlay as _overlay
 from .errors import InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError
+from .framing import PackedList, PackedPairs
 from .ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
 from .keys import KEY_GROUP_BYTES
 
@@ -434,11 +436,13 @@ class StoreVersion:
 
     def get_many(self, keys: Iterable[bytes]) -> list:
         self._check_updating("get from")
-        overlay, base = self._overlay, self._base
-        if not overlay:
-            get = base.get
-            return [get(k) for k in keys]
-        return [overlay[k] if k in overlay else base.get(k) for k in keys]
+        return _overlay.get_list(self._overlay, self._base, keys)
+
+    def get_many_packed(self, keys: PackedList, frame: tuple | None = None) -> bytes:
+        """``get_many`` of the keys of a packed list, answered as an ``encode_optional_list`` payload
+        (with ``frame=(opcode, flags, request_id)``, as that whole frame), built straight from the maps."""
+        self._check_updating("get from")
+        return _overlay.get_packed(self._overlay, self._base, keys.buf, keys.offset, frame=frame)
 
     def scan(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) whose key starts with ``prefix``, this version's changes included.
@@ -480,33 +484,29 @@ class StoreVersion:
         self._set(_check_key(key), _check_value(value))
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
-        """Put every (key, value); all are checked before any is applied."""
-        self._check_updating("put to")
-        items = list(items)
-        if not all(type(k) is bytes and len(k) >= KEY_GROUP_BYTES and type(v) is bytes for k, v in items):
-            items = [(_check_key(k), _check_value(v)) for k, v in items]
-        self._apply(items)
+        """Put every (key, value); all are checked before any is applied.
 
-    def _apply(self, items: list) -> None:
-        overlay = self._overlay
-        replaced = [(k, overlay[k]) for k, _ in items if k in overlay] if overlay else ()
-        if replaced:
-            self._overlay_bytes -= sum(_entry_bytes(k, v) for k, v in replaced)
-        overlay.update(items)
-        self._overlay_bytes += (
-            sum(len(k) + (len(v) if v is not None else 0) for k, v in items) + len(items) * ENTRY_OVERHEAD
-        )
+        ``items`` may be a ``framing.PackedPairs`` (a request payload): it is read straight into the overlay.
+        """
+        self._check_updating("put to")
+        if type(items) is PackedPairs:
+            self._overlay_bytes += _overlay.put_packed(self._overlay, items.buf, items.offset, KEY_GROUP_BYTES,
+                                                       ENTRY_OVERHEAD)[1]
+        else:
+            self._overlay_bytes += _overlay.put_items(self._overlay, items, KEY_GROUP_BYTES, ENTRY_OVERHEAD)
 
     def remove(self, key: bytes) -> None:
         self._check_updating("remove from")
         self._set(_check_key(key), None)
 
     def remove_many(self, keys: Iterable[bytes]) -> None:
+        """Remove every key (a tombstone each); all are checked before any is applied."""
         self._check_updating("remove from")
-        keys = list(keys)
-        if not all(type(k) is bytes and len(k) >= KEY_GROUP_BYTES for k in keys):
-            keys = [_check_key(k) for k in keys]
-        self._apply([(k, None) for k in keys])
+        if type(keys) is PackedList:
+            self._overlay_bytes += _overlay.remove_packed(self._overlay, keys.buf, keys.offset, KEY_GROUP_BYTES,
+                                                          ENTRY_OVERHEAD)[1]
+        else:
+            self._overlay_bytes += _overlay.remove_keys(self._overlay, keys, KEY_GROUP_BYTES, ENTRY_OVERHEAD)
 
     # --- ending the version -----------------------------------------------------------------------
     def commit(self, ckptid: str | None = None) -> Delta:

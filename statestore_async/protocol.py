@@ -26,6 +26,13 @@ Request payloads (integers little-endian; ``list``/``optional list``/``pairs`` a
                    → u8 1 durable / 0 timed out
     STATS          empty → JSON object
 
+The daemon does not decode batches into Python objects: the ``GetMany.keys``, ``PutMany.items`` and
+``RemoveMany.keys`` of decoded requests are validated ``framing.PackedList`` / ``PackedPairs`` (lazy
+sequences equal to the lists they hold) that the engine reads straight from the payload. Clients
+may build batch requests from Arrow-layout columns (``send_*_many_buffers``, see ``arrowbatch``): the
+same bytes on the wire; the answer to ``send_get_many_buffers`` is the tuple of
+``arrowbatch.decode_optional_list_buffers`` without its end offset.
+
 ``ClientProtocol`` and ``ServerProtocol`` hold one connection's state: feed received bytes with
 ``receive_data``, take events with ``next_event`` (``NEED_DATA`` when none is complete), and turn
 requests or answers into bytes with the ``send_*`` methods. A framing error (a frame longer than
@@ -41,7 +48,7 @@ import struct
 from collections import deque
 from dataclasses import dataclass
 
-from . import framing
+from . import arrowbatch, framing
 from .errors import (  # noqa: F401  (the protocol's errors are re-exported for clients)
     ConnectionLostError,
     DecodeError,
@@ -294,6 +301,25 @@ def decode_error(payload: bytes) -> StateStoreError:
     return exc
 
 
+def _split(conn, data) -> tuple[list, tuple | None]:
+    """Cut the complete frames out of ``conn._buf`` + ``data`` (bytes-like); keep the rest buffered.
+
+    With nothing buffered (the usual case: a read ends on a frame boundary) the frames are cut
+    straight from ``data``, which is then neither copied nor kept.
+    """
+    buf = conn._buf
+    if buf:
+        buf += data
+        frames, consumed, oversized = framing.split_frames(buf, conn.max_frame_bytes)
+        if consumed:
+            del buf[:consumed]
+    else:
+        frames, consumed, oversized = framing.split_frames(data, conn.max_frame_bytes)
+        if consumed < len(data) and oversized is None:
+            buf += data[consumed:]
+    return frames, oversized
+
+
 # --- server side ----------------------------------------------------------------------------------
 class ServerProtocol:
     """One connection, daemon side: bytes in → request events; answers → bytes out."""
@@ -324,11 +350,7 @@ class ServerProtocol:
         """Feed bytes read from the peer (b"" at end of stream is not needed: just stop)."""
         if self.closed:
             return
-        buf = self._buf
-        buf += data
-        frames, consumed, oversized = framing.split_frames(buf, self.max_frame_bytes)
-        if consumed:
-            del buf[:consumed]
+        frames, oversized = _split(self, data)
         events = self._events
         for opcode, flags, rid, payload in frames:
             events.append(self._decode(opcode, flags, rid, payload))
@@ -390,23 +412,25 @@ class ServerProtocol:
         store_id, ckpt = _decode_store(partition, fields, "OPEN")
         return Open(rid, store_id, version, _ckptid_or_none(ckpt))
 
+    # The batches are validated here but not decoded: the events carry them as ``PackedList`` /
+    # ``PackedPairs`` that the engine reads straight from the payload (and that decode on demand).
     def _get_many(self, rid, p):
         self._check_batch(p, 4, "GET_MANY")
-        keys, end = framing.decode_list(p, 4, self.max_batch)
+        n, end = framing.check_list(p, 4, self.max_batch)
         _end(p, end, "GET_MANY")
-        return GetMany(rid, _U32.unpack_from(p)[0], keys)
+        return GetMany(rid, _U32.unpack_from(p)[0], framing.PackedList(p, 4, n))
 
     def _put_many(self, rid, p):
         self._check_batch(p, 4, "PUT_MANY")
-        items, end = framing.decode_pairs(p, 4, self.max_batch)
+        n, end = framing.check_pairs(p, 4, self.max_batch)
         _end(p, end, "PUT_MANY")
-        return PutMany(rid, _U32.unpack_from(p)[0], items)
+        return PutMany(rid, _U32.unpack_from(p)[0], framing.PackedPairs(p, 4, n))
 
     def _remove_many(self, rid, p):
         self._check_batch(p, 4, "REMOVE_MANY")
-        keys, end = framing.decode_list(p, 4, self.max_batch)
+        n, end = framing.check_list(p, 4, self.max_batch)
         _end(p, end, "REMOVE_MANY")
-        return RemoveMany(rid, _U32.unpack_from(p)[0], keys)
+        return RemoveMany(rid, _U32.unpack_from(p)[0], framing.PackedList(p, 4, n))
 
     def _scan(self, rid, p):
         _need(p, _SCAN.size, "SCAN")
@@ -449,6 +473,12 @@ class ServerProtocol:
 
     def send_opened(self, rid: int, handle: int, ref: CheckpointRef) -> bytes:
         return self._frame(Op.OPEN, rid, _OPENED.pack(handle, ref.version) + ref.ckptid.encode())
+
+    @staticmethod
+    def answer_header(opcode: int, rid: int) -> tuple[int, int, int]:
+        """``(opcode, flags, request id)`` of an answer, for code that writes the frame itself
+        (``StoreVersion.get_many_packed``)."""
+        return opcode, RESPONSE, rid
 
     def send_values(self, rid: int, values: list) -> bytes:
         return self._frame(Op.GET_MANY, rid, framing.encode_optional_list(values))
@@ -495,6 +525,12 @@ def _dec_values(p):
     values, end = framing.decode_optional_list(p)
     _end(p, end, "GET_MANY answer")
     return values
+
+
+def _dec_values_buffers(p):
+    *value, end = arrowbatch.decode_optional_list_buffers(p)
+    _end(p, end, "GET_MANY answer")
+    return tuple(value)
 
 
 def _dec_count(p):
@@ -547,6 +583,7 @@ class ClientProtocol:
         self.closed = False
         self._next_id = 0
         self._pending: dict[int, int] = {}  # request id -> opcode
+        self._decoders: dict = {}  # request id -> answer decoder, when not the opcode's usual one
         self._buf = bytearray()
         self._events: deque = deque()
 
@@ -555,13 +592,24 @@ class ClientProtocol:
         """Requests sent and not fully answered."""
         return len(self._pending)
 
-    def _request(self, opcode: int, payload: bytes) -> tuple[int, bytes]:
+    def _new_id(self) -> int:
         if self.closed:
             raise ConnectionLostError("the connection is closed")
         rid = self._next_id = (self._next_id % MAX_REQUEST_ID) + 1
         while rid in self._pending:
             rid = self._next_id = (self._next_id % MAX_REQUEST_ID) + 1
+        return rid
+
+    def _request(self, opcode: int, payload: bytes) -> tuple[int, bytes]:
+        rid = self._new_id()
         data = framing.encode_frame(opcode, 0, rid, payload)
+        self._pending[rid] = opcode
+        return rid, data
+
+    def _batch_request(self, opcode: int, handle: int, items, pairs: bool) -> tuple[int, bytes]:
+        rid = self._new_id()
+        encode = framing.encode_frame_pairs if pairs else framing.encode_frame_list
+        data = encode(opcode, 0, rid, _U32.pack(handle), items)
         self._pending[rid] = opcode
         return rid, data
 
@@ -580,14 +628,36 @@ class ClientProtocol:
         fields = _store_fields(store_id) + [(ckptid or "").encode()]
         return self._request(Op.OPEN, _OPEN.pack(store_id.partition_id, version) + framing.encode_list(fields))
 
+    # Batches given as Arrow-layout columns (``arrowbatch``): the same frames, written straight from
+    # the columns' buffers; a GET answer then decodes into buffers too (see ``arrowbatch``).
+    def send_get_many_buffers(self, handle: int, n: int, keys):
+        rid, data = self._columns_request(Op.GET_MANY, handle, n, (keys,))
+        self._decoders[rid] = _dec_values_buffers
+        return rid, data
+
+    def send_put_many_buffers(self, handle: int, n: int, keys, values):
+        return self._columns_request(Op.PUT_MANY, handle, n, (keys, values))
+
+    def send_remove_many_buffers(self, handle: int, n: int, keys):
+        return self._columns_request(Op.REMOVE_MANY, handle, n, (keys,))
+
+    def _columns_request(self, opcode: int, handle: int, n: int, cols: tuple) -> tuple[int, bytes]:
+        rid = self._new_id()
+        if len(cols) == 2:
+            data = arrowbatch.encode_frame_pairs_buffers(opcode, 0, rid, _U32.pack(handle), n, *cols)
+        else:
+            data = arrowbatch.encode_frame_list_buffers(opcode, 0, rid, _U32.pack(handle), n, *cols)
+        self._pending[rid] = opcode
+        return rid, data
+
     def send_get_many(self, handle: int, keys):
-        return self._request(Op.GET_MANY, _U32.pack(handle) + framing.encode_list(keys))
+        return self._batch_request(Op.GET_MANY, handle, keys, False)
 
     def send_put_many(self, handle: int, items):
-        return self._request(Op.PUT_MANY, _U32.pack(handle) + framing.encode_pairs(items))
+        return self._batch_request(Op.PUT_MANY, handle, items, True)
 
     def send_remove_many(self, handle: int, keys):
-        return self._request(Op.REMOVE_MANY, _U32.pack(handle) + framing.encode_list(keys))
+        return self._batch_request(Op.REMOVE_MANY, handle, keys, False)
 
     def send_scan(self, handle: int, prefix: bytes = b"", limit: int | None = None):
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < NO_LIMIT):
@@ -615,15 +685,12 @@ class ClientProtocol:
     def forget(self, request_id: int) -> None:
         """Stop expecting an answer to ``request_id`` (its answer, if it comes, is dropped)."""
         self._pending.pop(request_id, None)
+        self._decoders.pop(request_id, None)
 
     def receive_data(self, data: bytes) -> None:
         if self.closed:
             return
-        buf = self._buf
-        buf += data
-        frames, consumed, oversized = framing.split_frames(buf, self.max_frame_bytes)
-        if consumed:
-            del buf[:consumed]
+        frames, oversized = _split(self, data)
         for opcode, flags, rid, payload in frames:
             ev = self._decode(opcode, flags, rid, payload)
             if ev is not None:
@@ -652,6 +719,8 @@ class ClientProtocol:
             expected = self._pending.pop(rid, None)
             if expected is None:
                 return None  # forgotten request
+            if self._decoders:
+                self._decoders.pop(rid, None)
             return ErrorResponse(rid, expected, exc)
         expected = self._pending.get(rid)
         if expected is None:
@@ -662,8 +731,9 @@ class ClientProtocol:
         more = bool(flags & MORE)
         if not more:
             del self._pending[rid]
+        decode = (self._decoders.pop(rid, None) if not more and self._decoders else None) or _RESPONSE_DECODERS[opcode]
         try:
-            value = _RESPONSE_DECODERS[opcode](payload)
+            value = decode(payload)
         except StateStoreError as exc:
             self._pending.pop(rid, None)
             return ErrorResponse(rid, opcode, exc)

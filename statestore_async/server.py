@@ -35,6 +35,7 @@ from .objectstore import open_object_store
 from .objectstore.cache import CachingObjectStore
 from .objectstore.s3 import warm_up as s3_warm_up
 from .engine import State
+from .framing import PackedList
 from .protocol import (
     CLOSED,
     NEED_DATA,
@@ -245,7 +246,11 @@ class _Connection(asyncio.Protocol):
         d.count_request(cls)
         try:
             if cls is GetMany:
-                self._write(proto.send_values(rid, self._writer(ev.handle).get_many(ev.keys)))
+                keys = ev.keys
+                if type(keys) is PackedList:
+                    self._write(self._writer(ev.handle).get_many_packed(keys, proto.answer_header(Op.GET_MANY, rid)))
+                else:
+                    self._write(proto.send_values(rid, self._writer(ev.handle).get_many(keys)))
             elif cls is PutMany:
                 self._writer(ev.handle).put_many(ev.items)
                 self._write(proto.send_count(rid, Op.PUT_MANY, len(ev.items)))

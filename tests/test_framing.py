@@ -145,3 +145,66 @@ def test_reference_and_native_encode_the_same_bytes(items):
     assert ref.encode_list(present) == nat.encode_list(present)
     pairs = list(zip(present, reversed(present)))
     assert ref.encode_pairs(pairs) == nat.encode_pairs(pairs)
+
+
+# --- validation without decoding, and whole batch frames ------------------------------------------
+@SETTINGS
+@given(items=st.lists(st.tuples(blobs, blobs), max_size=20), head=st.binary(max_size=6), rid=st.integers(0, 2**32 - 1))
+def test_batch_frames_equal_frame_of_head_and_list(fr, items, head, rid):
+    assert fr.encode_frame_pairs(5, 0, rid, head, items) == fr.encode_frame(5, 0, rid, head + fr.encode_pairs(items))
+    ks = [k for k, _ in items]
+    assert fr.encode_frame_list(4, 0, rid, head, iter(ks)) == fr.encode_frame(4, 0, rid, head + fr.encode_list(ks))
+    data = head + fr.encode_pairs(items)
+    assert fr.check_pairs(data, len(head)) == (len(items), len(data))
+    data = head + fr.encode_list(ks)
+    assert fr.check_list(data, len(head)) == (len(ks), len(data))
+
+
+def test_batch_frames_refuse_what_the_encoders_refuse(fr):
+    for bad in ([(b"k",)], [(b"k", None)], [("k", b"v")], [None]):
+        with pytest.raises(EncodeError):
+            fr.encode_frame_pairs(5, 0, 1, b"", bad)
+    with pytest.raises(EncodeError):
+        fr.encode_frame_list(4, 0, 1, b"", [b"a", "s"])
+    with pytest.raises(EncodeError):
+        fr.encode_frame_list(256, 0, 1, b"", [b"a"])
+    assert fr.encode_frame_pairs(5, 0, 1, b"", [[bytearray(b"k"), memoryview(b"v")]]) == \
+        fr.encode_frame_pairs(5, 0, 1, b"", [(b"k", b"v")])
+
+
+@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@settings(max_examples=400, deadline=None)
+@given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20))
+def test_checks_agree_with_the_decoders_on_any_bytes(data, offset, max_count):
+    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    for check, dec in (("check_list", "decode_list"), ("check_pairs", "decode_pairs")):
+        want = _outcome(getattr(ref, dec), data, offset, max_count)
+        if want[0] == "ok":
+            want = ("ok", (len(want[1][0]), want[1][1]))
+        assert _outcome(getattr(ref, check), data, offset, max_count) == want
+        assert _outcome(getattr(nat, check), data, offset, max_count) == want
+
+
+@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(st.one_of(st.tuples(blobs, blobs), st.tuples(blobs), st.tuples(blobs, st.text(max_size=2)),
+                                st.lists(blobs, min_size=2, max_size=2), st.none()), max_size=6),
+       head=st.binary(max_size=4), opcode=st.integers(-1, 256))
+def test_reference_and_native_batch_frames_agree(items, head, opcode):
+    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    assert _outcome(ref.encode_frame_pairs, opcode, 0, 3, head, items) == \
+        _outcome(nat.encode_frame_pairs, opcode, 0, 3, head, items)
+    flat = [x for it in items if isinstance(it, (tuple, list)) for x in it]
+    assert _outcome(ref.encode_frame_list, opcode, 0, 3, head, flat) == \
+        _outcome(nat.encode_frame_list, opcode, 0, 3, head, flat)
+
+
+def test_packed_sequences_decode_lazily_and_compare_as_lists():
+    from statestore_async import framing
+
+    data = b"hh" + framing.encode_pairs([(b"k1", b"v1"), (b"k2", b"")])
+    p = framing.PackedPairs(data, 2, 2)
+    assert len(p) == 2 and p._items is None
+    assert p == [(b"k1", b"v1"), (b"k2", b"")] and list(p) == p.items and p[1] == (b"k2", b"")
+    keys = framing.PackedList(framing.encode_list([b"a"]), 0, 1)
+    assert keys == [b"a"] and keys != [b"b"] and repr(keys) == "PackedList([b'a'])"

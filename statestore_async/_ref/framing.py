@@ -21,6 +21,10 @@ __all__ = [
     "decode_optional_list",
     "encode_pairs",
     "decode_pairs",
+    "check_list",
+    "check_pairs",
+    "encode_frame_list",
+    "encode_frame_pairs",
 ]
 
 HEADER_SIZE = 10
@@ -205,3 +209,27 @@ def decode_pairs(buf, offset: int = 0, max_count: int = MAX_U32):
         out.append((k, bytes(view[pos : pos + vl])))
         pos += vl
     return out, pos
+
+
+def check_list(buf, offset: int = 0, max_count: int = MAX_U32):
+    """``(count, end offset)`` of an ``encode_list`` payload, validated like ``decode_list``
+    (same errors) without building the items."""
+    items, end = decode_list(buf, offset, max_count)
+    return len(items), end
+
+
+def check_pairs(buf, offset: int = 0, max_count: int = MAX_U32):
+    """``(count, end offset)`` of an ``encode_pairs`` payload, validated like ``decode_pairs``
+    (same errors) without building the pairs."""
+    items, end = decode_pairs(buf, offset, max_count)
+    return len(items), end
+
+
+def encode_frame_list(opcode: int, flags: int, request_id: int, head: bytes, items) -> bytes:
+    """``encode_frame(opcode, flags, request_id, head + encode_list(items))`` in one step."""
+    return encode_frame(opcode, flags, request_id, _as_bytes(head, "a head") + encode_list(items))
+
+
+def encode_frame_pairs(opcode: int, flags: int, request_id: int, head: bytes, items) -> bytes:
+    """``encode_frame(opcode, flags, request_id, head + encode_pairs(items))`` in one step."""
+    return encode_frame(opcode, flags, request_id, _as_bytes(head, "a head") + encode_pairs(items))

@@ -1,0 +1,131 @@
+"""Batch operations on an open version's overlay, pure-Python reference.
+
+This module *defines* the behaviour; ``_ext/overlay.pyx`` must give the same results, the same
+dict contents, the same bytes and the same errors. The contracts are documented in
+``statestore_async.overlay``.
+"""
+from __future__ import annotations
+
+from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError
+
+from . import framing as _fr
+
+__all__ = [
+    "put_items",
+    "remove_keys",
+    "get_list",
+    "put_packed",
+    "remove_packed",
+    "get_packed",
+]
+
+_MISSING = object()
+
+
+def _key_error(n: int, min_key: int) -> KeyFormatError:
+    return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
+
+
+def _check_key(key, min_key: int) -> bytes:
+    if type(key) is not bytes:
+        if isinstance(key, (bytearray, memoryview)):
+            key = bytes(key)
+        else:
+            raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
+    if len(key) < min_key:
+        raise _key_error(len(key), min_key)
+    return key
+
+
+def _check_value(value) -> bytes:
+    if type(value) is not bytes:
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        raise InterfaceError(f"values are bytes, got {type(value).__name__}")
+    return value
+
+
+def _pair(item):
+    try:
+        k, v = item
+    except (TypeError, ValueError):
+        raise InterfaceError(f"pairs are (key, value) tuples, got {item!r:.80}") from None
+    return k, v
+
+
+def _apply(overlay: dict, pairs, overhead: int) -> int:
+    """Set each (key, value|None) in order; the change of the overlay's accounted bytes."""
+    delta = 0
+    get = overlay.get
+    for k, v in pairs:
+        old = get(k, _MISSING)
+        if old is not _MISSING:
+            delta -= len(k) + (len(old) if old is not None else 0) + overhead
+        overlay[k] = v
+        delta += len(k) + (len(v) if v is not None else 0) + overhead
+    return delta
+
+
+def put_items(overlay: dict, items, min_key: int, overhead: int) -> int:
+    """Put every (key, value) of ``items`` into ``overlay``; all are checked before any is set.
+
+    Returns the change of the accounted bytes (``len(key) + len(value) + overhead`` per entry).
+    """
+    items = list(items)
+    checked = []
+    for item in items:
+        k, v = _pair(item)
+        checked.append((_check_key(k, min_key), _check_value(v)))
+    return _apply(overlay, checked, overhead)
+
+
+def remove_keys(overlay: dict, keys, min_key: int, overhead: int) -> int:
+    """Set a tombstone (None) for every key; all are checked before any is set."""
+    checked = [(_check_key(k, min_key), None) for k in list(keys)]
+    return _apply(overlay, checked, overhead)
+
+
+def get_list(overlay: dict, base: dict, keys) -> list:
+    """The value of each key: the overlay's (None for a tombstone) if it has the key, else the base's."""
+    return [overlay[k] if k in overlay else base.get(k) for k in keys]
+
+
+def put_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, max_count: int = _fr.MAX_U32):
+    """Like ``put_items`` for pairs encoded as in ``framing.encode_pairs`` at ``offset`` of ``buf``.
+
+    Returns ``(count, bytes change)``. A malformed payload raises ``DecodeError`` and a short key
+    ``KeyFormatError`` (decoding errors first), before anything is set. Trailing bytes are an error.
+    """
+    items, end = _fr.decode_pairs(buf, offset, max_count)
+    if end != len(memoryview(buf)):
+        raise DecodeError(f"pairs: {len(memoryview(buf)) - end} unexpected trailing bytes")
+    for k, _ in items:
+        if len(k) < min_key:
+            raise _key_error(len(k), min_key)
+    return len(items), _apply(overlay, items, overhead)
+
+
+def remove_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, max_count: int = _fr.MAX_U32):
+    """Like ``remove_keys`` for keys encoded as in ``framing.encode_list``: ``(count, bytes change)``."""
+    keys, end = _fr.decode_list(buf, offset, max_count)
+    if end != len(memoryview(buf)):
+        raise DecodeError(f"list: {len(memoryview(buf)) - end} unexpected trailing bytes")
+    for k in keys:
+        if len(k) < min_key:
+            raise _key_error(len(k), min_key)
+    return len(keys), _apply(overlay, [(k, None) for k in keys], overhead)
+
+
+def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr.MAX_U32, frame=None) -> bytes:
+    """The values of keys encoded as in ``framing.encode_list``, encoded as ``framing.encode_optional_list``.
+
+    With ``frame=(opcode, flags, request_id)`` the result is that whole frame (header included).
+    """
+    keys, end = _fr.decode_list(buf, offset, max_count)
+    if end != len(memoryview(buf)):
+        raise DecodeError(f"list: {len(memoryview(buf)) - end} unexpected trailing bytes")
+    payload = _fr.encode_optional_list(get_list(overlay, base, keys))
+    if frame is None:
+        return payload
+    opcode, flags, request_id = frame
+    return _fr.encode_frame(opcode, flags, request_id, payload)

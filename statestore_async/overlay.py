@@ -1,0 +1,40 @@
+"""Batch operations on an open version's overlay (used by ``engine.StoreVersion``).
+
+The overlay is the dict of an open version's changes: key → value, or None for a tombstone.
+Entries are accounted as ``len(key) + len(value) + overhead`` bytes (``engine.ENTRY_OVERHEAD``);
+the write functions return how much the accounted bytes changed.
+
+``put_items(overlay, items, min_key, overhead) -> int``
+    Put every (key, value) pair. Keys are bytes of at least ``min_key`` bytes, values bytes
+    (bytearray/memoryview are copied). Every pair is checked before any is set: a bad one raises
+    ``KeyFormatError`` / ``InterfaceError`` and leaves the overlay untouched.
+``remove_keys(overlay, keys, min_key, overhead) -> int``
+    A tombstone for every key, checked the same way.
+``get_list(overlay, base, keys) -> list``
+    Each key's value: the overlay's when it has the key (None for a tombstone), else ``base.get``.
+``put_packed(overlay, buf, offset, min_key, overhead, max_count) -> (count, int)``
+``remove_packed(overlay, buf, offset, min_key, overhead, max_count) -> (count, int)``
+    The same for a payload from ``framing.encode_pairs`` / ``encode_list`` at ``offset`` of ``buf``
+    (to its end), read straight into the overlay. A malformed payload raises ``DecodeError``
+    (as ``framing`` does), then a short key ``KeyFormatError``; nothing is set in either case.
+``get_packed(overlay, base, buf, offset, max_count, frame=None) -> bytes``
+    The values of the keys of an ``encode_list`` payload, encoded as ``encode_optional_list``;
+    with ``frame=(opcode, flags, request_id)``, that whole frame.
+
+Compiled from ``_ext/overlay.pyx`` when built, else ``statestore_async._ref.overlay``; both give
+the same results and errors.
+"""
+from __future__ import annotations
+
+from ._accel import implementation
+
+_impl = implementation("overlay")
+
+put_items = _impl.put_items
+remove_keys = _impl.remove_keys
+get_list = _impl.get_list
+put_packed = _impl.put_packed
+remove_packed = _impl.remove_packed
+get_packed = _impl.get_packed
+
+__all__ = ["put_items", "remove_keys", "get_list", "put_packed", "remove_packed", "get_packed"]

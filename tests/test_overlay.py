@@ -1,0 +1,144 @@
+"""Overlay batch operations: compiled and reference twins agree (dict contents, accounting,
+answer bytes, errors) on random and garbage input, and a bad batch changes nothing."""
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from statestore_async import _accel
+from statestore_async.errors import StateStoreError
+from conftest import implementations, resolve_impl
+
+IMPLS = implementations("overlay")
+FR = _accel.reference("framing")
+OVERHEAD = 106
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+native_only = pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+
+keys = st.binary(min_size=0, max_size=6)
+values = st.binary(max_size=10)
+maps = st.dictionaries(st.binary(min_size=2, max_size=4), st.one_of(st.none(), values), max_size=12)
+base_maps = st.dictionaries(st.binary(min_size=2, max_size=4), values, max_size=12)
+
+
+@pytest.fixture(params=IMPLS)
+def ov(request):
+    return resolve_impl(request.param)
+
+
+def _outcome(fn, *args, **kw):
+    try:
+        return ("ok", fn(*args, **kw))
+    except (StateStoreError, TypeError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def _accounted(d: dict) -> int:
+    return sum(len(k) + (len(v) if v is not None else 0) + OVERHEAD for k, v in d.items())
+
+
+# --- behaviour --------------------------------------------------------------------------------------
+@SETTINGS
+@given(start=maps, items=st.lists(st.tuples(st.binary(min_size=2, max_size=4), values), max_size=20))
+def test_put_items_and_put_packed_set_in_order_and_account_exactly(ov, start, items):
+    for put in (lambda o: ov.put_items(o, items, 2, OVERHEAD),
+                lambda o: ov.put_packed(o, b"xy" + FR.encode_pairs(items), 2, 2, OVERHEAD)[1]):
+        o = dict(start)
+        delta = put(o)
+        want = dict(start)
+        want.update(items)
+        assert o == want
+        assert delta == _accounted(o) - _accounted(start)
+
+
+@SETTINGS
+@given(start=maps, ks=st.lists(st.binary(min_size=2, max_size=4), max_size=20))
+def test_removes_are_tombstones(ov, start, ks):
+    for rm in (lambda o: ov.remove_keys(o, ks, 2, OVERHEAD),
+               lambda o: ov.remove_packed(o, FR.encode_list(ks), 0, 2, OVERHEAD)[1]):
+        o = dict(start)
+        delta = rm(o)
+        assert o == {**start, **{k: None for k in ks}}
+        assert delta == _accounted(o) - _accounted(start)
+
+
+@SETTINGS
+@given(overlay=maps, base=base_maps, ks=st.lists(st.binary(min_size=0, max_size=4), max_size=20))
+def test_reads_see_the_overlay_then_the_base(ov, overlay, base, ks):
+    want = [overlay[k] if k in overlay else base.get(k) for k in ks]
+    assert ov.get_list(overlay, base, ks) == want
+    assert ov.get_packed(overlay, base, FR.encode_list(ks), 0) == FR.encode_optional_list(want)
+    framed = ov.get_packed(overlay, base, b"\x01\x02" + FR.encode_list(ks), 2, frame=(4, 1, 77))
+    assert framed == FR.encode_frame(4, 1, 77, FR.encode_optional_list(want))
+
+
+def test_a_bad_batch_changes_nothing(ov):
+    o = {b"\x00\x01a": b"old"}
+    for bad in ([(b"\x00\x01b", b"v"), (b"x", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c", "str")],
+                [(b"\x00\x01b", b"v"), ("str", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c",)]):
+        with pytest.raises(StateStoreError):
+            ov.put_items(o, bad, 2, OVERHEAD)
+    with pytest.raises(StateStoreError):
+        ov.remove_keys(o, [b"\x00\x01a", b"z"], 2, OVERHEAD)
+    packed = FR.encode_pairs([(b"\x00\x01b", b"v"), (b"z", b"v")])
+    with pytest.raises(StateStoreError, match="key group"):
+        ov.put_packed(o, packed, 0, 2, OVERHEAD)
+    for cut in range(len(packed)):
+        with pytest.raises(StateStoreError):
+            ov.put_packed(o, FR.encode_pairs([(b"\x00\x01b", b"v")] * 3)[:cut], 0, 2, OVERHEAD)
+    with pytest.raises(StateStoreError, match="trailing"):
+        ov.put_packed(o, FR.encode_pairs([(b"\x00\x01b", b"v")]) + b"!", 0, 2, OVERHEAD)
+    assert o == {b"\x00\x01a": b"old"}
+
+
+def test_bytes_like_keys_and_values_are_copied(ov):
+    o = {}
+    ov.put_items(o, [(bytearray(b"\x00\x01k"), memoryview(b"v"))], 2, OVERHEAD)
+    assert o == {b"\x00\x01k": b"v"} and all(type(x) is bytes for x in (*o, *o.values()))
+
+
+# --- the twins agree, on anything ---------------------------------------------------------------------
+@native_only
+@settings(max_examples=400, deadline=None)
+@given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20),
+       overlay=maps, base=base_maps, min_key=st.integers(0, 3))
+def test_reference_and_native_agree_on_any_bytes(data, offset, max_count, overlay, base, min_key):
+    ref, nat = _accel.reference("overlay"), _accel.native("overlay")
+    for name in ("put_packed", "remove_packed"):
+        o1, o2 = dict(overlay), dict(overlay)
+        assert _outcome(getattr(ref, name), o1, data, offset, min_key, OVERHEAD, max_count) == \
+            _outcome(getattr(nat, name), o2, data, offset, min_key, OVERHEAD, max_count)
+        assert o1 == o2
+    for frame in (None, (4, 1, 9), (300, 0, 1)):
+        assert _outcome(ref.get_packed, overlay, base, data, offset, max_count, frame) == \
+            _outcome(nat.get_packed, overlay, base, data, offset, max_count, frame)
+
+
+@native_only
+@settings(max_examples=300, deadline=None)
+@given(overlay=maps, base=base_maps, items=st.lists(st.one_of(
+    st.tuples(keys, values), st.tuples(keys, st.one_of(st.none(), st.text(max_size=2), st.integers())),
+    st.tuples(st.one_of(st.text(max_size=3), st.integers(), st.builds(bytearray, keys)), values),
+    st.tuples(keys), st.just(b"ab"), st.none()), max_size=8))
+def test_reference_and_native_agree_on_python_batches(overlay, base, items):
+    ref, nat = _accel.reference("overlay"), _accel.native("overlay")
+    o1, o2 = dict(overlay), dict(overlay)
+    assert _outcome(ref.put_items, o1, items, 2, OVERHEAD) == _outcome(nat.put_items, o2, items, 2, OVERHEAD)
+    assert o1 == o2
+    ks = [it[0] if isinstance(it, tuple) and it else it for it in items]
+    o1, o2 = dict(overlay), dict(overlay)
+    assert _outcome(ref.remove_keys, o1, ks, 2, OVERHEAD) == _outcome(nat.remove_keys, o2, ks, 2, OVERHEAD)
+    assert o1 == o2
+    hashable = [k for k in ks if isinstance(k, (bytes, str, int))]
+    assert ref.get_list(overlay, base, hashable) == nat.get_list(overlay, base, hashable)
+
+
+def test_huge_counts_fail_before_allocating(ov):
+    data = struct.pack("<I", 0xFFFFFFF0) + b"\x00" * 16
+    for call in (lambda: ov.put_packed({}, data, 0, 2, OVERHEAD), lambda: ov.remove_packed({}, data, 0, 2, OVERHEAD),
+                 lambda: ov.get_packed({}, {}, data, 0)):
+        with pytest.raises(StateStoreError, match="cannot fit"):
+            call()
