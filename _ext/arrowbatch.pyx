@@ -9,24 +9,15 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
+from _wire cimport rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
+
 from statestore_async.errors import DecodeError, EncodeError
 
 __all__ = ["encode_frame_list_buffers", "encode_frame_pairs_buffers", "decode_optional_list_buffers"]
 
-cdef Py_ssize_t _HEADER = 10
+cdef Py_ssize_t _HEADER = WIRE_HEADER
 cdef uint32_t _NONE = 0xFFFFFFFF
 cdef int64_t _LARGE = 0x7FFFFFFF
-
-
-cdef inline uint32_t _rd32(const uint8_t* p) noexcept nogil:
-    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline void _wr32(uint8_t* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = (v >> 24) & 0xFF
 
 
 cdef inline void _wr64(uint8_t* p, uint64_t v) noexcept nogil:

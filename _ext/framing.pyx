@@ -11,6 +11,8 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
+from _wire cimport rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
+
 from statestore_async.errors import DecodeError, EncodeError
 
 __all__ = [
@@ -36,19 +38,10 @@ NONE_LEN = 0xFFFFFFFF
 MAX_ITEM_LEN = 0xFFFFFFFE
 MAX_U32 = 0xFFFFFFFF
 
-cdef Py_ssize_t _HEADER = 10
+cdef Py_ssize_t _HEADER = WIRE_HEADER
 cdef uint32_t _NONE = 0xFFFFFFFF
 
 
-cdef inline uint32_t _rd32(const uint8_t* p) noexcept nogil:
-    return <uint32_t>p[0] | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
-
-
-cdef inline void _wr32(uint8_t* p, uint32_t v) noexcept nogil:
-    p[0] = v & 0xFF
-    p[1] = (v >> 8) & 0xFF
-    p[2] = (v >> 16) & 0xFF
-    p[3] = (v >> 24) & 0xFF
 
 
 cdef inline bytes _as_bytes(object item, str what):

@@ -18,7 +18,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from statestore_async import _accel, checkpoint
+from statestore_async import _accel
 from statestore_async.engine import VersionedStore
 from statestore_async.files import write_snapshot
 from statestore_async.ids import StoreId

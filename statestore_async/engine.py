@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import overlay as _overlay
 from .errors import InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .engine import DEFAULT_HISTORY, VersionedStore
 from .errors import LineageError, ObjectNotFoundError, VersionNotFoundError
 from .files import ReadStats, read_checkpoint_file
-from .ids import DELTA, EMPTY_STATE, SNAPSHOT, CheckpointRef, StoreId, file_key
+from .ids import DELTA, EMPTY_STATE, SNAPSHOT, CheckpointRef, StoreId
 
 log = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ from .protocol import (
 )
 from .maintenance import Maintenance
 from .registry import ObjectStores, StoreRegistry
-from .uploader import Uploader, UploadState
+from .uploader import Uploader
 
 log = logging.getLogger("statestore_async.daemon")
 

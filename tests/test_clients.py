@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+
+from statestore_async.testing.daemon import start_daemon, stop_daemon
 
 from statestore_async import errors
 from statestore_async import protocol as P
@@ -28,27 +29,11 @@ def daemon(tmp_path_factory):
     sock = f"{sockdir}/d.sock"
     tmp = tmp_path_factory.mktemp("clients")
     log_path = tmp / "daemon.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock,
-                                 "--max-batch", "1000", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)
+    proc = start_daemon(sock, "--max-batch", "1000", "--log-level", "warning", log_path=str(log_path))
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                Client(sock, connect_timeout=1).ping()
-                break
-            except errors.StateStoreError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start: {log_path.read_text()}")
-                time.sleep(0.05)
         yield sock, f"file://{tmp}/root"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
         shutil.rmtree(sockdir, ignore_errors=True)
 
 

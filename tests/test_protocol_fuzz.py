@@ -9,17 +9,16 @@ from __future__ import annotations
 import random
 import selectors
 import shutil
-import signal
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections import Counter
 
 import pytest
+
+from statestore_async.testing.daemon import start_daemon, stop_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,29 +40,13 @@ def daemon(tmp_path_factory):
     sock = f"{sockdir}/d.sock"
     tmp = tmp_path_factory.mktemp("fuzz")
     log_path = tmp / "daemon.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock,
-                                 "--max-frame-bytes", str(MAX_FRAME), "--max-batch", str(MAX_BATCH),
-                                 "--log-level", "error"], stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    proc = start_daemon(sock, "--max-frame-bytes", str(MAX_FRAME), "--max-batch", str(MAX_BATCH),
+                        "--log-level", "error", log_path=str(log_path), cwd=str(tmp))
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                Client(sock, connect_timeout=1).ping()
-                break
-            except errors.StateStoreError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not start: {log_path.read_text()}")
-                time.sleep(0.05)
         yield sock, f"file://{tmp}/root"
         assert proc.poll() is None, "the daemon died during the fuzzing"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
         shutil.rmtree(sockdir, ignore_errors=True)
 
 

@@ -7,10 +7,7 @@ import shutil
 import signal
 import socket
 import stat
-import subprocess
-import sys
 import tempfile
-import time
 
 import pytest
 
@@ -21,6 +18,7 @@ from statestore_async.config import DaemonConfig
 from statestore_async.ids import DELTA, StoreId, file_key
 from statestore_async.objectstore import LocalObjectStore
 from statestore_async.server import Daemon
+from statestore_async.testing.daemon import start_daemon
 
 
 class CountingStore(LocalObjectStore):
@@ -317,29 +315,12 @@ async def test_socket_file_mode_stale_socket_and_live_daemon(make_daemon, sockdi
 
 
 # --- the daemon as a process: SIGTERM finishes requests and drains uploads -----------------------------
-def spawn_daemon(sock: str, *args: str, log_path: str) -> subprocess.Popen:
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock, *args],
-                                stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"daemon exited: {open(log_path).read()}")
-        try:
-            Client(sock, timeout=2, connect_timeout=1).ping()
-            return proc
-        except errors.StateStoreError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("daemon did not start")
-
-
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_sigterm_drains_uploads_and_exits_0(sockdir, tmp_path, loop):
     sock = f"{sockdir}/d.sock"
     root = f"file://{tmp_path}/root"
     log_path = f"{tmp_path}/daemon.log"
-    proc = spawn_daemon(sock, "--loop", loop, "--upload-concurrency", "1", log_path=log_path)
+    proc = start_daemon(sock, "--loop", loop, "--upload-concurrency", "1", log_path=log_path)
     try:
         c = Client(sock)
         refs = []

@@ -56,7 +56,7 @@ def test_inspect_shows_and_checks_one_file(checkpoint):
     key = file_key(StoreId(uri, "agg", 1), ref, DELTA)
     r = run("inspect", uri, key)
     assert r.exit_code == 0, r.output
-    assert f"delta of" in r.output and f"version {ref.version}" in r.output and "checksums OK" in r.output
+    assert "delta of" in r.output and f"version {ref.version}" in r.output and "checksums OK" in r.output
     data = bytearray((path / key).read_bytes())
     data[-40] ^= 1
     (path / key).write_bytes(bytes(data))

@@ -14,8 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 
 ACCESS_KEY = "statestore-test"
