@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -30,6 +28,7 @@ from rich.table import Table
 
 from statestore_async.client import Client
 from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.testing.daemon import start_daemon, stop_daemon
 from statestore_async.testing.faultproxy import FaultProxy
 from statestore_async.testing.seaweedfs import SeaweedFS
 
@@ -38,31 +37,12 @@ def key(i: int) -> bytes:
     return (i % 4096).to_bytes(2, "big") + b"k%010d" % i
 
 
-def start_daemon(sock: str, endpoint: str, env: dict, **settings) -> subprocess.Popen:
-    args = [sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock, "--s3-endpoint-url", endpoint,
-            "--s3-region", "us-east-1", "--s3-addressing-style", "path", "--log-level", "warning"]
+def start(sock: str, endpoint: str, env: dict, **settings) -> subprocess.Popen:
+    args = ["--s3-endpoint-url", endpoint, "--s3-region", "us-east-1", "--s3-addressing-style", "path",
+            "--log-level", "warning"]
     for k, v in settings.items():
         args += ["--" + k.replace("_", "-"), str(v)]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(400):
-        if os.path.exists(sock):
-            try:
-                Client(sock).ping()
-                return proc
-            except Exception:
-                pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("daemon did not start")
-
-
-def stop(proc):
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_daemon(sock, *args, log_path=sock + ".log", env=env)
 
 
 def commit_latency(sock, root, batches, changed, value_size, interval):
@@ -119,12 +99,12 @@ def main():
                 for latency in (0.0, 0.05):
                     proxy.latency = latency
                     sock = f"{tmp}/lat{int(latency * 1000)}.sock"
-                    d = start_daemon(sock, proxy.endpoint_url, env)
+                    d = start(sock, proxy.endpoint_url, env)
                     try:
                         root = f"s3://{bucket}/lat{int(latency * 1000)}"
                         times, comp, stats = commit_latency(sock, root, args.batches, args.changed, args.value_size, args.interval)
                     finally:
-                        stop(d)
+                        stop_daemon(d, timeout=60)
                     up = stats["uploader"]
                     counts = next(iter(stats["object_stores"].values()))
                     n = args.batches
@@ -144,7 +124,7 @@ def main():
             sock = f"{tmp}/big.sock"
             root = f"s3://{bucket}/big"
             sid = StoreId(root, "bench", 0)
-            d = start_daemon(sock, sw.endpoint_url, env, snapshot_interval=10)
+            d = start(sock, sw.endpoint_url, env, snapshot_interval=10)
             try:
                 c = Client(sock)
                 ref = CheckpointRef(0, "")
@@ -163,9 +143,9 @@ def main():
                             time.sleep(0.1)
                 c.close()
             finally:
-                stop(d)
+                stop_daemon(d, timeout=60)
             sock2 = f"{tmp}/fresh.sock"
-            d = start_daemon(sock2, sw.endpoint_url, env)
+            d = start(sock2, sw.endpoint_url, env)
             try:
                 c = Client(sock2)
                 t = time.perf_counter()
@@ -176,7 +156,7 @@ def main():
                 counts = next(iter(s["object_stores"].values()))
                 c.close()
             finally:
-                stop(d)
+                stop_daemon(d, timeout=60)
             raw = args.keys * (12 + 16)
             rows.append((f"recovery of {args.keys:,} keys from S3 (snapshot + 5 deltas)",
                          f"{took:.2f} s, {raw / took / 1e6:.0f} MB/s raw",
