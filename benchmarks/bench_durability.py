@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--changed", type=int, default=1000, help="keys changed per batch")
     ap.add_argument("--value-size", type=int, default=32)
     ap.add_argument("--interval", type=float, default=0.1, help="seconds between batch starts")
+    ap.add_argument("--snapshot-interval", type=int, default=10, help="the daemon's snapshot_interval")
     args = ap.parse_args()
     console = Console()
     tmp = tempfile.mkdtemp(prefix="ssa-bdur-", dir="/tmp")
@@ -99,7 +100,7 @@ def main():
                 for latency in (0.0, 0.05):
                     proxy.latency = latency
                     sock = f"{tmp}/lat{int(latency * 1000)}.sock"
-                    d = start(sock, proxy.endpoint_url, env)
+                    d = start(sock, proxy.endpoint_url, env, snapshot_interval=args.snapshot_interval)
                     try:
                         root = f"s3://{bucket}/lat{int(latency * 1000)}"
                         times, comp, stats = commit_latency(sock, root, args.batches, args.changed, args.value_size, args.interval)
