@@ -22,11 +22,12 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import chain
 
-from . import arrowbatch
+from . import arrowbatch, rowcodec, rows
 from .config import default_socket_path
 from .errors import InterfaceError
 from .framing import HEADER_SIZE
 from .ids import CheckpointRef, StoreId
+from .keys import DEFAULT_KEY_GROUPS
 from .protocol import (
     CLOSED,
     NEED_DATA,
@@ -465,6 +466,25 @@ class StoreHandle:
             if not ev.more:
                 return
 
+    # --- rows (plain Python values; see statestore_async.rows) -----------------------------------
+    def put_rows(self, items, *, key_types=None, num_key_groups: int = DEFAULT_KEY_GROUPS) -> int:
+        """Put (key row, value) pairs: key rows are tuples of the key columns, values any row-codec value."""
+        items = items if isinstance(items, list) else list(items)
+        keys = rows.encode_keys([k for k, _ in items], key_types, num_key_groups)
+        return self.put_many(list(zip(keys, rows.encode_values([v for _, v in items]))))
+
+    def get_rows(self, keys, *, key_types=None, num_key_groups: int = DEFAULT_KEY_GROUPS) -> list:
+        """Values of key rows (None where absent)."""
+        return rows.decode_values(self.get_many(rows.encode_keys(keys, key_types, num_key_groups)))
+
+    def remove_rows(self, keys, *, key_types=None, num_key_groups: int = DEFAULT_KEY_GROUPS) -> int:
+        return self.remove_many(rows.encode_keys(keys, key_types, num_key_groups))
+
+    def scan_rows(self, limit: int | None = None) -> Iterator[tuple[tuple, object]]:
+        """Every (key row, value) of the version (keys written by the ``*_rows`` calls)."""
+        for k, v in self.scan(b"", limit):
+            yield rows.decode_key(k), rowcodec.decode_row(v)
+
     def commit(self, ckptid: str | None = None) -> CheckpointRef:
         """Commit as version ``version + 1``; returns its (version, ckptid) once queued for upload."""
         with self.client._lock:
@@ -730,6 +750,22 @@ class AsyncStoreHandle:
                     yield kv
                 if not ev.more:
                     return
+
+    # --- rows (plain Python values; see statestore_async.rows) -----------------------------------
+    async def put_rows(self, items, *, key_types=None, num_key_groups: int = DEFAULT_KEY_GROUPS) -> int:
+        items = items if isinstance(items, list) else list(items)
+        keys = rows.encode_keys([k for k, _ in items], key_types, num_key_groups)
+        return await self.put_many(list(zip(keys, rows.encode_values([v for _, v in items]))))
+
+    async def get_rows(self, keys, *, key_types=None, num_key_groups: int = DEFAULT_KEY_GROUPS) -> list:
+        return rows.decode_values(await self.get_many(rows.encode_keys(keys, key_types, num_key_groups)))
+
+    async def remove_rows(self, keys, *, key_types=None, num_key_groups: int = DEFAULT_KEY_GROUPS) -> int:
+        return await self.remove_many(rows.encode_keys(keys, key_types, num_key_groups))
+
+    async def scan_rows(self, limit: int | None = None):
+        async for k, v in self.scan(b"", limit):
+            yield rows.decode_key(k), rowcodec.decode_row(v)
 
     async def commit(self, ckptid: str | None = None) -> CheckpointRef:
         ref = await self.client._call("send_commit", self.handle, ckptid)

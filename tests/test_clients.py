@@ -215,3 +215,29 @@ def test_handle_is_bound_to_its_connection(daemon):
             time.sleep(0.02)
     assert h2.get(key(1)) is None
     h2.abort()
+
+
+def test_rows_in_and_out_with_spark_key_groups(daemon):
+    """The *_rows calls take plain Python rows; keys land in Spark's key group of their columns."""
+    from statestore_async import rowhash
+    from statestore_async.keys import key_group_of
+    from statestore_async.rows import decode_key
+
+    sock, root = daemon
+    c = Client(sock)
+    sid = StoreId(root, "rows", 0)
+    items = [(("user-%d" % i, i % 3), {"count": i, "tags": ["a", "b"][: i % 3], "avg": i / 7}) for i in range(2500)]
+    with c.open(sid, 0) as h:
+        assert h.put_rows(items, key_types=["string", "int"], num_key_groups=128) == 2500
+        h.remove_rows([("user-0", 0)], key_types=["string", "int"], num_key_groups=128)
+        ref = h.commit()
+    with c.open(sid, ref.version, ref.ckptid) as h:
+        got = h.get_rows([k for k, _ in items[:5]] + [("nobody", 1)], key_types=["string", "int"], num_key_groups=128)
+        assert got == [None] + [v for _, v in items[1:5]] + [None]
+        scanned = dict(h.scan_rows())
+        raw = dict(h.scan(b""))
+        h.abort()
+    assert scanned == dict(items[1:])
+    for key in raw:
+        row = decode_key(key)
+        assert key_group_of(key) == rowhash.key_group(rowhash.spark_xxhash64(row, ["string", "int"]), 128)

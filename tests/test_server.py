@@ -339,3 +339,17 @@ def test_sigterm_drains_uploads_and_exits_0(sockdir, tmp_path, loop):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_async_client_rows(make_daemon, root):
+    d = await make_daemon()
+    sid = StoreId(root, "rows", 1)
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(sid, 0)
+        await h.put_rows([((i,), ("v", i)) for i in range(300)])
+        await h.remove_rows([(0,)])
+        ref = await h.commit()
+        h = await c.open(sid, ref.version, ref.ckptid)
+        assert await h.get_rows([(0,), (1,), (299,)]) == [None, ("v", 1), ("v", 299)]
+        assert {k: v async for k, v in h.scan_rows()} == {(i,): ("v", i) for i in range(1, 300)}
+        await h.abort()
