@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import chain
@@ -275,6 +277,39 @@ class Client:
             self._drop()
             raise ConnectionLostError(f"cannot send to the daemon: {exc}") from None
 
+    def _send_reading(self, data: bytes) -> None:
+        """Send while answers to earlier requests are due: read them whenever they arrive.
+
+        The daemon stops reading a connection whose answers are not being read; blocking in
+        ``sendall`` then would wait forever for room the daemon never makes.
+        """
+        sock = self._sock
+        view = memoryview(data)
+        deadline = time.monotonic() + self.timeout
+        try:
+            while view:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._drop()
+                    raise RequestTimeoutError(f"could not send to the daemon within {self.timeout}s")
+                readable, writable, _ = select.select([sock], [sock], [], left)
+                if readable:
+                    self._read_some(None)
+                    sock = self._sock
+                if writable and sock is not None:
+                    try:
+                        n = sock.send(view)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    view = view[n:]
+                    deadline = time.monotonic() + self.timeout
+        except OSError as exc:
+            self._raise_goodbye()
+            self._drop()
+            raise ConnectionLostError(f"cannot send to the daemon: {exc}") from None
+        finally:
+            view.release()
+
     def _raise_goodbye(self) -> None:
         """If the daemon closed after a connection-level error (e.g. permission denied), raise it."""
         sock, proto = self._sock, self._proto
@@ -322,7 +357,10 @@ class Client:
             while len(out) < len(batches):
                 while sent < len(batches) and sent - len(out) < window:
                     rid, data = fn(first, batches[sent])
-                    self._send(data)
+                    if sent > len(out):  # answers are due: never block in send without reading them
+                        self._send_reading(data)
+                    else:
+                        self._send(data)
                     rids.append(rid)
                     sent += 1
                 try:
@@ -347,7 +385,10 @@ class Client:
             sent = 0
             while len(out) < len(frames):
                 while sent < len(frames) and sent - len(out) < window:
-                    self._send(frames[sent][1])
+                    if sent > len(out):
+                        self._send_reading(frames[sent][1])
+                    else:
+                        self._send(frames[sent][1])
                     sent += 1
                 try:
                     out.append(self._wait(frames[len(out)][0]))

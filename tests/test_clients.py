@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 
+import pyarrow as pa
 import pytest
 
 from statestore_async.testing.daemon import start_daemon, stop_daemon
@@ -241,3 +242,20 @@ def test_rows_in_and_out_with_spark_key_groups(daemon):
     for key in raw:
         row = decode_key(key)
         assert key_group_of(key) == rowhash.key_group(rowhash.spark_xxhash64(row, ["string", "int"]), 128)
+
+
+def test_pipelined_batches_with_big_answers_do_not_deadlock(daemon):
+    """A get_many of many max_batch-sized requests whose answers outgrow the socket buffers: the
+    client must read answers while it still sends, or both sides wait on each other forever."""
+    sock, root = daemon
+    c = Client(sock, timeout=30)
+    sid = StoreId(root, "bigpipe", 0)
+    value = os.urandom(600)
+    keys = [key(i) for i in range(60_000)]
+    with c.open(sid, 0) as h:
+        h.put_many([(k, value) for k in keys])
+        got = h.get_many(keys)  # 60 requests of 1000 keys in flight, ~36 MB of answers
+        assert len(got) == 60_000 and all(v == value for v in got)
+        arrow_got = h.get_many_arrow(pa.array(keys, type=pa.binary()))
+        assert len(arrow_got) == 60_000
+        h.abort()
