@@ -1,0 +1,351 @@
+"""Workload W (see ../shared/PEERS.md) through our operator and the peers, in one run, one table.
+
+    .venv/bin/python benchmarks/bench_spark.py            # K = 100k and 1M, B = 1M rows/batch, 1+5 batches
+    .venv/bin/python benchmarks/bench_spark.py --quick    # K = 20k, B = 200k, 1+2 batches
+
+Rows ``(key 'k%08d', value int64 in [0, 1000))``, parquet input (2 files per batch) read by the file
+source with ``maxFilesPerTrigger=2`` and ``Trigger.AvailableNow``; local[2], 2 state partitions;
+state (count, sum) per key; every batch emits ``(key, count, sum)`` for its keys; sink ``noop``.
+Figure: input rows / ``durationMs.triggerExecution``, median of the measured batches.
+
+  ours per-key     StatefulOperator + examples.CountSum (a Python call per key, ValueState)
+  ours vectorized  StatefulOperator + examples.VectorizedCountSum (numpy per partition)
+  ours … pre-agg   StatefulOperator(pre_aggregate=[count, sum]) + examples.PreAggregatedCountSum: the
+                   JVM combines each key's rows of the batch before they cross to Python
+  P1 hdfs          Spark groupBy(key).agg(count, sum), HDFSBackedStateStoreProvider (default)
+  P1 rocksdb+cl    the same, RocksDBStateStoreProvider with changelog checkpointing
+  P2 pandas        applyInPandasWithState (RocksDB), on ``--p2-rows`` rows per batch (it is slow)
+  P4 redis         foreachBatch + mapInArrow, pyarrow pre-aggregation, MGET/MSET to a local
+                   redis-server (not durable, not exactly-once)
+
+Each run's final state is checked against the input (keys, total count, total sum) where it can be
+read back (ours: ``load_state``; P1: Spark's ``statestore`` reader; P4: Redis).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+OUT = "key string, count bigint, sum bigint"
+
+
+def gen(folder: str, keys: int, rows: int, batches: int) -> dict:
+    """Write the input; returns the oracle summary {keys, count, sum}."""
+    os.makedirs(folder, exist_ok=True)
+    seen = np.zeros(keys, dtype=bool)
+    total = 0
+    base = time.time() - 100_000
+    for b in range(batches):
+        rng = np.random.Generator(np.random.PCG64(1000 + b))
+        k = rng.integers(0, keys, rows)
+        v = rng.integers(0, 1000, rows)
+        seen[k] = True
+        total += int(v.sum())
+        names = pa.array([f"k{i:08d}" for i in k.tolist()], pa.string())
+        t = pa.table({"key": names, "value": pa.array(v, pa.int64())})
+        for i, part in enumerate((t.slice(0, rows // 2), t.slice(rows // 2))):
+            path = os.path.join(folder, f"b{b:04d}-{i}.parquet")
+            pq.write_table(part, path)
+            os.utime(path, (base + 10 * b + i,) * 2)
+    return {"keys": int(seen.sum()), "count": rows * batches, "sum": total}
+
+
+def run_query(spark, src: str, ckpt: str, build, timeout: float) -> list[dict]:
+    df = spark.readStream.schema("key string, value bigint").option("maxFilesPerTrigger", 2).parquet(src)
+    q = build(df).option("checkpointLocation", ckpt).trigger(availableNow=True).start()
+    q.awaitTermination(timeout)
+    if q.isActive:
+        q.stop()
+    if q.exception() is not None:
+        raise RuntimeError(str(q.exception())[:2000])
+    return [p for p in q.recentProgress if p["numInputRows"]]
+
+
+def figure(progress: list[dict], warmup: int = 1) -> dict:
+    measured = progress[warmup:] or progress
+    rates = [p["numInputRows"] / max(p["durationMs"]["triggerExecution"], 1) * 1000 for p in measured]
+    commit = [op.get("commitTimeMs", 0) for p in measured for op in p.get("stateOperators", [])]
+    return {"rows_s": statistics.median(rates) if rates else 0.0, "batches": len(measured),
+            "batch_ms": statistics.median(p["durationMs"]["triggerExecution"] for p in measured) if measured else 0,
+            "commit_ms": statistics.median(commit) if commit else None}
+
+
+def du(path: str) -> tuple[int, int]:
+    n = size = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            n += 1
+            size += os.path.getsize(os.path.join(d, f))
+    return size, n
+
+
+# --- peers ----------------------------------------------------------------------------------------
+def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
+    from statestore_async.spark import StatefulOperator, load_state, placement
+
+    sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
+    sock = os.path.join(sockdir, "d.sock")
+    placement.start_daemon(sock, args=["--log-level", "warning"])
+    root = os.path.join(work, "state")
+    try:
+        op = StatefulOperator("file://" + root, "w", ["key"], processor, OUT, 2, 4096, socket_path=sock,
+                              fence_timeout=120, pre_aggregate=pre_aggregate)
+        sink = lambda df, b: df.write.format("noop").mode("overwrite").save()  # noqa: E731
+        prog = run_query(spark, src, os.path.join(work, "ckpt"),
+                         lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
+        fig = figure(prog)
+        hist = op.history[1:] or op.history
+        fig["commit_ms"] = statistics.median(p.fence * 1000 for p in hist) if hist else None
+        fig["phases"] = {ph: round(statistics.median(getattr(p, ph) for p in hist) * 1000) for ph in
+                         ("compute", "fence", "manifest", "sink", "total")} if hist else {}
+        tasks = [t for p in hist for t in p.tasks.values()]
+        fig["task_ms"] = {k: round(statistics.median(t.get(k, 0) for t in tasks) * 1000) for k in
+                          ("group", "read", "process", "write", "total")} if tasks else {}
+        state = {k[0]: v for (n, k), v in load_state("file://" + root, "w").items()}
+        fig["correct"] = (len(state), sum(c for c, _ in state.values()), sum(s for _, s in state.values())) == (
+            oracle["keys"], oracle["count"], oracle["sum"])
+        fig["ckpt"] = du(root)
+        return fig
+    finally:
+        placement.stop_daemon(sock)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def p1(spark, src, work, oracle, timeout, rocksdb: bool):
+    from pyspark.sql import functions as F
+
+    conf = {"spark.sql.streaming.stateStore.providerClass":
+            "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider" if rocksdb else
+            "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
+            "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true" if rocksdb else "false"}
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    ckpt = os.path.join(work, "ckpt")
+    try:
+        prog = run_query(spark, src, ckpt, lambda df: df.groupBy("key").agg(F.count("*").alias("count"),
+                                                                           F.sum("value").alias("sum"))
+                         .writeStream.outputMode("update").format("noop"), timeout)
+    finally:
+        spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
+        spark.conf.unset("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled")
+    fig = figure(prog)
+    try:
+        st = spark.read.format("statestore").load(ckpt).select("value.*").agg(
+            F.count("*").alias("n"), F.sum("count").alias("c"), F.sum("sum").alias("s")).collect()[0]
+        fig["correct"] = (st["n"], st["c"], st["s"]) == (oracle["keys"], oracle["count"], oracle["sum"])
+    except Exception as exc:  # the reader is best effort
+        fig["correct"] = f"unchecked ({type(exc).__name__})"
+    fig["ckpt"] = du(os.path.join(ckpt, "state"))
+    return fig
+
+
+def p2(spark, src, work, timeout):
+    import pandas as pd
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    def fn(key, pdfs, state):
+        count, total = state.get if state.exists else (0, 0)
+        for pdf in pdfs:
+            count += len(pdf)
+            total += int(pdf["value"].sum())
+        state.update((count, total))
+        yield pd.DataFrame({"key": [key[0]], "count": [count], "sum": [total]})
+
+    spark.conf.set("spark.sql.streaming.stateStore.providerClass",
+                   "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+    try:
+        prog = run_query(spark, src, os.path.join(work, "ckpt"), lambda df: df.groupBy("key").applyInPandasWithState(
+            fn, OUT, "count long, sum long", "Update", GroupStateTimeout.NoTimeout).writeStream.outputMode("update")
+            .format("noop"), timeout)
+    finally:
+        spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
+    fig = figure(prog)
+    fig["correct"] = "unchecked (bounded run)"
+    return fig
+
+
+def p4(spark, src, work, oracle, timeout):
+    import redis
+
+    port = _free_port()
+    d = tempfile.mkdtemp(prefix="ssb-redis-", dir="/tmp")
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--dir", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(port=port)
+        for _ in range(100):
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+
+        def part(it):
+            import numpy as np
+            import pyarrow as pa
+            import redis
+
+            batches = [b for b in it if b.num_rows]
+            if not batches:
+                return
+            t = pa.Table.from_batches(batches).group_by("key").aggregate([("value", "count"), ("value", "sum")])
+            keys = t["key"].to_pylist()
+            cnt = t["value_count"].to_numpy().astype(np.int64)
+            sm = t["value_sum"].to_numpy().astype(np.int64)
+            cli = redis.Redis(port=port)
+            old_c = np.zeros(len(keys), np.int64)
+            old_s = np.zeros(len(keys), np.int64)
+            step = 20000
+            for i in range(0, len(keys), step):
+                vals = cli.mget(keys[i:i + step])
+                for j, v in enumerate(vals):
+                    if v is not None:
+                        c, s = np.frombuffer(v, np.int64)
+                        old_c[i + j], old_s[i + j] = c, s
+            new_c, new_s = old_c + cnt, old_s + sm
+            packed = np.stack([new_c, new_s], axis=1).tobytes()
+            for i in range(0, len(keys), step):
+                cli.mset({k: packed[16 * (i + j):16 * (i + j + 1)] for j, k in enumerate(keys[i:i + step])})
+            yield pa.RecordBatch.from_arrays([t["key"].combine_chunks(), pa.array(new_c), pa.array(new_s)],
+                                             names=["key", "count", "sum"])
+
+        def batch(df, batch_id):
+            df.repartition(2, "key").mapInArrow(part, OUT).write.format("noop").mode("overwrite").save()
+
+        prog = run_query(spark, src, os.path.join(work, "ckpt"), lambda df: df.writeStream.foreachBatch(batch), timeout)
+        fig = figure(prog)
+        c = s = 0
+        keys = list(r.scan_iter(count=50000))
+        n = len(keys)
+        for i in range(0, len(keys), 50000):
+            for v in r.mget(keys[i:i + 50000]):
+                a, b = np.frombuffer(v, np.int64)
+                c += int(a)
+                s += int(b)
+        fig["correct"] = (n, c, s) == (oracle["keys"], oracle["count"], oracle["sum"])
+        fig["ckpt"] = None
+        return fig
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="K=20k, B=200k, 1+2 batches, P2 on 5k rows")
+    ap.add_argument("--keys", default=None, help="comma-separated K values (default 100000,1000000)")
+    ap.add_argument("--rows", type=int, default=None, help="rows per batch (default 1,000,000)")
+    ap.add_argument("--batches", type=int, default=None, help="measured batches (default 5)")
+    ap.add_argument("--p2-rows", type=int, default=None, help="rows per batch for P2 (default 20,000)")
+    ap.add_argument("--peers", default="ours,ours-vec,ours-pre,p1,p1-rocks,p2,p4")
+    ap.add_argument("--timeout", type=float, default=900)
+    a = ap.parse_args()
+    keys = [int(k) for k in (a.keys or ("20000" if a.quick else "100000,1000000")).split(",")]
+    rows = a.rows or (200_000 if a.quick else 1_000_000)
+    measured = a.batches or (2 if a.quick else 5)
+    p2_rows = a.p2_rows or (5_000 if a.quick else 20_000)
+    peers = a.peers.split(",")
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    work = tempfile.mkdtemp(prefix="bench-spark-")
+    spark = (SparkSession.builder.master("local[2]").appName("bench_spark").config("spark.ui.enabled", "false")
+             .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
+             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    from pyspark.sql import functions as F
+
+    from statestore_async.spark.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum
+
+    results = []
+    try:
+        for K in keys:
+            src = os.path.join(work, f"in-{K}")
+            t = time.perf_counter()
+            oracle = gen(src, K, rows, measured + 1)
+            print(f"# K={K:,}: input {measured + 1} x {rows:,} rows written in {time.perf_counter() - t:.1f}s", flush=True)
+            src_p2 = os.path.join(work, f"in-p2-{K}")
+            runs = {
+                "ours per-key": lambda d: ours(spark, src, d, CountSum(), oracle, a.timeout),
+                "ours vectorized": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout),
+                "ours vectorized + JVM pre-agg": lambda d: ours(spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
+                                                                [F.count("*").alias("n"), F.sum("value").alias("s")]),
+                "P1 hdfs (default)": lambda d: p1(spark, src, d, oracle, a.timeout, False),
+                "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
+                "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),
+                "P4 redis pre-aggregated": lambda d: p4(spark, src, d, oracle, a.timeout),
+            }
+            wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
+                      "p1": "P1 hdfs (default)",
+                      "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
+                      "p4": "P4 redis pre-aggregated"}
+            if "p2" in peers:
+                gen(src_p2, K, p2_rows, 3)
+            for short in peers:
+                name = wanted[short]
+                d = os.path.join(work, f"{short}-{K}")
+                os.makedirs(d)
+                t = time.perf_counter()
+                try:
+                    fig = runs[name](d)
+                except Exception as exc:
+                    fig = {"rows_s": 0.0, "error": str(exc).splitlines()[0][:200]}
+                fig.update(K=K, peer=name, wall=time.perf_counter() - t)
+                results.append(fig)
+                print(f"  {name:28s} {fig['rows_s']:>12,.0f} rows/s  ({fig.get('batches', 0)} batches, "
+                      f"median {fig.get('batch_ms', 0):,.0f} ms, correct={fig.get('correct')}, "
+                      f"wall {fig['wall']:.0f}s) {fig.get('phases', '')} tasks {fig.get('task_ms', '')} {fig.get('error', '')}",
+                      flush=True)
+                shutil.rmtree(d, ignore_errors=True)
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(f"workload W: B={rows:,} rows/batch, 1 warm-up + {measured} measured batches (P2: {p2_rows:,} rows/batch, "
+          "1 + 2), local[2], 2 state partitions")
+    print("| K | peer | rows/s | × P1 hdfs | × P4 | × P2 | batch ms | commit/fence ms | checkpoint | correct |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for K in keys:
+        by = {r["peer"]: r for r in results if r["K"] == K}
+        ref1 = by.get("P1 hdfs (default)", {}).get("rows_s") or 0
+        ref4 = by.get("P4 redis pre-aggregated", {}).get("rows_s") or 0
+        ref2 = by.get("P2 applyInPandasWithState", {}).get("rows_s") or 0
+        for r in (x for x in results if x["K"] == K):
+            rs = r["rows_s"]
+            ck = r.get("ckpt")
+            ckpt = f"{ck[0] / 1e6:.1f} MB / {ck[1]} files" if ck else "-"
+            cm = r.get("commit_ms")
+            print(f"| {K:,} | {r['peer']} | {rs:,.0f} | {rs / ref1 if ref1 else 0:.2f} | {rs / ref4 if ref4 else 0:.2f} "
+                  f"| {rs / ref2 if ref2 else 0:.1f} | {r.get('batch_ms', 0):,.0f} | "
+                  f"{'-' if cm is None else f'{cm:,.0f}'} | {ckpt} | {r.get('correct', r.get('error'))} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""PySpark integration: exactly-once keyed state for Structured Streaming through ``foreachBatch``.
+
+* ``StatefulProcessor`` (per key, plain Python values; ``ValueState``/``ListState``/``MapState``, TTL)
+  and ``VectorizedProcessor`` (a whole partition as Arrow/numpy) — ``processor``;
+* ``StatefulOperator`` — the foreachBatch operator with the driver's fence and manifest — ``operator``;
+* ``open_partition_store`` — a store per partition for mapPartitions / mapInArrow / pandas UDFs;
+* ``read_state`` / ``load_state`` — an operator's committed state as a DataFrame / a dict;
+* ``placement.connect`` — this node's daemon, started on demand.
+
+Spark is imported only inside this package (and lazily: importing it does not start a JVM).
+See ``docs/SPARK.md``.
+"""
+from .operator import BatchProgress, DuplicateReportError, FenceTimeoutError, OperatorConfigError, StatefulOperator
+from .placement import DaemonUnavailableError, connect, daemon_pid, start_daemon, stop_daemon
+from .processor import (
+    KeyState,
+    ListState,
+    MapState,
+    StatefulProcessor,
+    StateHandle,
+    ValueState,
+    VectorizedProcessor,
+)
+from .reader import decode_record, load_state, read_state
+from .routing import murmur3_int, route_values, with_routing
+from .runtime import Fault, InjectedFault, RoutingError, group_rows, open_partition_store, store_keys
+
+__all__ = [
+    "StatefulOperator", "BatchProgress", "OperatorConfigError", "FenceTimeoutError", "DuplicateReportError",
+    "StatefulProcessor", "VectorizedProcessor", "StateHandle", "KeyState", "ValueState", "ListState", "MapState",
+    "open_partition_store", "read_state", "load_state", "decode_record",
+    "connect", "start_daemon", "stop_daemon", "daemon_pid", "DaemonUnavailableError",
+    "route_values", "murmur3_int", "with_routing", "group_rows", "store_keys",
+    "Fault", "InjectedFault", "RoutingError",
+]

@@ -1,0 +1,349 @@
+"""``StatefulOperator``: exactly-once keyed state for ``foreachBatch``.
+
+    op = StatefulOperator("s3://bucket/ckpt", "totals", ["user"], RunningTotal(),
+                          "user string, count bigint, total bigint", num_partitions=8)
+    query = df.writeStream.foreachBatch(op.foreach_batch(sink)).option("checkpointLocation", ...).start()
+
+Per micro-batch ``b`` (``sink(output_df, b)`` is the user's sink):
+
+1. read ``_commits/<b>.json`` (batch 0: the empty state) — which checkpoint of each partition counts;
+   its number of partitions and key groups must equal the operator's (else ``OperatorConfigError``);
+2. route in the JVM (``routing.with_routing``): key group ``pmod(xxhash64(keys), G)``, task ``i`` gets
+   exactly state partition ``i``;
+3. one ``mapInArrow`` task per partition (``runtime.run_partition``) opens its store at the state
+   the manifest names, applies the processor, commits, and reports ``(partition, ref)`` through an
+   accumulator (the tasks run in a single result stage: Spark merges the updates of exactly one
+   successful attempt per task);
+4. the output is materialized once (``persist`` + a ``noop`` write, or a parquet folder when
+   ``output_path`` is set), so the sink cannot re-run the stateful stage;
+5. the driver's fence: every reported delta file must exist in the object store (HEAD, not the
+   report); after ``fence_timeout`` seconds it raises ``FenceTimeoutError``, the batch fails and
+   Spark replays it from the same manifest;
+6. ``_commits/<b+1>.json`` is written (replacing the one of an earlier attempt of ``b``);
+7. ``sink(output_df, b)`` runs; then foreachBatch returns and Spark records the batch.
+
+A crash anywhere before step 7 ends makes Spark replay ``b``: the replay reads the same manifest
+``b``, writes new checkpoint ids and a new manifest ``b+1``: state is exactly-once; the sink is
+called again for ``b`` (make it idempotent per batch id, as with any foreachBatch sink).
+A partition with no rows in a batch writes nothing: the manifest keeps its previous checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import InterfaceError, VersionError, VersionNotFoundError
+from ..ids import DELTA, EMPTY_STATE, DEFAULT_STORE_NAME, CheckpointRef, StoreId, _check_name, file_key
+from ..keys import DEFAULT_KEY_GROUPS, check_num_key_groups
+from ..manifest import Manifest, read_manifest, write_manifest
+from ..objectstore import open_object_store
+from .processor import StatefulProcessor, VectorizedProcessor
+from .routing import with_routing
+from .runtime import Fault, TaskSpec, fire, run_partition
+
+log = logging.getLogger(__name__)
+LAYOUT = "statestore_async.spark/1"
+
+
+class OperatorConfigError(InterfaceError):
+    """The operator's settings disagree with what its checkpoint recorded (partitions, key groups, keys)."""
+
+
+class FenceTimeoutError(VersionError):
+    """Reported checkpoint files did not appear in the object store in time: the batch is not committed."""
+
+
+class DuplicateReportError(VersionError):
+    """Two committed attempts reported for one partition of one batch (should never happen)."""
+
+
+def _reports_param():
+    from pyspark.accumulators import AccumulatorParam
+
+    class _Reports(AccumulatorParam):
+        def zero(self, value):
+            return []
+
+        def addInPlace(self, a, b):
+            a.extend(b)
+            return a
+
+    return _Reports()
+
+
+def _arrow_schema(output_schema):
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType, _parse_datatype_string
+
+    if isinstance(output_schema, str):
+        output_schema = _parse_datatype_string(output_schema)
+    if not isinstance(output_schema, StructType):
+        raise InterfaceError(f"output_schema is a StructType or a DDL string, got {output_schema!r}")
+    return output_schema, to_arrow_schema(output_schema)
+
+
+def s3_options_from_env() -> dict | None:
+    """S3 settings for the driver's object store from ``STATESTORE_S3_*`` (credentials: the AWS chain)."""
+    from ..config import load_config
+
+    return load_config(env=os.environ).s3_options()
+
+
+@dataclass
+class BatchProgress:
+    """Timings (seconds) and counts of the last batch, for logs and benchmarks."""
+
+    batch_id: int = -1
+    compute: float = 0.0
+    fence: float = 0.0
+    manifest: float = 0.0
+    sink: float = 0.0
+    total: float = 0.0
+    partitions_committed: int = 0
+    refs: dict = field(default_factory=dict)
+    tasks: dict = field(default_factory=dict)  # partition -> the task's timings (seconds) and counts
+
+
+class StatefulOperator:
+    """A stateful foreachBatch operator; see the module docstring for the per-batch protocol.
+
+    ``checkpoint_root``: ``file:///…``, a local path, or ``s3://bucket/prefix`` (the daemons reach it
+    with their own S3 settings; the driver with ``s3_options`` or ``STATESTORE_S3_*`` + AWS chain).
+    ``key_columns``: the grouping columns; ``value_columns``: the columns handed to the processor
+    (default: every other input column). ``num_partitions`` (N) and ``num_key_groups`` (G) are
+    fixed for the operator's life and recorded in every manifest. ``pre_aggregate``: optional
+    aggregate Columns (``[F.count("*").alias("n"), F.sum("v").alias("s")]``): the JVM first computes
+    ``groupBy(keys).agg(*pre_aggregate)`` per batch, and the processor gets one row of those
+    columns per key (much less data crosses to Python; for associative state updates).
+    """
+
+    def __init__(self, checkpoint_root: str, operator_id: str, key_columns, processor, output_schema,
+                 num_partitions: int, num_key_groups: int = DEFAULT_KEY_GROUPS, *, value_columns=None,
+                 socket_path: str | None = None, daemon_env: dict | None = None, fence_timeout: float = 60.0,
+                 s3_options: dict | None = None, output_path: str | None = None, pre_aggregate=None, faults=(),
+                 clock=time.time):
+        if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
+            raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
+        if isinstance(key_columns, str):
+            key_columns = [key_columns]
+        if not key_columns:
+            raise InterfaceError("key_columns must name at least one column")
+        if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
+            raise InterfaceError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
+        check_num_key_groups(num_key_groups)
+        if num_key_groups < num_partitions:
+            raise InterfaceError(f"num_key_groups ({num_key_groups}) must be >= num_partitions ({num_partitions})")
+        if "://" not in checkpoint_root:
+            checkpoint_root = "file://" + os.path.abspath(checkpoint_root)
+        self.root = checkpoint_root.rstrip("/")
+        self.operator_id = _check_name("operator_id", str(operator_id))
+        self.key_columns = tuple(key_columns)
+        self.value_columns = tuple(value_columns) if value_columns is not None else None
+        self.processor = processor
+        self.output_schema, self.arrow_schema = _arrow_schema(output_schema)
+        self.num_partitions = num_partitions
+        self.num_key_groups = num_key_groups
+        self.socket_path = socket_path
+        self.daemon_env = daemon_env
+        self.fence_timeout = fence_timeout
+        self.s3_options = s3_options
+        self.output_path = output_path
+        self.faults = tuple(Fault(**f) if isinstance(f, dict) else f for f in faults)
+        self.clock = clock  # seconds; the TTL clock of a batch is read once, on the driver
+        self.pre_aggregate = list(pre_aggregate) if pre_aggregate else None
+        self.last_progress = BatchProgress()
+        self.history: list[BatchProgress] = []
+
+    # -- object store --
+    def _objstore(self):
+        if self.root.startswith("s3://"):
+            opts = self.s3_options if self.s3_options is not None else s3_options_from_env()
+            return open_object_store(self.root, s3_options=opts)
+        return open_object_store(self.root)
+
+    def _run(self, coro_fn):
+        async def go():
+            store = self._objstore()
+            try:
+                return await coro_fn(store)
+            finally:
+                await store.close()
+
+        return asyncio.run(go())
+
+    def base_manifest(self, batch_id: int) -> Manifest:
+        """The manifest batch ``batch_id`` reads (version ``batch_id``), checked against the settings."""
+        if batch_id == 0:
+            return Manifest(self.operator_id, 0, self.num_partitions, self.num_key_groups,
+                            {DEFAULT_STORE_NAME: (EMPTY_STATE,) * self.num_partitions})
+
+        async def read(store):
+            return await read_manifest(store, self.operator_id, batch_id)
+
+        try:
+            m = self._run(read)
+        except VersionNotFoundError:
+            raise VersionNotFoundError(
+                f"operator {self.operator_id!r} at {self.root} has no manifest for version {batch_id}, which batch "
+                f"{batch_id} needs: was the checkpoint root changed or cleaned while the query's Spark checkpoint "
+                "was kept?") from None
+        self.check_manifest(m)
+        return m
+
+    def check_manifest(self, m: Manifest) -> None:
+        if m.num_partitions != self.num_partitions or m.num_key_groups != self.num_key_groups:
+            raise OperatorConfigError(
+                f"operator {self.operator_id!r} was checkpointed with {m.num_partitions} partitions and "
+                f"{m.num_key_groups} key groups; it is now configured with {self.num_partitions} partitions and "
+                f"{self.num_key_groups} key groups. Keep num_partitions/num_key_groups, or start a new operator id.")
+        keys = m.metadata.get("key_columns")
+        if keys is not None and tuple(keys) != self.key_columns:
+            raise OperatorConfigError(
+                f"operator {self.operator_id!r} was checkpointed with key columns {keys}, now {list(self.key_columns)}")
+
+    # -- the batch --
+    def foreach_batch(self, sink=None):
+        """The function to pass to ``writeStream.foreachBatch``; ``sink(output_df, batch_id)`` is optional."""
+
+        def run(df, batch_id):
+            self.process_batch(df, batch_id, sink)
+
+        return run
+
+    def _task_fn(self, spec: TaskSpec, acc):
+        processor = self.processor
+
+        def task(batches):
+            from pyspark import TaskContext
+
+            ctx = TaskContext.get()
+            part, attempt = ctx.partitionId(), ctx.attemptNumber()
+
+            def report(p, ref, timings):
+                acc.add([(p, ref.version, ref.ckptid, attempt, timings)])
+
+            out = run_partition(processor, spec, part, attempt, list(batches), report)
+            yield from out.to_batches(max_chunksize=65536)
+
+        return task
+
+    def process_batch(self, df, batch_id: int, sink=None):
+        """Run the operator on one micro-batch; returns the output DataFrame (already materialized)."""
+        from pyspark import StorageLevel
+
+        t0 = time.perf_counter()
+        prog = BatchProgress(batch_id=batch_id)
+        base = self.base_manifest(batch_id)
+        missing = [c for c in self.key_columns if c not in df.columns]
+        if missing:
+            raise InterfaceError(f"key columns {missing} are not in the batch's columns {df.columns}")
+        if self.pre_aggregate:
+            # the JVM combines each key's rows of the batch first (map-side partial aggregation)
+            df = df.groupBy(*self.key_columns).agg(*self.pre_aggregate)
+            values = tuple(c for c in df.columns if c not in self.key_columns)
+        else:
+            values = self.value_columns or tuple(c for c in df.columns if c not in self.key_columns)
+        refs = tuple(base.ref(p) for p in range(self.num_partitions))
+        spec = TaskSpec(self.root, self.operator_id, self.key_columns, values, self.arrow_schema, self.num_partitions,
+                        self.num_key_groups, batch_id, refs, int(self.clock() * 1000), self.socket_path,
+                        self.daemon_env, self.faults)
+        spark = df.sparkSession
+        acc = spark.sparkContext.accumulator([], _reports_param())
+        routed = with_routing(df.select(*self.key_columns, *values), list(self.key_columns), self.num_partitions,
+                              self.num_key_groups)
+        out = routed.mapInArrow(self._task_fn(spec, acc), self.output_schema)
+        tmp_dir = None
+        if self.output_path:
+            tmp_dir = f"{self.output_path.rstrip('/')}/{batch_id}-{uuid.uuid4().hex[:12]}"
+            out.write.mode("errorifexists").parquet(tmp_dir)
+            result = spark.read.schema(self.output_schema).parquet(tmp_dir)
+        else:
+            out = out.persist(StorageLevel.MEMORY_AND_DISK)
+            out.write.format("noop").mode("overwrite").save()
+            result = out
+        prog.compute = time.perf_counter() - t0
+        try:
+            refs = self._collect_reports(acc.value, prog)
+            fire(self.faults, "before_fence", batch_id, socket_path=self.socket_path)
+            t = time.perf_counter()
+            self._fence(refs)
+            prog.fence = time.perf_counter() - t
+            t = time.perf_counter()
+            stores = [refs.get(p, base.ref(p)) for p in range(self.num_partitions)]
+            manifest = Manifest(self.operator_id, batch_id + 1, self.num_partitions, self.num_key_groups,
+                                {DEFAULT_STORE_NAME: tuple(stores)},
+                                metadata={"layout": LAYOUT, "key_columns": list(self.key_columns),
+                                          "processor": type(self.processor).__qualname__, "batch_id": batch_id})
+
+            async def write(store):
+                await write_manifest(store, manifest)
+
+            self._run(write)
+            prog.manifest = time.perf_counter() - t
+            fire(self.faults, "after_manifest", batch_id, socket_path=self.socket_path)
+            t = time.perf_counter()
+            if sink is not None:
+                sink(result, batch_id)
+            prog.sink = time.perf_counter() - t
+        finally:
+            if tmp_dir is None:
+                out.unpersist()
+            elif tmp_dir.startswith(("/", "file:")):
+                shutil.rmtree(tmp_dir.removeprefix("file://").removeprefix("file:"), ignore_errors=True)
+        prog.partitions_committed = len(refs)
+        prog.refs = refs
+        prog.total = time.perf_counter() - t0
+        self.last_progress = prog
+        self.history.append(prog)
+        log.info("operator %s batch %d: %d partitions committed, compute %.3fs fence %.3fs",
+                 self.operator_id, batch_id, len(refs), prog.compute, prog.fence)
+        return result
+
+    def _collect_reports(self, reports: list, prog: BatchProgress) -> dict[int, CheckpointRef]:
+        refs: dict[int, CheckpointRef] = {}
+        for p, version, ckptid, _attempt, timings in reports:
+            prog.tasks[p] = timings
+            if p in refs:
+                raise DuplicateReportError(f"partition {p} reported two committed attempts: {refs[p]} and "
+                                           f"{version}_{ckptid}")
+            if not 0 <= p < self.num_partitions:
+                raise OperatorConfigError(f"a task reported partition {p} outside [0, {self.num_partitions})")
+            refs[p] = CheckpointRef(version, ckptid)
+        return refs
+
+    def _fence(self, refs: dict[int, CheckpointRef]) -> None:
+        """Wait until every reported delta exists in the object store (HEAD), else FenceTimeoutError."""
+        keys = {file_key(StoreId(self.root, self.operator_id, p), ref, DELTA) for p, ref in refs.items()}
+        if not keys:
+            return
+        timeout = self.fence_timeout
+
+        async def fence(store):
+            pending = set(keys)
+            deadline = time.monotonic() + timeout
+            pause = 0.01
+            while True:
+                found = await asyncio.gather(*(store.exists(k) for k in sorted(pending)))
+                pending -= {k for k, ok in zip(sorted(pending), found) if ok}
+                if not pending:
+                    return
+                if time.monotonic() > deadline:
+                    raise FenceTimeoutError(
+                        f"{len(pending)} checkpoint file(s) of operator {self.operator_id!r} not in {self.root} after "
+                        f"{timeout}s (e.g. {sorted(pending)[0]}): the daemon that committed them may have died "
+                        "before uploading; the batch is not committed and will be replayed")
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+
+        self._run(fence)
+
+    def __getstate__(self):
+        raise InterfaceError("StatefulOperator lives on the driver; tasks get a TaskSpec")
+
+
+__all__ = ["StatefulOperator", "OperatorConfigError", "FenceTimeoutError", "DuplicateReportError", "BatchProgress"]

@@ -1,0 +1,120 @@
+"""Reading an operator's committed state: ``load_state`` (a dict, in this process) and ``read_state`` (a DataFrame).
+
+Both read the manifest of a version (the latest when ``version`` is None) and load each partition's
+named checkpoint from files alone (``loader.load_store``: GETs of named files, no daemon).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from .. import rowcodec
+from ..errors import VersionNotFoundError
+from ..ids import DEFAULT_STORE_NAME, StoreId
+from ..keys import key_group_of
+from ..loader import load_store
+from ..manifest import list_manifest_versions, read_manifest
+from ..objectstore import open_object_store
+
+
+def _open(root: str, s3_options: dict | None):
+    if "://" not in root:
+        import os
+
+        root = "file://" + os.path.abspath(root)
+    if root.startswith("s3://"):
+        if s3_options is None:
+            from .operator import s3_options_from_env
+
+            s3_options = s3_options_from_env()
+        return root, open_object_store(root, s3_options=s3_options)
+    return root, open_object_store(root)
+
+
+async def _manifest(store, operator_id: str, version: int | None):
+    if version is None:
+        versions = await list_manifest_versions(store, operator_id)
+        if not versions:
+            raise VersionNotFoundError(f"operator {operator_id!r} has no manifest yet")
+        version = versions[-1]
+    return await read_manifest(store, operator_id, version)
+
+
+def decode_record(key: bytes, value: bytes) -> tuple[int, str, tuple, object]:
+    """``(key_group, state_name, grouping_key, value)`` of one store record written by the operator.
+
+    A state declared with a TTL keeps ``(expires_at_ms, value)`` as its value.
+    """
+    name, *grouping = rowcodec.decode_row(key[2:])
+    return key_group_of(key), name, tuple(grouping), rowcodec.decode_row(value)
+
+
+def load_partition(root: str, operator_id: str, partition: int, ckpt_version: int, ckptid: str,
+                   s3_options: dict | None = None) -> list[tuple[bytes, bytes]]:
+    """Every (key, value) record of one partition's committed checkpoint, loaded from files."""
+    from ..ids import CheckpointRef
+
+    ref = CheckpointRef(ckpt_version, ckptid)
+    if ref.is_empty_state:
+        return []
+
+    async def go():
+        r, store = _open(root, s3_options)
+        try:
+            vs, _ = await load_store(store, StoreId(r, operator_id, partition), ref)
+            return list(vs.items())
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def load_state(root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None) -> dict:
+    """``{(state_name, grouping_key): value}`` of the committed version (the latest by default)."""
+
+    async def go():
+        r, store = _open(root, s3_options)
+        try:
+            m = await _manifest(store, operator_id, version)
+            out = {}
+            for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
+                if ref.is_empty_state:
+                    continue
+                vs, _ = await load_store(store, StoreId(r, operator_id, p), ref)
+                for k, v in vs.items():
+                    _, name, key, value = decode_record(k, v)
+                    out[(name, key)] = value
+            return out
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def read_state(spark, root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None):
+    """A DataFrame ``(partition int, key_group int, state string, key string, value string)``.
+
+    One Spark task per state partition loads that partition's checkpoint from files; ``key`` (the
+    grouping key tuple as a list) and ``value`` are JSON (dates, decimals, bytes as strings).
+    """
+
+    async def man():
+        r, store = _open(root, s3_options)
+        try:
+            return r, await _manifest(store, operator_id, version)
+        finally:
+            await store.close()
+
+    r, m = asyncio.run(man())
+    refs = [(p, ref.version, ref.ckptid) for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME])]
+    opts = s3_options
+
+    def load(items):
+        for p, v, c in items:
+            for k, val in load_partition(r, operator_id, p, v, c, opts):
+                kg, name, key, value = decode_record(k, val)
+                yield (p, kg, name, json.dumps(list(key), default=str), json.dumps(value, default=str))
+
+    schema = "partition int, key_group int, state string, key string, value string"
+    rdd = spark.sparkContext.parallelize(refs, max(1, len(refs))).mapPartitions(load)
+    return spark.createDataFrame(rdd, schema)

@@ -1,0 +1,324 @@
+"""What one Spark task does for one state partition: group rows, prefetch state, run, write, commit.
+
+No round trip per key: the partition's rows are grouped by key with numpy/pyarrow, every key's
+state is fetched in one batched pass (``get_many`` calls of up to 32k keys, never a call per key), the
+processor runs, then ONE ``put_many`` and ONE ``remove_many``, and the commit.
+
+Also the low-level API ``open_partition_store`` for mapPartitions / mapInArrow / pandas UDF users.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .. import rowcodec
+from ..errors import InterfaceError
+from ..ids import CheckpointRef, StoreId
+from . import placement
+from .processor import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
+from .routing import KG_COLUMN
+
+
+class RoutingError(InterfaceError):
+    """A task received rows of a key group its state partition does not own."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A test hook: at ``point`` of ``batch`` (and ``partition``, ``attempt`` when set) do ``action``.
+
+    Task points: ``before_commit``, ``after_commit``. Driver points: ``before_fence``,
+    ``after_manifest``. Actions: ``kill_daemon`` (SIGKILL this node's daemon), ``fail`` (raise),
+    ``kill_self`` (SIGKILL the current process).
+    """
+
+    point: str
+    batch: int
+    action: str
+    partition: int | None = None
+    attempt: int | None = 0
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``fail`` test hook."""
+
+
+def fire(faults, point: str, batch: int, partition: int | None = None, attempt: int = 0,
+         socket_path: str | None = None) -> None:
+    for f in faults:
+        if f.point != point or f.batch != batch:
+            continue
+        if f.partition is not None and f.partition != partition:
+            continue
+        if f.attempt is not None and f.attempt != attempt:
+            continue
+        if f.action == "kill_daemon":
+            pid = placement.daemon_pid(socket_path)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
+        elif f.action == "kill_self":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.action == "fail":
+            raise InjectedFault(f"test hook: fail at {point} of batch {batch} partition {partition} attempt {attempt}")
+        else:
+            raise InterfaceError(f"unknown fault action {f.action!r}")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Everything a task needs; pickled into the task closure by the driver."""
+
+    root: str
+    operator_id: str
+    key_columns: tuple
+    value_columns: tuple
+    output_schema: pa.Schema
+    num_partitions: int
+    num_key_groups: int
+    batch_id: int
+    refs: tuple                  # CheckpointRef per partition: the state batch ``batch_id`` reads
+    now_ms: int
+    socket_path: str | None = None
+    daemon_env: dict | None = None
+    faults: tuple = field(default=())
+
+
+GET_CHUNK = 32768  # keys per get_many call: one request frame each, never a deep pipeline of big answers
+
+
+def get_all(handle, keys: list[bytes]) -> list:
+    """``handle.get_many`` in calls of at most ``GET_CHUNK`` keys (values in key order)."""
+    if len(keys) <= GET_CHUNK:
+        return handle.get_many(keys)
+    out: list = []
+    for i in range(0, len(keys), GET_CHUNK):
+        out.extend(handle.get_many(keys[i:i + GET_CHUNK]))
+    return out
+
+
+def write_all(handle, puts: list, removes: list) -> None:
+    """``put_many`` / ``remove_many`` in calls of at most ``GET_CHUNK`` items (one frame each)."""
+    for i in range(0, len(puts), GET_CHUNK):
+        handle.put_many(puts[i:i + GET_CHUNK])
+    for i in range(0, len(removes), GET_CHUNK):
+        handle.remove_many(removes[i:i + GET_CHUNK])
+
+
+@lru_cache(maxsize=8)
+def _kg_prefixes(num_key_groups: int) -> tuple[bytes, ...]:
+    return tuple(i.to_bytes(2, "big") for i in range(num_key_groups))
+
+
+def store_keys(state_name: str, keys: list[tuple], kgs: list[int], num_key_groups: int) -> list[bytes]:
+    """Store keys ``kg (2 bytes) + encode_key((state_name, *key))`` of one state variable."""
+    pre = _kg_prefixes(num_key_groups)
+    enc = rowcodec.encode_keys([(state_name, *k) for k in keys])
+    return [pre[g] + e for g, e in zip(kgs, enc)]
+
+
+def _codes(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if pa.types.is_floating(col.type):
+        # Spark groups -0.0 with 0.0 and every NaN together: normalize before encoding
+        col = pc.if_else(pc.is_nan(col), pa.scalar(float("nan"), col.type), pc.add(col, pa.scalar(0.0, col.type)))
+    enc = pc.dictionary_encode(col, null_encoding="encode")
+    return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def group_rows(table: pa.Table, key_columns) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets): ``table.take(order)`` is sorted by key; key i is rows offsets[i]:offsets[i+1]."""
+    n = table.num_rows
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(1, np.int64)
+    codes = _codes(table[key_columns[0]])
+    for c in key_columns[1:]:
+        more = _codes(table[c])
+        codes = codes * (int(more.max()) + 1) + more
+        codes = np.unique(codes, return_inverse=True)[1].astype(np.int64)
+    order = np.argsort(codes, kind="stable")
+    sc = codes[order]
+    bounds = np.flatnonzero(sc[1:] != sc[:-1]) + 1
+    offsets = np.concatenate(([0], bounds, [n])).astype(np.int64)
+    return order, offsets
+
+
+def _check_routing(kg: np.ndarray, partition: int, spec: TaskSpec) -> None:
+    if kg.size == 0:
+        return
+    owners = kg.astype(np.int64) * spec.num_partitions // spec.num_key_groups
+    if owners.min() != partition or owners.max() != partition:
+        raise RoutingError(
+            f"task of partition {partition} received rows of partitions {sorted(set(owners.tolist()))[:5]}: "
+            "the shuffle did not keep the routing (is the stage changed after the operator's repartition?)")
+
+
+def _output_table(out: list, schema: pa.Schema) -> pa.Table:
+    if not out:
+        return schema.empty_table()
+    cols = list(zip(*out))
+    if len(cols) != len(schema):
+        raise InterfaceError(f"output rows have {len(cols)} values, the output schema has {len(schema)} columns")
+    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(cols, schema)], schema=schema)
+
+
+def _table_of(batches: list) -> pa.Table:
+    return pa.Table.from_batches(batches) if batches else None
+
+
+def run_partition(processor, spec: TaskSpec, partition: int, attempt: int, batches: list,
+                  report=None) -> pa.Table:
+    """Apply ``processor`` to one state partition's rows of a batch; returns the output table.
+
+    Opens the store at ``spec.refs[partition]``, commits, calls ``report(partition, ref, timings)``
+    after the commit (``timings``: seconds spent grouping, in the store, in the processor). A
+    partition without rows opens nothing and reports nothing.
+    """
+    t0 = time.perf_counter()
+    table = _table_of([b for b in batches if b.num_rows])
+    if table is None:
+        return spec.output_schema.empty_table()
+    kg = table[KG_COLUMN].to_numpy()
+    _check_routing(kg, partition, spec)
+    order, offsets = group_rows(table, list(spec.key_columns))
+    firsts = order[offsets[:-1]]
+    kgs = kg[firsts].tolist()
+    keys_table = table.select(list(spec.key_columns)).take(pa.array(firsts))
+    rows_table = table.select(list(spec.value_columns)).take(pa.array(order))
+    timings = {"rows": table.num_rows, "keys": len(kgs), "group": time.perf_counter() - t0}
+    client = placement.connect(spec.socket_path, env=spec.daemon_env)
+    base = spec.refs[partition]
+    sid = StoreId(spec.root, spec.operator_id, partition)
+    with client.open(sid, base.version, base.ckptid or None) as handle:
+        if isinstance(processor, VectorizedProcessor):
+            out, puts, removes = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs, handle, timings)
+        else:
+            out, puts, removes = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle, timings)
+        t = time.perf_counter()
+        write_all(handle, puts, removes)
+        fire(spec.faults, "before_commit", spec.batch_id, partition, attempt, spec.socket_path)
+        ref = handle.commit()
+        timings["write"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - t0
+    if report is not None:
+        report(partition, ref, timings)
+    fire(spec.faults, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
+    return out
+
+
+def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table, offsets,
+                 kgs, handle, timings: dict):
+    h = StateHandle()
+    processor.init(h)
+    variables = list(h.variables.values())
+    if not variables:
+        raise InterfaceError(f"{type(processor).__name__}.init declared no state")
+    keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
+    n = len(keys)
+    skeys = [store_keys(v.name, keys, kgs, spec.num_key_groups) for v in variables]
+    t = time.perf_counter()
+    raw = get_all(handle, [k for ks in skeys for k in ks])
+    timings["read"] = time.perf_counter() - t
+    for j, v in enumerate(variables):
+        v._begin(raw[j * n:(j + 1) * n], spec.now_ms)
+    rows = list(zip(*[c.to_pylist() for c in rows_table.columns])) if spec.value_columns else [()] * rows_table.num_rows
+    state = KeyState(h.variables)
+    t = time.perf_counter()
+    out: list = []
+    off = offsets.tolist()
+    fn = processor.handle_rows
+    for i in range(n):
+        for v in variables:
+            v._i = i
+        res = fn(keys[i], rows[off[i]:off[i + 1]], state)
+        if res is not None:
+            out.extend(res)
+    for v in variables:
+        v._i = -1
+    close = getattr(processor, "close", None)
+    if close is not None:
+        close()
+    puts, removes = [], []
+    for v, ks in zip(variables, skeys):
+        p, r = v._changes(ks)
+        puts.extend(p)
+        removes.extend(r)
+    table = _output_table(out, spec.output_schema)
+    timings["process"] = time.perf_counter() - t
+    return table, puts, removes
+
+
+def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table, offsets,
+                    kgs, handle, timings: dict):
+    schema = processor.state_schema
+    if not isinstance(schema, pa.Schema):
+        raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
+    keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
+    skeys = store_keys(processor.state_name, keys, kgs, spec.num_key_groups)
+    t = time.perf_counter()
+    raw = get_all(handle, skeys)
+    timings["read"] = time.perf_counter() - t
+    exists = np.fromiter((r is not None for r in raw), dtype=bool, count=len(raw))
+    present = rowcodec.decode_rows([r for r in raw if r is not None])
+    # decoded tuples -> one struct array (in C), then scattered to their keys with nulls elsewhere
+    st = pa.struct(list(schema))
+    where = np.full(len(raw), len(present), dtype=np.int64)
+    where[exists] = np.arange(len(present), dtype=np.int64)
+    full = pa.concat_arrays([pa.array(present, type=st), pa.nulls(1, st)]).take(pa.array(where))
+    cols = full.flatten()
+    state = pa.Table.from_arrays(cols, schema=schema)
+    t = time.perf_counter()
+    result = processor.process(keys_table, rows, offsets, state, exists)
+    new_state, output = result[0], result[1]
+    valid = result[2] if len(result) > 2 else None
+    if new_state.num_rows != len(keys):
+        raise InterfaceError(f"process returned {new_state.num_rows} state rows for {len(keys)} keys")
+    enc = rowcodec.encode_rows(list(zip(*[c.to_pylist() for c in new_state.select(schema.names).columns])))
+    if valid is None:
+        puts = list(zip(skeys, enc))
+        removes = []
+    else:
+        valid = np.asarray(valid, dtype=bool)
+        puts = [(k, e) for k, e, ok in zip(skeys, enc, valid.tolist()) if ok]
+        removes = [k for k, ok, ex in zip(skeys, valid.tolist(), exists.tolist()) if not ok and ex]
+    if output is None:
+        output = spec.output_schema.empty_table()
+    elif output.schema != spec.output_schema:
+        output = output.select(spec.output_schema.names).cast(spec.output_schema)
+    timings["process"] = time.perf_counter() - t
+    return output, puts, removes
+
+
+@contextlib.contextmanager
+def open_partition_store(root: str, operator_id: str, partition_id: int, version: int, ckptid: str | None = None,
+                         *, socket_path: str | None = None, store_name: str = "default", result: list | None = None):
+    """A store handle of one partition at ``version``: committed on success, aborted on an exception.
+
+    For mapPartitions / mapInArrow / pandas UDF code that manages its own keys (see
+    ``statestore_async.keys`` for the 2-byte key-group prefix). The committed ``CheckpointRef`` is
+    appended to ``result`` when given; report it to the driver, which must check the file exists
+    before it records the version (``StatefulOperator`` does all of this for you).
+    """
+    client = placement.connect(socket_path)
+    handle = client.open(StoreId(root, operator_id, partition_id, store_name), version, ckptid)
+    try:
+        yield handle
+    except BaseException:
+        handle.abort()
+        raise
+    ref = handle.commit()
+    if result is not None:
+        result.append(ref)
+
+
+__all__ = ["TaskSpec", "Fault", "InjectedFault", "RoutingError", "run_partition", "group_rows", "store_keys",
+           "open_partition_store", "CheckpointRef"]

@@ -1,0 +1,169 @@
+"""The user API piece by piece: routing hash, grouping, state variables and TTL, the low-level
+store-per-partition API, daemon autostart, and the typed errors."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from spark_cluster import Daemon
+from statestore_async import errors, rowhash
+from statestore_async.ids import EMPTY_STATE, StoreId
+from statestore_async.spark import (
+    StatefulOperator,
+    StatefulProcessor,
+    group_rows,
+    load_state,
+    open_partition_store,
+    placement,
+    route_values,
+)
+from statestore_async.spark.examples import CountSum
+from statestore_async.spark.routing import KG_COLUMN, murmur3_int
+from statestore_async.spark.runtime import RoutingError, TaskSpec, run_partition
+
+OUT = "key string, count bigint, sum bigint"
+
+
+def test_murmur3_and_routes_match_spark(spark):
+    from pyspark.sql import functions as F
+
+    values = list(range(300)) + [-1, -(2**31), 2**31 - 1, 123456789]
+    rows = spark.createDataFrame([(v,) for v in values], "v int").select("v", F.hash("v").alias("h")).collect()
+    assert all(r.h == murmur3_int(r.v) for r in rows)
+    for n in (1, 2, 5, 16):
+        assert [murmur3_int(v) % n for v in route_values(n)] == list(range(n))
+
+
+def test_group_rows_multi_column_nulls_and_float_normalization():
+    t = pa.table({"a": ["x", None, "x", None, "y", "x"], "b": [0.0, 1.0, -0.0, 1.0, float("nan"), float("nan")]})
+    order, offsets = group_rows(t, ["a", "b"])
+    groups = [sorted(order[offsets[i]:offsets[i + 1]].tolist()) for i in range(len(offsets) - 1)]
+    assert sorted(groups) == [[0, 2], [1, 3], [4], [5]]  # -0.0 == 0.0, NaN groups with NaN of the same key
+    order, offsets = group_rows(t.slice(0, 0), ["a"])
+    assert len(order) == 0 and offsets.tolist() == [0]
+
+
+class Profile(StatefulProcessor):
+    """Uses every kind of state: a value with a TTL, a list and a map."""
+
+    def init(self, handle):
+        self.last = handle.value_state("last", ttl=1.5)
+        self.seen = handle.list_state("seen")
+        self.hist = handle.map_state("hist")
+
+    def handle_rows(self, key, rows, state):
+        prev = self.last.get()
+        for (v,) in rows:
+            self.seen.append(v)
+            self.hist.update(v % 3, self.hist.get(v % 3, 0) + 1)
+        if len(state.seen.get()) > 4:
+            state["seen"].clear()
+        if self.hist.contains(2):
+            self.hist.remove(2)
+        self.last.update(max(v for (v,) in rows))
+        yield key[0], prev, len(self.seen.get()), json.dumps(sorted(self.hist.items()))
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon() as d:
+        yield d
+
+
+def test_value_list_map_state_and_ttl(spark, daemon, tmp_path):
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    root = f"file://{tmp_path}/state"
+    op = StatefulOperator(root, "profile", ["key"], Profile(), "key string, prev bigint, n int, hist string", 2, 16,
+                          socket_path=daemon.socket, clock=lambda: now[0])
+    now = [1000.0]
+    out: dict = {}
+    sink = lambda df, b: out.__setitem__(b, {r[0]: tuple(r[1:]) for r in df.collect()})  # noqa: E731
+    batch = lambda rows: spark.createDataFrame(rows, "key string, value bigint").coalesce(1)  # noqa: E731
+    op.process_batch(batch([("a", 1), ("a", 3), ("b", 2)]), 0, sink)
+    assert out[0] == {"a": (None, 2, "[[0, 1], [1, 1]]"), "b": (None, 1, "[]")}
+    now[0] = 1001.0
+    op.process_batch(batch([("a", 5), ("a", 6), ("a", 7)]), 1, sink)
+    assert out[1] == {"a": (3, 0, "[[0, 2], [1, 2]]")}  # the list grew past 4 and was cleared
+    now[0] = 1010.0  # 'last' expires; list and map have no TTL
+    op.process_batch(batch([("a", 9), ("b", 4)]), 2, sink)
+    assert out[2] == {"a": (None, 1, "[[0, 3], [1, 2]]"), "b": (None, 2, "[[1, 1]]")}
+    state = load_state(root, "profile")
+    assert state[("seen", ("a",))] == [9] and state[("hist", ("b",))] == {1: 1}
+    expires, value = state[("last", ("a",))]
+    assert (expires, value) == (1010_000 + 1500, 9)
+    assert ("hist", ("x",)) not in state
+
+
+def test_run_partition_checks_routing_and_output_width(daemon, tmp_path):
+    kg = rowhash.key_groups(rowhash.hash_rows([("a",), ("b",), ("c",)], ["string"]), 64)
+    t = pa.table({"key": ["a", "b", "c"], "value": [1, 2, 3], KG_COLUMN: pa.array(kg.astype(np.int32))})
+    spec = TaskSpec(f"file://{tmp_path}/s", "op", ("key",), ("value",), pa.schema([("key", pa.string())]), 2, 64, 0,
+                    (EMPTY_STATE, EMPTY_STATE), 0, daemon.socket)
+    owners = set((kg * 2 // 64).tolist())
+    if len(owners) == 2:
+        with pytest.raises(RoutingError, match="received rows of partitions"):
+            run_partition(CountSum(), spec, 0, 0, t.to_batches())
+    mine = t.filter(pa.array(kg * 2 // 64 == 0))
+    with pytest.raises(errors.InterfaceError, match="output rows have 3 values"):
+        run_partition(CountSum(), spec, 0, 0, mine.to_batches())
+    assert run_partition(CountSum(), spec, 1, 0, []).num_rows == 0  # no rows: no store opened
+
+
+def test_open_partition_store_commits_or_aborts(daemon, tmp_path):
+    root = f"file://{tmp_path}/low"
+    refs: list = []
+    with open_partition_store(root, "low", 3, 0, socket_path=daemon.socket, result=refs) as h:
+        h.put_many([(b"\x00\x01k", b"v")])
+    assert refs[0].version == 1
+    with pytest.raises(ZeroDivisionError):
+        with open_partition_store(root, "low", 3, 1, refs[0].ckptid, socket_path=daemon.socket, result=refs) as h:
+            h.put_many([(b"\x00\x01k", b"changed")])
+            1 / 0
+    assert len(refs) == 1
+    c = placement.connect(daemon.socket)
+    with c.open(StoreId(root, "low", 3), 1, refs[0].ckptid) as h:
+        assert h.get(b"\x00\x01k") == b"v"  # the aborted change is gone; version 1 opens again
+
+
+def _connect_and_report(path, q):
+    q.put(placement.daemon_pid(placement.connect(path).socket_path))
+
+
+def test_autostart_is_race_free(tmp_path):
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="ssp-", dir="/tmp")
+    path = f"{folder}/d.sock"
+    ctx = multiprocessing.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_connect_and_report, args=(path, q)) for _ in range(4)]
+    try:
+        for p in procs:
+            p.start()
+        pids = {q.get(timeout=60) for _ in procs}
+        for p in procs:
+            p.join(30)
+        assert len(pids) == 1 and None not in pids  # four racing clients, one daemon
+    finally:
+        placement.stop_daemon(path)
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+    with pytest.raises(placement.DaemonUnavailableError):
+        placement.connect(path, autostart=False)
+
+
+def test_operator_arguments_are_checked(tmp_path):
+    with pytest.raises(errors.InterfaceError, match="StatefulProcessor"):
+        StatefulOperator(str(tmp_path), "op", ["k"], object(), OUT, 2)
+    with pytest.raises(errors.InterfaceError, match="num_key_groups"):
+        StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 8, 4)
+    with pytest.raises(errors.InterfaceError, match="operator_id"):
+        StatefulOperator(str(tmp_path), "bad/id", ["k"], CountSum(), OUT, 2)

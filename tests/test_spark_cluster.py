@@ -1,0 +1,56 @@
+"""A real standalone cluster: master + 2 workers on 127.0.0.1, one daemon per worker ("node").
+
+Each worker's executors find their node's daemon through ``STATESTORE_SOCKET`` (set in the worker's
+environment) and start it on first use. The checkpoint root is S3 (SeaweedFS). The driver runs in
+its own process (it needs its own SparkContext). When batch 2 starts, worker B, its executor and its
+daemon are killed with SIGKILL; the query goes on with worker A, whose daemon loads B's partitions
+from S3. Outputs and final state equal the oracle.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spark_cluster import StandaloneCluster, dict_oracle, final_count_sum, read_outputs, write_batches
+from statestore_async.spark import daemon_pid, load_state
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+
+def test_node_lost_mid_stream_recovers_from_s3(seaweedfs, s3_bucket, tmp_path):
+    src = str(tmp_path / "src")
+    per_batch, final = dict_oracle(write_batches(src, 5, 3000, 1000, seed=5))
+    root = f"s3://{s3_bucket}/cluster"
+    out = tmp_path / "out"
+    with StandaloneCluster(extra_env=seaweedfs.env()) as cluster:
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, PYTHONPATH=here)
+        cmd = [sys.executable, os.path.join(here, "spark_cluster.py"), "job", "--master", cluster.url, "--cluster",
+               "--src", src, "--root", root, "--ckpt", str(tmp_path / "ckpt"), "--out", str(out),
+               "--s3-options", json.dumps(seaweedfs.client_options()), "--mark-at", "2"]
+        log = open(tmp_path / "driver.log", "wb")
+        driver = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 180
+            while not (out / "at-2").exists():
+                assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "batch 2 never started"
+                time.sleep(0.05)
+            both = daemon_pid(cluster.socket("A")), daemon_pid(cluster.socket("B"))
+            cluster.kill_node("B")
+            assert driver.wait(180) == 0, (tmp_path / "driver.log").read_text()[-4000:]
+        finally:
+            if driver.poll() is None:
+                os.killpg(driver.pid, 9)
+                driver.wait()
+            log.close()
+        assert None not in both  # each node's daemon served state before the kill
+        assert daemon_pid(cluster.socket("B")) is None
+    got = read_outputs(str(out))
+    assert [got[b] for b in sorted(got)] == per_batch
+    assert final_count_sum(load_state(root, "counts", s3_options=seaweedfs.client_options())) == final
