@@ -49,8 +49,11 @@ test: build $(HELM)
 demo: build
 	$(PY) -m statestore_async.demo
 
+# Benchmarks are not tests: they print ratios against peers measured in the same run.
+# BENCH_ARGS=--quick for a short pass. bench_daemon.py installs Debian's redis-server if missing.
+BENCH_ARGS ?=
 bench: build
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build statestore_async/_native/*.so _ext/*.c _ext/*.html .pytest_cache .hypothesis demo-data

@@ -1,0 +1,48 @@
+"""Run every benchmark in turn (``make bench``); each prints its own table of ratios.
+
+    .venv/bin/python benchmarks/run_all.py            # the full set (tens of minutes)
+    .venv/bin/python benchmarks/run_all.py --quick    # smaller sizes, a few minutes
+
+The machine is shared and noisy: every benchmark measures its peers in the same run and prints
+ratios; compare those, not absolute figures across runs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+FULL = [
+    ["bench_foundation.py"],
+    ["bench_daemon.py"],
+    ["bench_durability.py"],
+    ["bench_spark.py"],
+]
+QUICK = [
+    ["bench_foundation.py", "--keys", "200000", "--codec-rows", "50000"],
+    ["bench_daemon.py", "--seconds", "0.5", "--batches", "1,128,1024,10000"],
+    ["bench_durability.py", "--batches", "50", "--keys", "200000"],
+    ["bench_spark.py", "--quick"],
+]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes")
+    args = ap.parse_args()
+    failed = []
+    for cmd in QUICK if args.quick else FULL:
+        print(f"\n=== {' '.join(cmd)}", flush=True)
+        code = subprocess.call([sys.executable, os.path.join(HERE, cmd[0]), *cmd[1:]])
+        if code:
+            failed.append((cmd[0], code))
+    for name, code in failed:
+        print(f"{name} exited with {code}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
