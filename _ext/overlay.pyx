@@ -8,7 +8,7 @@ Every read below is checked against ``end`` by hand (boundscheck is off), and ev
 checked whole before anything is set, so a bad batch changes nothing.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_SetItem, PyDict_Size
+from cpython.dict cimport PyDict_DelItem, PyDict_Next, PyDict_SetItem, PyDict_Size
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF, PyObject
 from cpython.tuple cimport PyTuple_GET_SIZE
@@ -30,6 +30,7 @@ __all__ = [
     "put_packed",
     "remove_packed",
     "get_packed",
+    "apply_changes",
 ]
 
 cdef Py_ssize_t _HEADER = WIRE_HEADER
@@ -337,3 +338,44 @@ cdef bytes _as_bytes(object item):
     if isinstance(item, (bytearray, memoryview)):
         return bytes(item)
     raise EncodeError(f"a list item must be bytes, got {type(item).__name__}")
+
+
+def apply_changes(dict data, dict changes, Py_ssize_t overhead):
+    """Apply key → value|None (None: remove) to ``data`` in one pass; see the facade's docstring."""
+    cdef dict pre = {}
+    cdef dict records = {}
+    cdef Py_ssize_t pos = 0
+    cdef PyObject* kp
+    cdef PyObject* vp
+    cdef PyObject* oldp
+    cdef object k, v, old
+    cdef Py_ssize_t data_delta = 0, undo_bytes = 0, rec_bytes = 0, klen, vlen, olen
+    while PyDict_Next(changes, &pos, &kp, &vp):
+        k = <object>kp
+        v = <object>vp
+        oldp = PyDict_GetItemWithError(data, k)
+        klen = len(k)
+        if v is None:
+            if oldp == NULL:
+                continue  # removing what is not there changes nothing
+            old = <object>oldp  # a reference of our own before the map lets go of it
+            olen = len(old)
+            PyDict_DelItem(data, k)
+            data_delta -= klen + olen + overhead
+            vlen = 0
+        else:
+            vlen = len(v)
+            if oldp == NULL:
+                old = None
+                olen = 0
+                data_delta += klen + vlen + overhead
+            else:
+                old = <object>oldp
+                olen = len(old)
+                data_delta += vlen - olen
+            PyDict_SetItem(data, k, v)
+        PyDict_SetItem(pre, k, old)
+        PyDict_SetItem(records, k, v)
+        undo_bytes += klen + olen + overhead
+        rec_bytes += klen + vlen + 8
+    return pre, records, data_delta, undo_bytes, rec_bytes

@@ -50,6 +50,7 @@ class Delta:
     ref: CheckpointRef
     lineage: tuple[CheckpointRef, ...]
     records: dict
+    nbytes: int = 0  # bytes of the records' keys and values (+ 8 each): what the upload queue counts
 
     @property
     def parent(self) -> CheckpointRef:
@@ -354,43 +355,30 @@ class VersionedStore:
                 break
         return tuple(tail)
 
-    def _mutate(self, changes: dict) -> dict:
-        """Apply key → value|None to the map; return the pre-images (the undo of this change)."""
-        data = self._data
-        get = data.get
-        pre = {k: get(k) for k in changes}
+    def _mutate(self, changes: dict):
+        """Apply key → value|None to the map in one pass (``overlay.apply_changes``).
+
+        Returns (pre-images, effective records, accounted bytes of the pre-images, of the records).
+        """
+        pre, records, data_delta, undo_bytes, record_bytes = _overlay.apply_changes(self._data, changes, ENTRY_OVERHEAD)
         for view in self._views:
             view._preserve(pre)
-        data.update(changes)  # tombstones land as None for a moment, removed just below
-        dead = [k for k, v in changes.items() if v is None]
-        for k in dead:
-            del data[k]
-        inserted = [k for k, v in changes.items() if v is not None and pre[k] is None]
-        removed = [k for k in dead if pre[k] is not None]
-        self._data_bytes += (
-            sum(len(v) for v in changes.values() if v is not None)
-            - sum(len(v) for v in pre.values() if v is not None)
-            + sum(map(len, inserted)) - sum(map(len, removed))
-            + (len(inserted) - len(removed)) * ENTRY_OVERHEAD
-        )
-        return pre
+        self._data_bytes += data_delta
+        return pre, records, undo_bytes, record_bytes
 
     def _commit(self, overlay: dict, ckptid: str | None) -> Delta:
         parent = self._head
         child = CheckpointRef(parent.version + 1, ckptid or new_checkpoint_id())
         if any(c.child == child for c in self._history):
             raise InterfaceError(f"checkpoint {child} was committed already")
-        pre = self._mutate(overlay)
-        # a tombstone for a key that did not exist changes nothing: leave it out of the delta
-        records = {k: v for k, v in overlay.items() if v is not None or pre[k] is not None}
-        undo = pre if len(records) == len(pre) else {k: pre[k] for k in records}
+        # a tombstone for a key that did not exist changes nothing: apply_changes leaves it out
+        undo, records, nbytes, record_bytes = self._mutate(overlay)
         lineage = (parent,) + self._lineage_tail()
-        nbytes = sum(map(len, undo)) + sum(len(v) for v in undo.values() if v is not None) + len(undo) * ENTRY_OVERHEAD
         self._history.append(_Commit(parent, child, lineage, undo, records, nbytes))
         if len(self._history) > self._history_limit:
             del self._history[: len(self._history) - self._history_limit]
         self._head, self._lineage = child, lineage
-        return Delta(self.store_id, child, lineage, records)
+        return Delta(self.store_id, child, lineage, records, record_bytes)
 
 
 class StoreVersion:

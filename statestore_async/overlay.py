@@ -20,6 +20,12 @@ the write functions return how much the accounted bytes changed.
 ``get_packed(overlay, base, buf, offset, max_count, frame=None) -> bytes``
     The values of the keys of an ``encode_list`` payload, encoded as ``encode_optional_list``;
     with ``frame=(opcode, flags, request_id)``, that whole frame.
+``apply_changes(data, changes, overhead) -> (pre, records, data_delta, undo_bytes, record_bytes)``
+    Apply a commit's (or a rollback's) key → value|None to the committed map ``data`` in one
+    pass: ``pre`` holds each changed key's value before (None: absent), ``records`` the changes that
+    changed something (a removal of an absent key is dropped from both), ``data_delta`` how much
+    the accounted bytes of ``data`` changed, ``undo_bytes`` the accounted bytes of ``pre``, and
+    ``record_bytes`` the keys and values of ``records`` (+ 8 per record) for the upload queue.
 
 Compiled from ``_ext/overlay.pyx`` when built, else ``statestore_async._ref.overlay``; both give
 the same results and errors.
@@ -36,5 +42,6 @@ get_list = _impl.get_list
 put_packed = _impl.put_packed
 remove_packed = _impl.remove_packed
 get_packed = _impl.get_packed
+apply_changes = _impl.apply_changes
 
-__all__ = ["put_items", "remove_keys", "get_list", "put_packed", "remove_packed", "get_packed"]
+__all__ = ["put_items", "remove_keys", "get_list", "put_packed", "remove_packed", "get_packed", "apply_changes"]

@@ -50,6 +50,8 @@ class _Upload:
 
 def delta_size(delta) -> int:
     """Bytes a delta is accounted for in the upload queue (its keys and values)."""
+    if delta.nbytes:  # counted by the engine while it applied the commit
+        return delta.nbytes + 256
     return sum(len(k) + (len(v) if v is not None else 0) + 8 for k, v in delta.records.items()) + 256
 
 

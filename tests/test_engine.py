@@ -242,7 +242,13 @@ class CountingDict(dict):
 
 
 @pytest.mark.parametrize("size", [1_000, 100_000])
-def test_commit_costs_changed_keys_not_state_size(size):
+def test_commit_costs_changed_keys_not_state_size(size, monkeypatch):
+    # the reference implementation of overlay.apply_changes makes the same map operations as the
+    # compiled one, but through Python calls a dict subclass can count (tests/test_overlay.py holds
+    # the two to the same results)
+    from statestore_async import _accel, engine
+
+    monkeypatch.setattr(engine, "_overlay", _accel.reference("overlay"))
     data = CountingDict({k(i): b"v" for i in range(size)})
     s = VersionedStore(SID, data)
     w = s.open(0)
@@ -251,9 +257,8 @@ def test_commit_costs_changed_keys_not_state_size(size):
     w.remove(k(size - 1))
     data.ops = data.iterations = 0
     w.commit()
-    # one read of the pre-image and one write per changed key (and one delete per tombstone),
-    # whatever the store's size
-    assert data.ops == 2 * 51 + 1
+    # one read of the pre-image and one write (or delete) per changed key, whatever the store's size
+    assert data.ops == 2 * 51
     assert data.iterations == 0
     # a retry's rollback is O(changes) as well
     data.ops = 0

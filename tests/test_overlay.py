@@ -142,3 +142,29 @@ def test_huge_counts_fail_before_allocating(ov):
                  lambda: ov.get_packed({}, {}, data, 0)):
         with pytest.raises(StateStoreError, match="cannot fit"):
             call()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.binary(min_size=2, max_size=6), st.binary(max_size=8), max_size=30),
+       st.dictionaries(st.binary(min_size=2, max_size=6), st.none() | st.binary(max_size=8), max_size=30))
+def test_apply_changes_ref_and_native_agree(data, changes):
+    from statestore_async import _accel
+
+    outs = []
+    for impl in (_accel.reference("overlay"), _accel.native("overlay")):
+        d = dict(data)
+        pre, records, data_delta, undo_bytes, record_bytes = impl.apply_changes(d, dict(changes), 50)
+        outs.append((d, pre, records, data_delta, undo_bytes, record_bytes))
+        # the map is what applying the changes means, and the accounting follows it
+        expected = dict(data)
+        for key, v in changes.items():
+            if v is None:
+                expected.pop(key, None)
+            else:
+                expected[key] = v
+        assert d == expected
+        size = lambda m: sum(len(a) + len(b) + 50 for a, b in m.items())  # noqa: E731
+        assert data_delta == size(d) - size(data)
+        assert set(records) == {key for key, v in changes.items() if v is not None or key in data}
+        assert pre == {key: data.get(key) for key in records}
+    assert outs[0] == outs[1]

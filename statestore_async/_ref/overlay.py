@@ -17,6 +17,7 @@ __all__ = [
     "put_packed",
     "remove_packed",
     "get_packed",
+    "apply_changes",
 ]
 
 _MISSING = object()
@@ -129,3 +130,25 @@ def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr
         return payload
     opcode, flags, request_id = frame
     return _fr.encode_frame(opcode, flags, request_id, payload)
+
+
+def apply_changes(data: dict, changes: dict, overhead: int):
+    """Apply key → value|None (None: remove) to ``data`` in one pass; see the facade's docstring."""
+    pre: dict = {}
+    records: dict = {}
+    data_delta = undo_bytes = rec_bytes = 0
+    for k, v in changes.items():
+        old = data.get(k)
+        if v is None:
+            if old is None:
+                continue  # removing what is not there changes nothing
+            del data[k]
+            data_delta -= len(k) + len(old) + overhead
+        else:
+            data[k] = v
+            data_delta += len(v) - len(old) if old is not None else len(k) + len(v) + overhead
+        pre[k] = old
+        records[k] = v
+        undo_bytes += len(k) + (len(old) if old is not None else 0) + overhead
+        rec_bytes += len(k) + (len(v) if v is not None else 0) + 8
+    return pre, records, data_delta, undo_bytes, rec_bytes
