@@ -1,7 +1,7 @@
 """What one Spark task does for one state partition: group rows, prefetch state, run, write, commit.
 
 No round trip per key: the partition's rows are grouped by key with numpy/pyarrow, every key's
-state is fetched in one batched pass (``get_many`` calls of up to 32k keys, never a call per key), the
+state is fetched in one batched call (``get_many``; never a call per key), the
 processor runs, then ONE ``put_many`` and ONE ``remove_many``, and the commit.
 
 Also the low-level API ``open_partition_store`` for mapPartitions / mapInArrow / pandas UDF users.
@@ -92,25 +92,17 @@ class TaskSpec:
     faults: tuple = field(default=())
 
 
-GET_CHUNK = 32768  # keys per get_many call: one request frame each, never a deep pipeline of big answers
-
-
 def get_all(handle, keys: list[bytes]) -> list:
-    """``handle.get_many`` in calls of at most ``GET_CHUNK`` keys (values in key order)."""
-    if len(keys) <= GET_CHUNK:
-        return handle.get_many(keys)
-    out: list = []
-    for i in range(0, len(keys), GET_CHUNK):
-        out.extend(handle.get_many(keys[i:i + GET_CHUNK]))
-    return out
+    """Every key's value in one call (the client splits it at the daemon's batch limit and pipelines)."""
+    return handle.get_many(keys)
 
 
 def write_all(handle, puts: list, removes: list) -> None:
-    """``put_many`` / ``remove_many`` in calls of at most ``GET_CHUNK`` items (one frame each)."""
-    for i in range(0, len(puts), GET_CHUNK):
-        handle.put_many(puts[i:i + GET_CHUNK])
-    for i in range(0, len(removes), GET_CHUNK):
-        handle.remove_many(removes[i:i + GET_CHUNK])
+    """All puts and all removals, one call each."""
+    if puts:
+        handle.put_many(puts)
+    if removes:
+        handle.remove_many(removes)
 
 
 @lru_cache(maxsize=8)
