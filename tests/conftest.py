@@ -91,3 +91,37 @@ def seaweedfs():
 def s3_bucket(seaweedfs):
     """A fresh bucket on the SeaweedFS server."""
     return seaweedfs.create_bucket()
+
+
+@pytest.fixture
+def sockdir():
+    """A short folder under /tmp for Unix sockets (AF_UNIX paths are limited to 107 bytes)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="ssa-", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon_factory(sockdir):
+    """Start in-process daemons: ``await daemon_factory(open_objstore=None, **settings)``; all are
+    stopped (drained) at the end of the test."""
+    from statestore_async.config import DaemonConfig
+    from statestore_async.server import Daemon
+
+    started = []
+
+    async def make(*, open_objstore=None, **settings):
+        settings.setdefault("socket", f"{sockdir}/d{len(started)}/d.sock")
+        d = Daemon(DaemonConfig(**settings), open_objstore=open_objstore)
+        await d.start()
+        started.append(d)
+        return d
+
+    try:
+        yield make
+    finally:
+        for d in started:
+            await d.stop()

@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import botocore.session
 import pytest
 
 from statestore_async.client import AsyncClient
-from statestore_async.config import DaemonConfig
 from statestore_async.errors import ObjectNotFoundError
 from statestore_async.ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
 from statestore_async.loader import load_store
 from statestore_async.objectstore.s3 import S3ObjectStore
-from statestore_async.server import Daemon
 from statestore_async.testing.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
@@ -28,13 +24,6 @@ pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 def key(i: int) -> bytes:
     return (i % 4096).to_bytes(2, "big") + b"key-%06d" % i
-
-
-@pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="ssd-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -68,22 +57,13 @@ def exists(s3, bucket, k) -> bool:
 
 
 @pytest.fixture
-async def make_daemon(sockdir, aws_env):
-    started = []
+def make_daemon(daemon_factory, aws_env):
+    """In-process daemons reaching S3 at ``endpoint`` (credentials from the AWS env chain)."""
 
-    async def make(endpoint, **settings):
-        settings.setdefault("socket", f"{sockdir}/n{len(started)}/d.sock")
-        cfg = DaemonConfig(s3_endpoint_url=endpoint, s3_region="us-east-1", s3_addressing_style="path", **settings)
-        d = Daemon(cfg)
-        await d.start()
-        started.append(d)
-        return d
+    def make(endpoint, **settings):
+        return daemon_factory(s3_endpoint_url=endpoint, s3_region="us-east-1", s3_addressing_style="path", **settings)
 
-    try:
-        yield make
-    finally:
-        for d in started:
-            await d.stop()
+    return make
 
 
 async def commit_version(client, sid, version, n=200, salt=0, ckptid=None):

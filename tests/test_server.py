@@ -3,21 +3,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import socket
 import stat
-import tempfile
 
 import pytest
 
 from statestore_async import errors, framing
 from statestore_async import protocol as P
 from statestore_async.client import AsyncClient, Client
-from statestore_async.config import DaemonConfig
 from statestore_async.ids import DELTA, StoreId, file_key
 from statestore_async.objectstore import LocalObjectStore
-from statestore_async.server import Daemon
 from statestore_async.testing.daemon import start_daemon
 
 
@@ -42,28 +38,13 @@ class CountingStore(LocalObjectStore):
 
 
 @pytest.fixture
-def sockdir():
-    d = tempfile.mkdtemp(prefix="ssa-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def make_daemon(daemon_factory):
+    """In-process daemons whose object stores count reads."""
 
+    def make(**settings):
+        return daemon_factory(open_objstore=CountingStore.open, **settings)
 
-@pytest.fixture
-async def make_daemon(sockdir):
-    started = []
-
-    async def make(**settings):
-        settings.setdefault("socket", f"{sockdir}/run{len(started)}/d.sock")
-        d = Daemon(DaemonConfig(**settings), open_objstore=CountingStore.open)
-        await d.start()
-        started.append(d)
-        return d
-
-    try:
-        yield make
-    finally:
-        for d in started:
-            await d.stop()
+    return make
 
 
 @pytest.fixture
