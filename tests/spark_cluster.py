@@ -6,7 +6,7 @@
 * ``spark_oracle`` — Spark's own streaming ``groupBy(key).agg(count, sum)`` (update mode) per batch;
 * ``Daemon`` — a daemon process on a private socket, stopped (SIGKILL if needed) on exit;
 * ``StandaloneCluster`` — master + 2 workers on 127.0.0.1, each with its own daemon socket
-  (recipe: /work/shared/SPARK_CLUSTER.md), every process stopped on exit.
+  (recipe: ../shared/SPARK_CLUSTER.md), every process stopped on exit.
 """
 from __future__ import annotations
 
