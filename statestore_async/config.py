@@ -60,17 +60,6 @@ def _mode(value) -> int:
         raise InterfaceError(f"socket_mode is an octal mode like 0660, got {value!r}") from None
 
 
-def _bool(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    s = str(value).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off", ""):
-        return False
-    raise InterfaceError(f"not a boolean: {value!r}")
-
-
 @dataclass(frozen=True)
 class DaemonConfig:
     """Settings of one daemon (one per node)."""

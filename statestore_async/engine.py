@@ -222,9 +222,6 @@ class VersionedStore:
             refs.add(c.child)
         return sorted(refs)
 
-    def can_open(self, ref: CheckpointRef) -> bool:
-        return self._path_to(ref) is not None
-
     def mark_snapshot(self, ref: CheckpointRef) -> None:
         """Record that ``ref`` has a durable snapshot: later lineages stop there."""
         self._snapshots.add(ref)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
@@ -33,7 +32,7 @@ class UploadState(enum.Enum):
 
 
 class _Upload:
-    __slots__ = ("store_id", "ref", "delta", "size", "state", "error", "attempts", "admitted", "done", "queued_at")
+    __slots__ = ("store_id", "ref", "delta", "size", "state", "error", "attempts", "admitted", "done")
 
     def __init__(self, delta, size: int):
         self.store_id: StoreId = delta.store_id
@@ -45,7 +44,6 @@ class _Upload:
         self.attempts = 0
         self.admitted = asyncio.Event()
         self.done = asyncio.Event()
-        self.queued_at = time.monotonic()
 
 
 def delta_size(delta) -> int:
