@@ -155,6 +155,10 @@ class CheckpointWriter:
 
     def finish(self) -> bytes:
         """The whole file."""
+        return b"".join(self.finish_parts())
+
+    def finish_parts(self) -> list[bytes]:
+        """The whole file, as a list of parts in order."""
         body = json.dumps(
             {
                 "records": self._records,
@@ -164,10 +168,9 @@ class CheckpointWriter:
         ).encode()
         footer = _FOOT.pack(FOOTER_MARK, len(body)) + body
         trailer = _TRAIL.pack(self._offset, len(footer), xxhash.xxh3_64_intdigest(footer), END_MAGIC)
-        self._parts += [footer, trailer]
-        data = b"".join(self._parts)
+        parts = self._parts + [footer, trailer]
         self._parts = []
-        return data
+        return parts
 
 
 def encode_delta(delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES) -> bytes:
@@ -178,57 +181,64 @@ def encode_delta(delta, *, codec: str = "zstd", level: int = 3, block_bytes: int
     return w.finish()
 
 
-def group_by_key_group(chunks: Iterable[list]) -> Iterator[list]:
-    """Reorder records so that key groups come in ascending order (stable within a group).
-
-    Yields ``None`` once per input chunk while bucketing (so a caller can give way), then the
-    ordered list once at the end.
-    """
-    buckets: dict[int, list] = {}
-    for chunk in chunks:
-        for rec in chunk:
-            k = rec[0]
-            kg = (k[0] << 8) | k[1]
-            b = buckets.get(kg)
-            if b is None:
-                buckets[kg] = [rec]
-            else:
-                b.append(rec)
-        yield None
-    ordered: list = []
-    for i, kg in enumerate(sorted(buckets)):
-        ordered.extend(buckets[kg])
-        if i % 256 == 255:
-            yield None
-    yield ordered
-
-
 def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                   chunk: int = 65536) -> Iterator[bytes | None]:
+                   chunk: int = 65536) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
-    Yields ``None`` after each bounded piece of work (so an event loop can serve requests between
-    pieces), then the whole file as the last item.
+    Yields ``None`` after each bounded piece of work — bucketing ``chunk`` keys by key group, or
+    gathering and encoding one block — so an event loop can serve requests between pieces; then,
+    as the last item, the file as a list of parts (``b"".join`` them; a large join releases the
+    GIL, so it can run in a thread). No list of every record is ever built: records are looked up
+    one block at a time, so neither a step nor the end (freeing) holds the caller for long.
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
                          block_bytes=block_bytes)
-    ordered = None
-    for item in group_by_key_group(view.chunks(chunk)):
-        if item is None:
-            yield None
-        else:
-            ordered = item
-    yield from w.add_records(ordered or [])
-    yield w.finish()
+    keys = view.keys()
+    buckets: dict[int, list] = {}
+    for start in range(0, len(keys), chunk):
+        for k in keys[start : start + chunk]:
+            kg = (k[0] << 8) | k[1]
+            b = buckets.get(kg)
+            if b is None:
+                buckets[kg] = [k]
+            else:
+                b.append(k)
+        yield None
+    get = view.get
+    block: list = []
+    size = 0
+    seen = 0
+    for kg in sorted(buckets):
+        for k in buckets.pop(kg):
+            v = get(k)
+            seen += 1
+            if v is None:
+                continue
+            # an upper bound of the record's encoded size (tag + two varints + bytes), so that
+            # the gathered records always fit one block
+            n = len(k) + len(v) + 11
+            if block and size + n > block_bytes:
+                yield from w.add_records(block)
+                block = []
+                size = 0
+                seen = 0
+            block.append((k, v))
+            size += n
+            if seen >= chunk:  # many removed keys in a row: still give way
+                seen = 0
+                yield None
+    if block:
+        yield from w.add_records(block)
+    yield w.finish_parts()
 
 
 def encode_snapshot(view, **kwargs) -> bytes:
     """The snapshot file of a frozen engine view, in one call."""
-    data = None
+    parts: list[bytes] = []
     for item in snapshot_steps(view, **kwargs):
         if item is not None:
-            data = item
-    return data
+            parts = item
+    return b"".join(parts)
 
 
 # ------------------------------------------------------------------------------------------------

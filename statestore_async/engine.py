@@ -127,6 +127,11 @@ class FrozenView:
             if k not in shadow:
                 shadow[k] = old
 
+    def keys(self) -> list[bytes]:
+        """The keys listed at freeze time (some may have been removed since: ``get`` says None).
+        The list belongs to the view: do not change it."""
+        return self._keys
+
     def get(self, key: bytes):
         if key in self._shadow:
             return self._shadow[key]

@@ -5,6 +5,7 @@ Data files are created with ``put_if_absent``: a name is never written twice.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from .checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
@@ -35,13 +36,14 @@ async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> t
     ``give_way`` (an async callable, e.g. ``asyncio.sleep(0)``-like) is awaited between the bounded
     steps of encoding, so an event loop keeps serving requests while a large snapshot is written.
     """
-    data = None
+    parts: list[bytes] = []
     for item in snapshot_steps(view, **codec_options):
         if item is None:
             if give_way is not None:
                 await give_way()
         else:
-            data = item
+            parts = item
+    data = await asyncio.to_thread(b"".join, parts)  # a large join releases the GIL
     key = file_key(view.store_id, view.ref, SNAPSHOT)
     await objstore.put_if_absent(key, data)
     return key, len(data)
