@@ -79,6 +79,9 @@ class DaemonConfig:
     cache_bytes: int = field(default=10 << 30, metadata={"help": "local cache size bound", "parse": parse_size})
     snapshot_interval: int = field(default=10, metadata={"help": "snapshot a store every N deltas", "parse": int})
     snapshot_delta_bytes: int = field(default=256 << 20, metadata={"help": "…or when its delta chain exceeds this", "parse": parse_size})
+    snapshot_builder: str = field(default="inline", metadata={
+        "help": "process: a worker process rebuilds snapshots from durable files; inline: the daemon encodes them between requests",
+        "choices": ("process", "inline")})
     retention_versions: int = field(default=100, metadata={"help": "keep at least the last N versions loadable (>= 2)", "parse": int})
     upload_concurrency: int = field(default=8, metadata={"help": "parallel uploads", "parse": int})
     upload_queue_bytes: int = field(default=256 << 20, metadata={"help": "bytes queued for upload before commits wait", "parse": parse_size})

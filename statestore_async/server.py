@@ -17,6 +17,7 @@ connections, drain the uploader within ``drain_timeout``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from .ids import DELTA, SNAPSHOT, StoreId, file_key
 from .objectstore import open_object_store
 from .objectstore.cache import CachingObjectStore
 from .objectstore.s3 import warm_up as s3_warm_up
+from .snapshotter import SnapshotWorker
 from .engine import State
 from .framing import PackedList
 from .protocol import (
@@ -389,6 +391,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig, *, open_objstore=None):
         self.config = config
         self.allowed_uids = tuple(config.effective_allowed_uids)
+        self._default_objstores = open_objstore is None
         if open_objstore is None:
             s3 = config.s3_options()
 
@@ -433,9 +436,14 @@ class Daemon:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL)
         self.uploader = Uploader(self.objstores, concurrency=cfg.upload_concurrency, queue_bytes=cfg.upload_queue_bytes)
         self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget)
+        worker = None
+        if cfg.snapshot_builder == "process" and self._default_objstores:
+            # the worker opens the same object stores from the same settings (a custom factory,
+            # as tests use, cannot be handed to another process: those snapshot inline)
+            worker = SnapshotWorker({"s3": cfg.s3_options(), "cache_dir": cfg.cache_dir, "cache_bytes": cfg.cache_bytes})
         self.maintenance = Maintenance(self.registry, self.objstores, snapshot_interval=cfg.snapshot_interval,
                                        snapshot_delta_bytes=cfg.snapshot_delta_bytes,
-                                       retention_versions=cfg.retention_versions)
+                                       retention_versions=cfg.retention_versions, worker=worker)
         self.uploader.on_durable = self.maintenance.note_durable
         await s3_warm_up()
         prepare_socket_path(cfg.socket, cfg.socket_mode)
@@ -569,6 +577,11 @@ async def serve(config: DaemonConfig, *, open_objstore=None) -> int:
     """Run the daemon until SIGTERM or SIGINT; then stop gracefully. Returns the exit code (0)."""
     daemon = Daemon(config, open_objstore=open_objstore)
     await daemon.start()
+    # Everything loaded so far lives as long as the process (botocore's service models alone are
+    # ~80k objects): keep it out of the cyclic collector, whose full passes would otherwise walk
+    # it all — a 30 ms pause in the middle of requests.
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

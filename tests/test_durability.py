@@ -193,8 +193,9 @@ async def test_recovery_from_s3_alone_snapshot_plus_20_deltas(make_daemon, seawe
         assert dict(store.items()) == model
 
 
-async def test_snapshots_every_n_and_retention_keeps_the_window_loadable(make_daemon, seaweedfs, s3_bucket):
-    d = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=3, retention_versions=4)
+@pytest.mark.parametrize("builder", ["inline", "process"])
+async def test_snapshots_every_n_and_retention_keeps_the_window_loadable(make_daemon, seaweedfs, s3_bucket, builder):
+    d = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=3, retention_versions=4, snapshot_builder=builder)
     sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
     states = {}
     async with AsyncClient(d.config.socket) as c:
@@ -213,6 +214,7 @@ async def test_snapshots_every_n_and_retention_keeps_the_window_loadable(make_da
         names = {o.key async for o in st.list(sid.prefix + "/")}
         snaps = sorted(int(n.rsplit("/", 1)[1].split("_")[0]) for n in names if n.endswith(".snapshot"))
         assert d.maintenance.counters["snapshots"] == 4  # versions 3, 6, 9 and 12
+        assert d.maintenance.stats()["builder"] == builder
         assert {9, 12} <= set(snaps) and d.maintenance.counters["files_deleted"] > 0
         versions = sorted(int(n.rsplit("/", 1)[1].split("_")[0]) for n in names)
         assert min(versions) == 9  # the window is 9..12 and 9 has its own snapshot: older files are gone ...
