@@ -1,8 +1,10 @@
 """The object-store contract, on a local directory and on a real S3 server (SeaweedFS)."""
 import asyncio
+import datetime
 import errno
 import multiprocessing
 import os
+import time
 
 import pytest
 from conftest import free_port
@@ -71,6 +73,18 @@ async def test_list_by_prefix_in_key_order(store):
     assert [o.key async for o in store.list("a/1")] == ["a/1/x", "a/1/y", "a/10/z"]
     assert [o.key async for o in store.list("")] == ["a/1/x", "a/1/y", "a/10/z", "a/2/w", "b/1"]
     assert [o.key async for o in store.list("zzz/")] == []
+
+
+async def test_delete_many_removes_every_key_and_ignores_missing_ones(store):
+    keys = [f"op/0/default/{i}_{'a' * 32}.delta" for i in range(1, 26)]
+    for k in keys:
+        await store.put_if_absent(k, b"x")
+    await store.put_if_absent("op/0/default/keep", b"y")
+    await store.delete_many(keys[:20] + ["op/0/default/never-there"])
+    await store.delete_many([])
+    assert [o.key async for o in store.list("op/")] == sorted(keys[20:] + ["op/0/default/keep"])
+    listed = [o async for o in store.list("op/0/default/keep")]
+    assert listed[0].size == 1 and listed[0].mtime and abs(listed[0].mtime - time.time()) < 600
 
 
 async def test_stream_reads_in_chunks(store):
@@ -219,3 +233,16 @@ async def test_s3_server_side_encryption_is_requested(seaweedfs, s3_bucket):
         assert raw.head_object(Bucket=s3_bucket, Key=k)["ServerSideEncryption"] == "AES256"
     with pytest.raises(InterfaceError):
         S3ObjectStore(s3_bucket, "", sse="rot13")
+
+
+@pytest.mark.parametrize("value", ["2026-11-22T08:30:01.123Z", "2026-11-22T08:30:01Z", "2026-11-22T08:30:01.5+02:00",
+                                   "2026-11-22T08:30:01", "Sun, 22 Nov 2026 08:30:01 GMT", "1700000000", 1700000000.5])
+def test_s3_timestamps_parse_like_botocore(value):
+    from botocore.utils import parse_timestamp
+
+    from statestore_async.objectstore.s3 import _parse_timestamp
+
+    expected = parse_timestamp(value)
+    if expected.tzinfo is None:  # S3 times are UTC: ours always says so
+        expected = expected.replace(tzinfo=datetime.timezone.utc)
+    assert _parse_timestamp(value) == expected and _parse_timestamp(value).tzinfo is not None

@@ -69,6 +69,12 @@ class ObjectStore(abc.ABC):
     async def delete(self, key: str) -> None:
         """Remove ``key``; removing a missing key is not an error."""
 
+    async def delete_many(self, keys) -> None:
+        """Remove every key of ``keys`` (missing ones are not an error). Stores with a batch delete
+        override this."""
+        for key in keys:
+            await self.delete(key)
+
     async def exists(self, key: str) -> bool:
         from ..errors import ObjectNotFoundError
 

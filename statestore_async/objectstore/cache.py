@@ -166,6 +166,12 @@ class CachingObjectStore(ObjectStore):
         self.forget(key)
         await self.inner.delete(key)
 
+    async def delete_many(self, keys) -> None:
+        keys = list(keys)
+        for key in keys:
+            self.forget(key)
+        await self.inner.delete_many(keys)
+
     async def close(self) -> None:
         await self.inner.close()
 
