@@ -20,10 +20,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import time
 
-from .checkpoint import snapshot_steps
+from .checkpoint import FileHeader, snapshot_steps
 from .errors import ObjectExistsError, StateStoreError
-from .ids import SNAPSHOT, CheckpointRef, StoreId, file_key
+from .ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
 from .retention import cleanup_store
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,16 @@ class Maintenance:
         self.counters = {"snapshots": 0, "snapshot_bytes": 0, "snapshot_errors": 0, "cleanups": 0,
                          "files_deleted": 0, "cleanup_errors": 0}
 
-    def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int) -> None:
-        """The uploader made the delta of ``ref`` durable (``nbytes`` bytes): snapshot if due."""
+    def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int, lineage=None) -> None:
+        """The uploader made the delta of ``ref`` durable (``nbytes`` bytes): snapshot if due.
+
+        ``lineage`` (the delta's own) seeds retention's header cache: this daemon wrote that file,
+        so retention need not GET its header back (each S3 request costs the loop ~1 ms)."""
         if self._closed:
             return
+        if lineage is not None:
+            self._headers.setdefault(store_id, {})[file_key(store_id, ref, DELTA)] = FileHeader(
+                DELTA, store_id.to_json(), ref, tuple(lineage), "zstd", time.time())
         self._chain_bytes[store_id] = self._chain_bytes.get(store_id, 0) + nbytes
         store = self._registry.get(store_id)
         if store is None or store_id in self._busy:

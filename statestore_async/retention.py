@@ -122,17 +122,18 @@ async def cleanup_store(
             return report
     report.needed = await needed_files(objstore, store_id, keep, set(files), skip_broken=window,
                                        header_cache=header_cache)
+    doomed = []
     for key, ref in sorted(files.items(), key=lambda kv: kv[1].version):
         if ref.version >= min_version:
             report.kept_recent += 1
-            continue
-        if key in report.needed:
-            continue
-        if not dry_run:
-            await objstore.delete(key)
-            if header_cache is not None:
+        elif key not in report.needed:
+            doomed.append(key)
+    if doomed and not dry_run:
+        await objstore.delete_many(doomed)
+        if header_cache is not None:
+            for key in doomed:
                 header_cache.pop(key, None)
-        report.deleted.append(key)
+    report.deleted.extend(doomed)
     log.info("cleanup of %s: %d files, %d needed, %d deleted", store_id, report.listed, len(report.needed), len(report.deleted))
     return report
 

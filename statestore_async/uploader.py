@@ -81,7 +81,7 @@ class Uploader:
         self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
-        #: called as ``on_durable(store_id, ref, nbytes)`` after each delta is in the object store
+        #: called as ``on_durable(store_id, ref, nbytes, lineage)`` after each delta is in the object store
         self.on_durable: Callable | None = None
         self.counters = {"submitted": 0, "durable": 0, "failed": 0, "retries": 0, "bytes_uploaded": 0}
 
@@ -178,7 +178,7 @@ class Uploader:
             log.debug("uploaded %s (%d bytes)", key, len(data))
             if self.on_durable is not None:
                 try:
-                    self.on_durable(up.store_id, up.ref, len(data))
+                    self.on_durable(up.store_id, up.ref, len(data), up.delta.lineage)
                 except Exception:  # a listener must never break uploads
                     log.exception("on_durable listener failed for %s", key)
             return
