@@ -246,3 +246,25 @@ def test_s3_timestamps_parse_like_botocore(value):
     if expected.tzinfo is None:  # S3 times are UTC: ours always says so
         expected = expected.replace(tzinfo=datetime.timezone.utc)
     assert _parse_timestamp(value) == expected and _parse_timestamp(value).tzinfo is not None
+
+
+async def test_s3_large_bodies_stream_and_survive_retries(seaweedfs, s3_bucket):
+    """A body of 1 MiB or more is streamed from memory (not copied whole on the event loop); a
+    retried request (503 from a proxy) seeks it back and sends it again whole."""
+    from statestore_async.objectstore.s3 import STREAM_BODY_BYTES
+    from statestore_async.testing.faultproxy import FaultProxy
+
+    proxy = FaultProxy(seaweedfs.port, seed=3).start()
+    try:
+        proxy.error_rate = 0.5
+        opts = dict(seaweedfs.client_options(), endpoint_url=proxy.endpoint_url)
+        async with S3ObjectStore(s3_bucket, "big", **opts) as s:
+            blobs = {f"f{i}.snapshot": os.urandom(STREAM_BODY_BYTES + 12345 * i) for i in range(4)}
+            for k, data in blobs.items():
+                await s.put_if_absent(k, data)
+            proxy.error_rate = 0.0
+            for k, data in blobs.items():
+                assert await s.get(k) == data
+        assert proxy.stats["503"] > 0
+    finally:
+        proxy.stop()

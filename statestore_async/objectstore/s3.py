@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 from collections import Counter
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -47,6 +48,49 @@ _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
 MIN_PART = 5 << 20
+
+
+STREAM_BODY_BYTES = 1 << 20
+
+
+class _MemoryReader(io.RawIOBase):
+    """A seekable read-only file over a bytes-like object, for large request bodies.
+
+    Given bytes, botocore and aiohttp end up copying the whole body in one go on the event loop
+    (a BytesIO's buffer is unshared: ~2-3 ms for a 10 MB snapshot). A file is streamed instead,
+    64 KiB per read; botocore seeks it back for a retry.
+    """
+
+    def __init__(self, data):
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), len(self._view) - self._pos))
+        buffer[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+def _body(data):
+    return _MemoryReader(data) if len(data) >= STREAM_BODY_BYTES else bytes(data)
 
 
 def _parse_timestamp(value):
@@ -211,7 +255,7 @@ class S3ObjectStore(ObjectStore):
         while True:
             try:
                 self.counts["PUT"] += 1
-                resp = await client.put_object(Bucket=self.bucket, Key=full, Body=bytes(data), **extra)
+                resp = await client.put_object(Bucket=self.bucket, Key=full, Body=_body(data), **extra)
                 return ObjectInfo(key, len(data), resp.get("ETag", "").strip('"') or None)
             except ClientError as exc:
                 code = _code(exc)
@@ -239,7 +283,7 @@ class S3ObjectStore(ObjectStore):
             for i, start in enumerate(range(0, len(view), self.part_size), start=1):
                 self.counts["PUT"] += 1
                 r = await client.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=i,
-                                             Body=bytes(view[start : start + self.part_size]))
+                                             Body=_body(view[start : start + self.part_size]))
                 parts.append({"ETag": r["ETag"], "PartNumber": i})
             complete = {"IfNoneMatch": "*"} if "IfNoneMatch" in extra else {}
             resp = await client.complete_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id,
