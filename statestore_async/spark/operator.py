@@ -254,8 +254,8 @@ class StatefulOperator:
                         self.daemon_env, self.faults)
         spark = df.sparkSession
         acc = spark.sparkContext.accumulator([], _reports_param())
-        routed = with_routing(df.select(*self.key_columns, *values), list(self.key_columns), self.num_partitions,
-                              self.num_key_groups)
+        routed = with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
+                              columns=[*self.key_columns, *values])
         out = routed.mapInArrow(self._task_fn(spec, acc), self.output_schema)
         tmp_dir = None
         if self.output_path:
