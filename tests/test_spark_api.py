@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spark_cluster import Daemon
 from statestore_async import errors, rowhash
@@ -37,6 +39,15 @@ def test_murmur3_and_routes_match_spark(spark):
     assert all(r.h == murmur3_int(r.v) for r in rows)
     for n in (1, 2, 5, 16):
         assert [murmur3_int(v) % n for v in route_values(n)] == list(range(n))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, (1 << 32) + 5), max_size=300), st.sampled_from([1 << 8, 1 << 16, 1 << 20, 1 << 33]))
+def test_stable_order_is_a_stable_argsort(values, bound):
+    from statestore_async.spark.runtime import _stable_order
+
+    codes = np.array([v % bound for v in values], dtype=np.int64)
+    assert (_stable_order(codes) == np.argsort(codes, kind="stable")).all()
 
 
 def test_group_rows_multi_column_nulls_and_float_normalization():
