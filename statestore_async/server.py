@@ -65,6 +65,9 @@ from .registry import ObjectStores, StoreRegistry
 from .uploader import Uploader
 
 GIL_SWITCH_INTERVAL = 0.0005
+# The memory budget is checked this long after a commit, off the request's path: summing every
+# store's memory costs O(stores), and a burst of commits needs one check, not one each.
+BUDGET_CHECK_DELAY = 0.05
 
 log = logging.getLogger("statestore_async.daemon")
 
@@ -331,7 +334,7 @@ class _Connection(asyncio.Protocol):
         delta = w.commit(ev.ckptid)
         self._finish(ev.handle)
         up = d.uploader.enqueue(delta)
-        d.registry.enforce_budget()
+        d.check_budget_soon()
         if up.admitted.is_set():
             self._write(self.proto.send_committed(ev.request_id, delta.ref))
         else:
@@ -409,6 +412,7 @@ class Daemon:
         self.stopping = False
         self._server = None
         self._metrics_server = None
+        self._budget_check: asyncio.TimerHandle | None = None
         self._started = time.monotonic()
         self.counters = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "aborted_on_disconnect": 0,
                          "commits_waited": 0, "max_inflight_seen": 0}
@@ -444,7 +448,7 @@ class Daemon:
         self.maintenance = Maintenance(self.registry, self.objstores, snapshot_interval=cfg.snapshot_interval,
                                        snapshot_delta_bytes=cfg.snapshot_delta_bytes,
                                        retention_versions=cfg.retention_versions, worker=worker)
-        self.uploader.on_durable = self.maintenance.note_durable
+        self.uploader.on_durable = self._on_durable
         await s3_warm_up()
         prepare_socket_path(cfg.socket, cfg.socket_mode)
         loop = asyncio.get_running_loop()
@@ -454,6 +458,20 @@ class Daemon:
             self._metrics_server = start_metrics(self, cfg.metrics_host, cfg.metrics_port)
         log.info("serving on %s (mode %04o, uids %s, loop %s, pid %d)", cfg.socket, cfg.socket_mode,
                  list(self.allowed_uids), type(loop).__module__, os.getpid())
+
+    def _on_durable(self, store_id, ref, nbytes, lineage) -> None:
+        self.maintenance.note_durable(store_id, ref, nbytes, lineage)
+        self.check_budget_soon()  # a store whose uploads settled may be evictable now
+
+    def check_budget_soon(self) -> None:
+        """Evict idle stores over the memory budget shortly (``BUDGET_CHECK_DELAY``), once per burst."""
+        if self._budget_check is None:
+            self._budget_check = asyncio.get_running_loop().call_later(BUDGET_CHECK_DELAY, self._check_budget)
+
+    def _check_budget(self) -> None:
+        self._budget_check = None
+        if self.registry is not None:
+            self.registry.enforce_budget()
 
     async def await_durable(self, store_id: StoreId, ref, timeout: float) -> bool:
         """True once ``ref``'s file is in the object store (asking the store when the uploader never saw it)."""
@@ -492,6 +510,9 @@ class Daemon:
         if self._server is not None:
             self._server.close()
         await asyncio.gather(*(c.finish(cfg.drain_timeout) for c in list(self.connections)))
+        if self._budget_check is not None:
+            self._budget_check.cancel()
+            self._budget_check = None
         drained = True
         if self.uploader is not None:
             drained = await self.uploader.drain(cfg.drain_timeout)

@@ -217,6 +217,22 @@ async def test_eviction_under_a_tiny_budget_then_reload_gives_equal_data(make_da
         assert d.registry.counters["loads"] >= 2
 
 
+async def test_commits_check_the_budget_shortly_after_once_per_burst(make_daemon, root, monkeypatch):
+    d = await make_daemon(memory_budget=60_000)
+    checks = []
+    real = d.registry.enforce_budget
+    monkeypatch.setattr(d.registry, "enforce_budget", lambda: checks.append(1) or real())
+    async with AsyncClient(d.config.socket) as c:
+        for p in range(4):  # a burst of commits, their uploads settling afterwards
+            h = await c.open(StoreId(root, "burst", p), 0)
+            await h.put_many([(key(i), b"p%d-%d" % (p, i) * 10) for i in range(200)])
+            await h.commit()
+        assert checks == []  # never on the COMMIT's path
+        await asyncio.sleep(0.5)
+        assert d.registry.counters["evictions"] >= 2 and d.registry.memory_bytes <= 60_000
+        assert 1 <= len(checks) <= 3  # one per burst (of commits, then of uploads settling)
+
+
 async def test_an_idle_store_with_uploads_pending_is_not_evicted(make_daemon, root):
     d = await make_daemon(memory_budget=1)
     gate = asyncio.Event()
