@@ -4,7 +4,9 @@ Run: ``.venv/bin/python benchmarks/bench_durability.py [--keys 1000000] [--batch
 
 Prints one table:
 - task-visible commit latency p50/p99 (client → daemon COMMIT round trip) with 0 ms and 50 ms of
-  latency injected in front of S3 (a fault proxy), while uploads run in the background;
+  latency injected in front of S3 (a fault proxy), on a store filled to its 200k keys first (steady
+  state), while uploads, snapshots (``--snapshot-builder inline|process``) and retention run in the
+  background;
 - bytes uploaded per batch against the changed records compressed on their own (zstd level 3);
 - object-store requests per batch on the hot path (PUT/GET/HEAD/LIST), from the daemon's STATS;
 - recovery of a store of ``--keys`` keys (snapshot + 5 deltas) by a fresh daemon with no cache:
