@@ -2,12 +2,12 @@
 
 When the uploader reports a delta durable, its store is checked: if the head's delta chain (the
 deltas since its last snapshot) is ``snapshot_interval`` long or holds more than
-``snapshot_delta_bytes``, a snapshot is made with ``put_if_absent``. By default a worker process
-builds it (``snapshotter.SnapshotWorker``: the newest durable state, rebuilt from its files at a
-lower CPU priority), so the daemon's event loop spends nothing on it. Inline (no worker), the head
-is written from a frozen view in bounded steps, giving way to requests between steps. Only once the
-snapshot is in the object store does the store learn of it (``mark_snapshot``), so later deltas'
-lineages stop there.
+``snapshot_delta_bytes``, a snapshot is made with ``put_if_absent``. By default (inline) the head
+is written from a frozen view in bounded steps, giving way to requests between steps. With a
+worker (``snapshotter.SnapshotWorker``, ``snapshot_builder = "process"``) a separate process
+rebuilds the newest durable state from its files at a lower CPU priority and snapshots it, so the
+daemon's event loop spends nothing on it. Only once the snapshot is in the object store does the
+store learn of it (``mark_snapshot``), so later deltas' lineages stop there.
 After each snapshot, retention deletes files older than the window (the last ``retention_versions``
 versions) that no state in the window needs (``retention.cleanup_store`` with ``keep=None``).
 
