@@ -207,12 +207,10 @@ def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: in
     get = view.get
     block: list = []
     size = 0
-    seen = 0
     for kg in sorted(buckets):
         for k in buckets.pop(kg):
             v = get(k)
-            seen += 1
-            if v is None:
+            if v is None:  # never for a frozen view's own keys; a snapshot holds no tombstone
                 continue
             # an upper bound of the record's encoded size (tag + two varints + bytes), so that
             # the gathered records always fit one block
@@ -221,12 +219,8 @@ def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: in
                 yield from w.add_records(block)
                 block = []
                 size = 0
-                seen = 0
             block.append((k, v))
             size += n
-            if seen >= chunk:  # many removed keys in a row: still give way
-                seen = 0
-                yield None
     if block:
         yield from w.add_records(block)
     yield w.finish_parts()

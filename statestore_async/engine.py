@@ -128,27 +128,15 @@ class FrozenView:
                 shadow[k] = old
 
     def keys(self) -> list[bytes]:
-        """The keys listed at freeze time (some may have been removed since: ``get`` says None).
-        The list belongs to the view: do not change it."""
+        """The keys of the frozen state (``get`` gives each one's frozen value, even if a later
+        commit changed or removed it). The list belongs to the view: do not change it."""
         return self._keys
 
     def get(self, key: bytes):
+        """The frozen value of ``key`` (None if it was not in the frozen state)."""
         if key in self._shadow:
             return self._shadow[key]
         return self._store._data.get(key)
-
-    def chunks(self, size: int = 65536) -> Iterator[list[tuple[bytes, bytes]]]:
-        """The view's records in chunks of ``size``: yield control between chunks to keep latency low."""
-        keys = self._keys
-        data = self._store._data
-        shadow = self._shadow
-        for start in range(0, len(keys), size):
-            out = []
-            for k in keys[start : start + size]:
-                v = shadow[k] if k in shadow else data.get(k)
-                if v is not None:
-                    out.append((k, v))
-            yield out
 
     def release(self) -> None:
         if not self._released:
