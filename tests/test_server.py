@@ -12,7 +12,7 @@ import pytest
 from statestore_async import errors, framing
 from statestore_async import protocol as P
 from statestore_async.client import AsyncClient, Client
-from statestore_async.ids import DELTA, StoreId, file_key
+from statestore_async.ids import DELTA, CheckpointRef, StoreId, file_key
 from statestore_async.objectstore import LocalObjectStore
 from statestore_async.testing.daemon import start_daemon
 
@@ -350,3 +350,27 @@ async def test_async_client_rows(make_daemon, root):
         assert await h.get_rows([(0,), (1,), (299,)]) == [None, ("v", 1), ("v", 299)]
         assert {k: v async for k, v in h.scan_rows()} == {(i,): ("v", i) for i in range(1, 300)}
         await h.abort()
+
+
+async def test_retention_batches_its_cleanups_and_keeps_the_window(make_daemon, root, tmp_path):
+    """Cleanups wait until a quarter of the window has aged out (each one LISTs the folder), and
+    every version of the window stays while older files go."""
+    d = await make_daemon(snapshot_interval=2, retention_versions=16)
+    sid = StoreId(root, "ret", 0)
+    async with AsyncClient(d.config.socket) as c:
+        ref = CheckpointRef(0, "")
+        for v in range(40):
+            h = await c.open(sid, ref.version, ref.ckptid or None)
+            await h.put_many([(key(v), b"%d" % v)])
+            ref = await h.commit()
+            assert await c.await_durable(sid, ref, 10)
+            for _ in range(200):
+                if not d.maintenance.stats()["in_progress"]:
+                    break
+                await asyncio.sleep(0.01)
+    m = d.maintenance.counters
+    assert m["snapshots"] >= 15 and 3 <= m["cleanups"] <= m["snapshots"] // 2
+    folder = tmp_path / "root" / sid.prefix
+    versions = sorted(int(p.name.split("_")[0]) for p in folder.iterdir() if not p.name.startswith("."))
+    assert set(range(40 - 16 + 1, 41)) <= set(versions)  # the whole window is there
+    assert min(versions) > 40 - 16 - 16 // 4 - 2  # and little more: a quarter window and a snapshot interval
