@@ -29,6 +29,8 @@ from .keys import KEY_GROUP_BYTES
 # (two object headers of 33 bytes plus a dict slot), for memory accounting.
 ENTRY_OVERHEAD = 2 * 33 + 40
 DEFAULT_HISTORY = 4
+# Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
+MAX_LINEAGE = 1000
 
 
 class State(enum.Enum):
@@ -331,15 +333,20 @@ class VersionedStore:
         raise VersionNotFoundError(f"no lineage known for {ref}")
 
     def _lineage_tail(self) -> tuple[CheckpointRef, ...]:
-        """The head's lineage cut after the newest state known to have a snapshot (or version 0).
+        """The head's lineage cut after the newest state known to have a snapshot (or version 0),
+        and to at most ``MAX_LINEAGE - 1`` refs.
 
         A snapshot may become durable after later commits were made on top of it: lineages of
-        new commits stop there all the same.
+        new commits stop there all the same. Without snapshots (failing, or a huge
+        ``snapshot_interval``) the cap keeps each commit's cost and each delta header bounded; a
+        loader goes on from the oldest named delta's own header, one more hop.
         """
         if self._head in self._snapshots or self._head.version == 0:
             return ()
         tail = []
         for r in self._lineage:
+            if len(tail) >= MAX_LINEAGE - 1:
+                break
             tail.append(r)
             if r in self._snapshots or r.version == 0:
                 break

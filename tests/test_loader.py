@@ -74,6 +74,29 @@ async def run_batches(objstore, store, first_version, count, snapshot_every=None
     return states
 
 
+async def test_lineages_are_capped_and_still_load_hop_by_hop(objstore, monkeypatch):
+    """Without snapshots a lineage would grow with every commit (and every delta header with it):
+    it names at most MAX_LINEAGE refs; loads and retention go on from the oldest one's header."""
+    from statestore_async import engine
+    from statestore_async.checkpoint import parse_header
+    from statestore_async.retention import needed_files
+
+    monkeypatch.setattr(engine, "MAX_LINEAGE", 4)
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 21)
+    for ref in states:
+        key = file_key(sid(objstore), ref, DELTA)
+        header = parse_header(await objstore.get(key), key)
+        assert len(header.lineage) == min(4, ref.version)
+    for ref, expected in states.items():
+        loaded, report = await load_store(objstore, sid(objstore), ref)
+        assert dict(loaded.items()) == expected and report.snapshot is None
+        assert len(report.deltas) == ref.version
+    head = max(states, key=lambda r: r.version)
+    existing = {file_key(sid(objstore), r, DELTA) for r in states}
+    assert len(await needed_files(objstore, sid(objstore), [head], existing)) == 21
+
+
 async def test_every_version_loads_from_files_alone_equal_to_memory(objstore):
     store = VersionedStore(sid(objstore))
     states = await run_batches(objstore, store, 0, 23, snapshot_every=5)
