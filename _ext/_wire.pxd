@@ -1,6 +1,7 @@
 # Helpers shared by the wire-format Cython modules (framing, overlay, arrowbatch): the frame header
-# size and little-endian u32 access. Inline, so each
-# module compiles its own copy; nothing here is a module of its own.
+# size, little-endian u32 access and the checks that open a batch payload. Inline, so each module
+# compiles its own copy; nothing here is a module of its own. The checks raise
+# statestore_async.errors.DecodeError (imported on the error path only).
 from libc.stdint cimport uint8_t, uint32_t
 
 cdef enum:
@@ -16,3 +17,30 @@ cdef inline void wr32(uint8_t* p, uint32_t v) noexcept nogil:
     p[1] = (v >> 8) & 0xFF
     p[2] = (v >> 16) & 0xFF
     p[3] = (v >> 24) & 0xFF
+
+
+cdef inline object _decode_error(str message):
+    from statestore_async.errors import DecodeError
+    return DecodeError(message)
+
+
+cdef inline Py_ssize_t payload_start(Py_ssize_t offset, Py_ssize_t end, str what) except -1:
+    """``offset`` if a payload can start there in a buffer of ``end`` bytes."""
+    if offset < 0 or offset > end:
+        raise _decode_error(f"{what}: offset {offset} outside the buffer")
+    if end == 0:
+        raise _decode_error(f"{what}: truncated at byte {offset}")
+    return offset
+
+
+cdef inline uint32_t payload_count(const uint8_t* base, Py_ssize_t pos, Py_ssize_t end, unsigned long long max_count,
+                                   Py_ssize_t min_item, str what) except? 0xFFFFFFFF:
+    """The u32 item count at ``pos``, checked against ``max_count`` and the bytes left."""
+    if end - pos < 4:
+        raise _decode_error(f"{what}: truncated at byte {pos}")
+    cdef uint32_t n = rd32(base + pos)
+    if n > max_count:
+        raise _decode_error(f"{what}: {n} items, at most {max_count} allowed")
+    if <unsigned long long>n * <unsigned long long>min_item > <unsigned long long>(end - pos - 4):
+        raise _decode_error(f"{what}: {n} items cannot fit in the {end - pos - 4} bytes left")
+    return n

@@ -11,7 +11,7 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from _wire cimport rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
+from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
 
 from statestore_async.errors import DecodeError, EncodeError
 
@@ -101,24 +101,6 @@ def split_frames(buf, long long max_payload):
     return frames, pos, None
 
 
-cdef inline Py_ssize_t _start(Py_ssize_t offset, Py_ssize_t end, str what) except -1:
-    if offset < 0 or offset > end:
-        raise DecodeError(f"{what}: offset {offset} outside the buffer")
-    return offset
-
-
-cdef inline uint32_t _count(const uint8_t* base, Py_ssize_t pos, Py_ssize_t end, unsigned long long max_count,
-                            Py_ssize_t min_item, str what) except? 0xFFFFFFFF:
-    if end - pos < 4:
-        raise DecodeError(f"{what}: truncated at byte {pos}")
-    cdef uint32_t n = _rd32(base + pos)
-    if n > max_count:
-        raise DecodeError(f"{what}: {n} items, at most {max_count} allowed")
-    if <unsigned long long>n * <unsigned long long>min_item > <unsigned long long>(end - pos - 4):
-        raise DecodeError(f"{what}: {n} items cannot fit in the {end - pos - 4} bytes left")
-    return n
-
-
 def encode_list(items):
     """``u32 count | (u32 length | bytes)*``."""
     cdef list seq = [_as_bytes(x, "a list item") for x in items]
@@ -147,11 +129,9 @@ def decode_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFF
     """``(list of bytes, end offset)`` from an ``encode_list`` payload at ``offset``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "list")
-    cdef const uint8_t* base = &mv[0] if end else NULL
-    if end == 0:
-        raise DecodeError(f"list: truncated at byte {pos}")
-    cdef uint32_t n = _count(base, pos, end, max_count, 4, "list")
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
+    cdef const uint8_t* base = &mv[0]
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
     pos += 4
     cdef list out = PyList_New(n)
     cdef uint32_t i, ln
@@ -214,11 +194,9 @@ def decode_optional_list(buf, Py_ssize_t offset=0, unsigned long long max_count=
     """``(list of bytes | None, end offset)`` from an ``encode_optional_list`` payload."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "optional list")
-    if end == 0:
-        raise DecodeError(f"optional list: truncated at byte {pos}")
+    cdef Py_ssize_t pos = payload_start(offset, end, "optional list")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = _count(base, pos, end, max_count, 4, "optional list")
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "optional list")
     pos += 4
     cdef list out = PyList_New(n)
     cdef uint32_t i, ln
@@ -289,11 +267,9 @@ def decode_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFF
     """``(list of (key, value), end offset)`` from an ``encode_pairs`` payload."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "pairs")
-    if end == 0:
-        raise DecodeError(f"pairs: truncated at byte {pos}")
+    cdef Py_ssize_t pos = payload_start(offset, end, "pairs")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = _count(base, pos, end, max_count, 8, "pairs")
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
     pos += 4
     cdef list out = PyList_New(n)
     cdef uint32_t i, kl, vl
@@ -330,11 +306,9 @@ def check_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF
     """``(count, end offset)`` of an ``encode_list`` payload, validated like ``decode_list``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "list")
-    if end == 0:
-        raise DecodeError(f"list: truncated at byte {pos}")
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = _count(base, pos, end, max_count, 4, "list")
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
     pos += 4
     cdef uint32_t i, ln
     for i in range(n):
@@ -352,11 +326,9 @@ def check_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFF
     """``(count, end offset)`` of an ``encode_pairs`` payload, validated like ``decode_pairs``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "pairs")
-    if end == 0:
-        raise DecodeError(f"pairs: truncated at byte {pos}")
+    cdef Py_ssize_t pos = payload_start(offset, end, "pairs")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = _count(base, pos, end, max_count, 8, "pairs")
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
     pos += 4
     cdef uint32_t i, kl, vl
     for i in range(n):

@@ -15,7 +15,7 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t
 from libc.string cimport memcpy
 
-from _wire cimport rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
+from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
 
 from statestore_async.errors import DecodeError, EncodeError, InterfaceError, KeyFormatError
 
@@ -140,26 +140,6 @@ def get_list(dict overlay, dict base, keys):
 
 
 # --- packed payloads --------------------------------------------------------------------------------
-cdef inline Py_ssize_t _start(Py_ssize_t offset, Py_ssize_t end, str what) except -1:
-    if offset < 0 or offset > end:
-        raise DecodeError(f"{what}: offset {offset} outside the buffer")
-    if end == 0:
-        raise DecodeError(f"{what}: truncated at byte {offset}")
-    return offset
-
-
-cdef inline uint32_t _count(const uint8_t* base, Py_ssize_t pos, Py_ssize_t end, unsigned long long max_count,
-                            Py_ssize_t min_item, str what) except? 0xFFFFFFFF:
-    if end - pos < 4:
-        raise DecodeError(f"{what}: truncated at byte {pos}")
-    cdef uint32_t n = _rd32(base + pos)
-    if n > max_count:
-        raise DecodeError(f"{what}: {n} items, at most {max_count} allowed")
-    if <unsigned long long>n * <unsigned long long>min_item > <unsigned long long>(end - pos - 4):
-        raise DecodeError(f"{what}: {n} items cannot fit in the {end - pos - 4} bytes left")
-    return n
-
-
 cdef int _trailing(Py_ssize_t pos, Py_ssize_t end, str what) except -1:
     if pos != end:
         raise DecodeError(f"{what}: {end - pos} unexpected trailing bytes")
@@ -188,9 +168,9 @@ def put_packed(dict overlay, buf, Py_ssize_t offset, Py_ssize_t min_key, Py_ssiz
     """See ``statestore_async._ref.overlay.put_packed``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "pairs")
+    cdef Py_ssize_t pos = payload_start(offset, end, "pairs")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = _count(base, pos, end, max_count, 8, "pairs")
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
     cdef Py_ssize_t first = pos + 4, short_key = -1, delta = 0
     cdef uint32_t i, kl, vl
     pos = first
@@ -241,9 +221,9 @@ def remove_packed(dict overlay, buf, Py_ssize_t offset, Py_ssize_t min_key, Py_s
     """See ``statestore_async._ref.overlay.remove_packed``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "list")
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = _count(base, pos, end, max_count, 4, "list")
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
     cdef Py_ssize_t first = pos + 4, short_key = -1, delta = 0
     pos = _check_keys(base, first, end, n, min_key, &short_key)
     _trailing(pos, end, "list")
@@ -265,9 +245,9 @@ def get_packed(dict overlay, dict base, buf, Py_ssize_t offset, unsigned long lo
     """See ``statestore_async._ref.overlay.get_packed``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = _start(offset, end, "list")
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
     cdef const uint8_t* b = &mv[0]
-    cdef uint32_t n = _count(b, pos, end, max_count, 4, "list")
+    cdef uint32_t n = payload_count(b, pos, end, max_count, 4, "list")
     cdef Py_ssize_t first = pos + 4, short_key = -1
     pos = _check_keys(b, first, end, n, 0, &short_key)
     _trailing(pos, end, "list")
