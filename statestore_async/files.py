@@ -30,11 +30,12 @@ async def write_delta(objstore, delta, **codec_options) -> tuple[str, int]:
     return key, len(data)
 
 
-async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> tuple[str, int]:
-    """Create the snapshot file of a frozen engine view. Returns (key, size).
+async def snapshot_bytes(view, *, give_way=None, **codec_options) -> bytes:
+    """The snapshot file of a frozen engine view, encoded in bounded steps.
 
-    ``give_way`` (an async callable, e.g. ``asyncio.sleep(0)``-like) is awaited between the bounded
-    steps of encoding, so an event loop keeps serving requests while a large snapshot is written.
+    ``give_way`` (an async callable, e.g. ``asyncio.sleep(0)``-like) is awaited between the steps,
+    so an event loop keeps serving requests while a large snapshot is encoded; the parts are
+    joined in a thread (a large join releases the GIL).
     """
     parts: list[bytes] = []
     for item in snapshot_steps(view, **codec_options):
@@ -43,7 +44,12 @@ async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> t
                 await give_way()
         else:
             parts = item
-    data = await asyncio.to_thread(b"".join, parts)  # a large join releases the GIL
+    return await asyncio.to_thread(b"".join, parts)
+
+
+async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> tuple[str, int]:
+    """Create the snapshot file of a frozen engine view (see ``snapshot_bytes``). Returns (key, size)."""
+    data = await snapshot_bytes(view, give_way=give_way, **codec_options)
     key = file_key(view.store_id, view.ref, SNAPSHOT)
     await objstore.put_if_absent(key, data)
     return key, len(data)

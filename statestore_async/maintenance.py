@@ -23,8 +23,9 @@ import gc
 import logging
 import time
 
-from .checkpoint import FileHeader, snapshot_steps
+from .checkpoint import FileHeader
 from .errors import ObjectExistsError, StateStoreError
+from .files import snapshot_bytes
 from .ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
 from .retention import cleanup_store
 
@@ -139,19 +140,12 @@ class Maintenance:
 
     async def _snapshot_here(self, store, objstore) -> int:
         """Encode the head's snapshot in this process, in bounded steps between requests."""
-        parts: list[bytes] = []
         with _no_cyclic_gc():
             view = store.freeze()
             try:
-                for item in snapshot_steps(view, chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES):
-                    if item is None:
-                        await _give_way()
-                    else:
-                        parts = item
+                data = await snapshot_bytes(view, give_way=_give_way, chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
             finally:
                 view.release()
-        data = await asyncio.to_thread(b"".join, parts)  # a large join releases the GIL
-        del parts
         try:
             await objstore.put_if_absent(file_key(view.store_id, view.ref, SNAPSHOT), data)
         except ObjectExistsError:

@@ -133,10 +133,11 @@ def _stable_order(codes: np.ndarray) -> np.ndarray:
     numpy sorts 16-bit integers with a radix sort (O(n)): 5-10 ms for 500k rows where the
     comparison sort of int64 takes ~40 ms.
     """
-    if codes.size == 0 or int(codes.max()) >= 1 << 32:
+    top = int(codes.max()) if codes.size else 0
+    if top >= 1 << 32:
         return np.argsort(codes, kind="stable")
     lo = np.argsort((codes & 0xFFFF).astype(np.uint16), kind="stable")
-    if int(codes.max()) < 1 << 16:
+    if top < 1 << 16:
         return lo
     return lo[np.argsort((codes[lo] >> 16).astype(np.uint16), kind="stable")]
 
