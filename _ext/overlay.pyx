@@ -9,7 +9,7 @@ checked whole before anything is set, so a bad batch changes nothing.
 """
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_DelItem, PyDict_Next, PyDict_SetItem, PyDict_Size
-from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.list cimport PyList_Append, PyList_GET_ITEM, PyList_GET_SIZE, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF, PyObject
 from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t
@@ -18,6 +18,16 @@ from libc.string cimport memcpy
 from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
 
 from statestore_async.errors import DecodeError, EncodeError, InterfaceError, KeyFormatError
+
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030D0000
+    #define ssa_dict_presized(n) _PyDict_NewPresized(n)
+    #else
+    #define ssa_dict_presized(n) PyDict_New()
+    #endif
+    """
+    dict ssa_dict_presized(Py_ssize_t n)
 
 cdef extern from "Python.h":
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
@@ -31,7 +41,12 @@ __all__ = [
     "remove_packed",
     "get_packed",
     "apply_changes",
+    "group_records",
+    "gather_records",
 ]
+
+cdef Py_ssize_t _SLOTS = 1 << 16
+KEY_GROUP_SLOTS = _SLOTS
 
 cdef Py_ssize_t _HEADER = WIRE_HEADER
 cdef uint32_t _NONE = 0xFFFFFFFF
@@ -322,8 +337,9 @@ cdef bytes _as_bytes(object item):
 
 def apply_changes(dict data, dict changes, Py_ssize_t overhead):
     """Apply key → value|None (None: remove) to ``data`` in one pass; see the facade's docstring."""
-    cdef dict pre = {}
-    cdef dict records = {}
+    # both get at most one entry per change: sized once, no rehash on the way (a commit's cost)
+    cdef dict pre = ssa_dict_presized(PyDict_Size(changes))
+    cdef dict records = ssa_dict_presized(PyDict_Size(changes))
     cdef Py_ssize_t pos = 0
     cdef PyObject* kp
     cdef PyObject* vp
@@ -359,3 +375,81 @@ def apply_changes(dict data, dict changes, Py_ssize_t overhead):
         undo_bytes += klen + olen + overhead
         rec_bytes += klen + vlen + 8
     return pre, records, data_delta, undo_bytes, rec_bytes
+
+
+cdef list _check_groups(object groups):
+    if type(groups) is not list or PyList_GET_SIZE(groups) != _SLOTS:
+        raise InterfaceError(f"groups is a list of {KEY_GROUP_SLOTS} slots")
+    return <list>groups
+
+
+def group_records(keys, Py_ssize_t start, Py_ssize_t stop, dict shadow, dict data, groups):
+    """See ``statestore_async._ref.overlay.group_records``."""
+    cdef list slots = _check_groups(groups)
+    if type(keys) is not list:
+        raise InterfaceError(f"keys is a list, got {type(keys).__name__}")
+    cdef list ks = <list>keys
+    cdef Py_ssize_t n = PyList_GET_SIZE(ks), i, kg
+    cdef object k, v, slot
+    cdef PyObject* vp
+    cdef const uint8_t* p
+    if start < 0:
+        start = 0
+    if stop > n:
+        stop = n
+    for i in range(start, stop):
+        k = <object>PyList_GET_ITEM(ks, i)
+        if type(k) is not bytes:
+            raise KeyFormatError(f"keys are bytes, got {type(k).__name__}")
+        vp = PyDict_GetItemWithError(shadow, k)
+        if vp is NULL:
+            vp = PyDict_GetItemWithError(data, k)
+            if vp is NULL:
+                continue
+        v = <object>vp
+        if v is None:
+            continue
+        if PyBytes_GET_SIZE(k) >= 2:
+            p = <const uint8_t*>PyBytes_AS_STRING(k)
+            kg = (p[0] << 8) | p[1]
+        else:
+            kg = 0
+        slot = <object>PyList_GET_ITEM(slots, kg)
+        if slot is None:
+            slots[kg] = [k, v]
+        elif type(slot) is not list:
+            raise InterfaceError(f"group slot {kg} holds a {type(slot).__name__}, not a list")
+        else:
+            PyList_Append(slot, k)
+            PyList_Append(slot, v)
+
+
+def gather_records(groups, cursor, Py_ssize_t max_bytes):
+    """See ``statestore_async._ref.overlay.gather_records``."""
+    cdef list slots = _check_groups(groups)
+    if type(cursor) is not tuple or len(cursor) != 2 or type(cursor[0]) is not int or type(cursor[1]) is not int:
+        raise InterfaceError(f"bad cursor {cursor!r}")
+    g_, i_ = cursor
+    if not (0 <= g_ <= KEY_GROUP_SLOTS and i_ >= 0):
+        raise InterfaceError(f"bad cursor {cursor!r}")
+    cdef Py_ssize_t g = g_, i = i_, size = 0, nrec
+    cdef list records = []
+    cdef object slot, k, v
+    while g < _SLOTS:
+        slot = <object>PyList_GET_ITEM(slots, g)
+        if slot is not None and type(slot) is not list:
+            raise InterfaceError(f"group slot {g} holds a {type(slot).__name__}, not a list")
+        if slot is None or i + 1 >= PyList_GET_SIZE(<list>slot):
+            slots[g] = None  # done with this group: its records go as soon as they are encoded
+            g += 1
+            i = 0
+            continue
+        k = <object>PyList_GET_ITEM(<list>slot, i)
+        v = <object>PyList_GET_ITEM(<list>slot, i + 1)
+        nrec = len(k) + len(v) + 11
+        if size and size + nrec > max_bytes:
+            break
+        PyList_Append(records, (k, v))
+        size += nrec
+        i += 2
+    return records, (g, i)

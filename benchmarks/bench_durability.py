@@ -33,7 +33,12 @@ from statestore_async.client import Client
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.testing.daemon import start_daemon, stop_daemon
 from statestore_async.testing.faultproxy import FaultProxy
-from statestore_async.testing.seaweedfs import SeaweedFS
+from statestore_async.testing.seaweedfs import SeaweedFS, lower_priority
+
+# SeaweedFS and the latency proxy stand in for a remote S3: on a real node they do not share the
+# daemon's cores. They run at the lowest CPU priority so that the figures are the daemon's and its
+# client's, not those of a storage server and a proxy copying every snapshot on the same two cores.
+S3_NICE = 19
 
 
 def key(i: int) -> bytes:
@@ -50,6 +55,7 @@ def start(sock: str, endpoint: str, env: dict, **settings) -> subprocess.Popen:
 
 def _proxy_main(upstream_port: int, latency: float, conn) -> None:
     """A fault proxy in a process of its own: it must not share the measuring client's GIL."""
+    lower_priority(S3_NICE)
     proxy = FaultProxy(upstream_port).start()
     proxy.latency = latency
     conn.send(proxy.port)
@@ -154,7 +160,7 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ssa-bdur-", dir="/tmp")
     rows = []
     try:
-        with SeaweedFS() as sw:
+        with SeaweedFS(nice=S3_NICE) as sw:
             env = dict(os.environ, AWS_ACCESS_KEY_ID=sw.access_key, AWS_SECRET_ACCESS_KEY=sw.secret_key,
                        AWS_DEFAULT_REGION="us-east-1")
             bucket = sw.create_bucket()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from . import __version__, blockcodec
+from . import __version__, blockcodec, overlay
 from .errors import CorruptBlockError, CorruptFileError, InterfaceError
 from .ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_name
 from .keys import KEY_GROUP_BYTES
@@ -185,43 +185,26 @@ def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: in
                    chunk: int = 65536) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
-    Yields ``None`` after each bounded piece of work — bucketing ``chunk`` keys by key group, or
+    Yields ``None`` after each bounded piece of work — sorting ``chunk`` records by key group, or
     gathering and encoding one block — so an event loop can serve requests between pieces; then,
     as the last item, the file as a list of parts (``b"".join`` them; a large join releases the
-    GIL, so it can run in a thread). No list of every record is ever built: records are looked up
-    one block at a time, so neither a step nor the end (freeing) holds the caller for long.
+    GIL, so it can run in a thread). Records are sorted in the map's order (its memory walked in
+    order) into per-group lists, and each group's list is let go once encoded, so neither a step
+    nor the end (freeing) holds the caller for long.
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
                          block_bytes=block_bytes)
-    keys = view.keys()
-    buckets: dict[int, list] = {}
-    for start in range(0, len(keys), chunk):
-        for k in keys[start : start + chunk]:
-            kg = (k[0] << 8) | k[1]
-            b = buckets.get(kg)
-            if b is None:
-                buckets[kg] = [k]
-            else:
-                b.append(k)
+    groups: list = [None] * overlay.KEY_GROUP_SLOTS
+    for start in range(0, len(view), chunk):
+        view.group(start, start + chunk, groups)
         yield None
-    get = view.get
-    block: list = []
-    size = 0
-    for kg in sorted(buckets):
-        for k in buckets.pop(kg):
-            v = get(k)
-            if v is None:  # never for a frozen view's own keys; a snapshot holds no tombstone
-                continue
-            # an upper bound of the record's encoded size (tag + two varints + bytes), so that
-            # the gathered records always fit one block
-            n = len(k) + len(v) + 11
-            if block and size + n > block_bytes:
-                yield from w.add_records(block)
-                block = []
-                size = 0
-            block.append((k, v))
-            size += n
-    if block:
+    cursor = (0, 0)
+    while True:
+        # an upper bound of each record's encoded size (tag + two varints + bytes) is counted, so
+        # the gathered records always fit one block
+        block, cursor = overlay.gather_records(groups, cursor, block_bytes)
+        if not block:
+            break
         yield from w.add_records(block)
     yield w.finish_parts()
 

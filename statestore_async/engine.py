@@ -140,6 +140,11 @@ class FrozenView:
             return self._shadow[key]
         return self._store._data.get(key)
 
+    def group(self, start: int, stop: int, groups: list) -> None:
+        """Sort the frozen records of ``keys()[start:stop]`` into ``groups`` by key group
+        (``overlay.group_records``; ``overlay.gather_records`` hands them out in order)."""
+        _overlay.group_records(self._keys, start, stop, self._shadow, self._store._data, groups)
+
     def release(self) -> None:
         if not self._released:
             self._released = True

@@ -26,6 +26,19 @@ the write functions return how much the accounted bytes changed.
     changed something (a removal of an absent key is dropped from both), ``data_delta`` how much
     the accounted bytes of ``data`` changed, ``undo_bytes`` the accounted bytes of ``pre``, and
     ``record_bytes`` the keys and values of ``records`` (+ 8 per record) for the upload queue.
+``group_records(keys, start, stop, shadow, data, groups) -> None``
+    Sort the records of ``keys[start:stop]`` (a list of bytes) into ``groups``, a list of
+    ``KEY_GROUP_SLOTS`` (65536) slots, by key group (a key's first two bytes, big-endian; 0 for a
+    shorter key): the slot's list (made when the slot is None) gets the key and its value appended,
+    the value being ``shadow[key]`` when ``shadow`` has the key, else ``data.get(key)``; a key
+    whose value is None is left out. Called a chunk at a time over a frozen view's keys, which
+    are in the map's own order, so the lookups walk the map's memory in order.
+``gather_records(groups, cursor, max_bytes) -> (records, cursor)``
+    The next (key, value) records of ``groups`` in key-group order from ``cursor`` = (slot,
+    index), starting at (0, 0): records are gathered while the sum of ``len(key) + len(value) +
+    11`` stays within ``max_bytes`` (at least one record when any is left); the returned cursor
+    goes on from there, and records is empty at the end. A slot gone through is set to None, so
+    the records leave memory as they are handed out.
 
 Compiled from ``_ext/overlay.pyx`` when built, else ``statestore_async._ref.overlay``; both give
 the same results and errors.
@@ -43,5 +56,9 @@ put_packed = _impl.put_packed
 remove_packed = _impl.remove_packed
 get_packed = _impl.get_packed
 apply_changes = _impl.apply_changes
+group_records = _impl.group_records
+gather_records = _impl.gather_records
+KEY_GROUP_SLOTS = _impl.KEY_GROUP_SLOTS
 
-__all__ = ["put_items", "remove_keys", "get_list", "put_packed", "remove_packed", "get_packed", "apply_changes"]
+__all__ = ["put_items", "remove_keys", "get_list", "put_packed", "remove_packed", "get_packed", "apply_changes", "group_records",
+           "gather_records", "KEY_GROUP_SLOTS"]

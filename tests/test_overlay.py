@@ -168,3 +168,64 @@ def test_apply_changes_ref_and_native_agree(data, changes):
         assert set(records) == {key for key, v in changes.items() if v is not None or key in data}
         assert pre == {key: data.get(key) for key in records}
     assert outs[0] == outs[1]
+
+
+# --- a frozen view's records by key group, for snapshots ----------------------------------------------
+_BOTH = [_accel.reference("overlay")] + ([] if _accel.NO_EXTENSIONS else [_accel.native("overlay")])
+
+
+def _kg_of(k: bytes) -> int:
+    return (k[0] << 8) | k[1] if len(k) >= 2 else 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=4), max_size=60, unique=True),
+       st.dictionaries(st.binary(max_size=4), st.none() | st.binary(max_size=8), max_size=20),
+       st.dictionaries(st.binary(max_size=4), st.binary(max_size=8), max_size=40),
+       st.integers(1, 9), st.integers(0, 60))
+def test_group_and_gather_ref_and_native_agree(keys, shadow, data, chunk, max_bytes):
+    runs = []
+    for ov in _BOTH:
+        groups = [None] * ov.KEY_GROUP_SLOTS
+        for start in range(0, len(keys) + 1, chunk):
+            ov.group_records(keys, start, start + chunk, dict(shadow), dict(data), groups)
+        filled = {g: list(s) for g, s in enumerate(groups) if s is not None}
+        blocks, cursor = [], (0, 0)
+        while True:
+            records, cursor = ov.gather_records(groups, cursor, max_bytes)
+            if not records:
+                break
+            blocks.append((records, cursor))
+        assert all(s is None for s in groups)  # every group let go once handed out
+        assert cursor == (ov.KEY_GROUP_SLOTS, 0)
+        runs.append((filled, blocks))
+    assert all(r == runs[0] for r in runs)
+    # what they mean: every key's frozen value (the shadow's first), by key group, in list order
+    frozen = [(k, shadow[k] if k in shadow else data.get(k)) for k in keys]
+    expected = sorted(((k, v) for k, v in frozen if v is not None), key=lambda kv: _kg_of(kv[0]))
+    blocks = runs[0][1]
+    assert [r for records, _ in blocks for r in records] == expected
+    for records, _ in blocks:  # within the bound unless a single record is larger
+        assert len(records) == 1 or sum(len(k) + len(v) + 11 for k, v in records) <= max_bytes
+
+
+@pytest.mark.parametrize("call", [
+    lambda ov: ov.group_records([b"ab"], 0, 1, {}, {b"ab": b"v"}, [None] * 3),
+    lambda ov: ov.group_records([b"ab"], 0, 1, {}, {b"ab": b"v"}, (None,) * ov.KEY_GROUP_SLOTS),
+    lambda ov: ov.group_records((b"ab",), 0, 1, {}, {b"ab": b"v"}, [None] * ov.KEY_GROUP_SLOTS),
+    lambda ov: ov.group_records([b"ab", "ab"], 0, 2, {}, {b"ab": b"v"}, [None] * ov.KEY_GROUP_SLOTS),
+    lambda ov: ov.group_records([b"\x00\x01x"], 0, 1, {}, {b"\x00\x01x": b"v"},
+                                [None, (b"k", b"v")] + [None] * (ov.KEY_GROUP_SLOTS - 2)),
+    lambda ov: ov.gather_records([None] * ov.KEY_GROUP_SLOTS, [0, 0], 10),
+    lambda ov: ov.gather_records([None] * ov.KEY_GROUP_SLOTS, (0,), 10),
+    lambda ov: ov.gather_records([None] * ov.KEY_GROUP_SLOTS, (-1, 0), 10),
+    lambda ov: ov.gather_records([None] * ov.KEY_GROUP_SLOTS, (ov.KEY_GROUP_SLOTS + 1, 0), 10),
+    lambda ov: ov.gather_records([b"x"] + [None] * (ov.KEY_GROUP_SLOTS - 1), (0, 0), 10),
+])
+def test_group_and_gather_errors_agree(call):
+    outs = []
+    for ov in _BOTH:
+        out = _outcome(call, ov)
+        assert out[0] in ("InterfaceError", "KeyFormatError"), out
+        outs.append(out)
+    assert all(o == outs[0] for o in outs)

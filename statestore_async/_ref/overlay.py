@@ -18,7 +18,11 @@ __all__ = [
     "remove_packed",
     "get_packed",
     "apply_changes",
+    "group_records",
+    "gather_records",
 ]
+
+KEY_GROUP_SLOTS = 1 << 16
 
 _MISSING = object()
 
@@ -152,3 +156,61 @@ def apply_changes(data: dict, changes: dict, overhead: int):
         undo_bytes += len(k) + (len(old) if old is not None else 0) + overhead
         rec_bytes += len(k) + (len(v) if v is not None else 0) + 8
     return pre, records, data_delta, undo_bytes, rec_bytes
+
+
+def _check_groups(groups) -> list:
+    if type(groups) is not list or len(groups) != KEY_GROUP_SLOTS:
+        raise InterfaceError(f"groups is a list of {KEY_GROUP_SLOTS} slots")
+    return groups
+
+
+def group_records(keys: list, start: int, stop: int, shadow: dict, data: dict, groups: list) -> None:
+    """Sort the records of ``keys[start:stop]`` into ``groups`` by key group; see the facade."""
+    _check_groups(groups)
+    if type(keys) is not list:
+        raise InterfaceError(f"keys is a list, got {type(keys).__name__}")
+    for k in keys[max(0, start) : max(0, stop)]:
+        if type(k) is not bytes:
+            raise KeyFormatError(f"keys are bytes, got {type(k).__name__}")
+        v = shadow[k] if k in shadow else data.get(k)
+        if v is None:
+            continue
+        kg = (k[0] << 8) | k[1] if len(k) >= 2 else 0
+        slot = groups[kg]
+        if slot is None:
+            groups[kg] = [k, v]
+        elif type(slot) is not list:
+            raise InterfaceError(f"group slot {kg} holds a {type(slot).__name__}, not a list")
+        else:
+            slot.append(k)
+            slot.append(v)
+
+
+def gather_records(groups: list, cursor: tuple, max_bytes: int):
+    """The next records of ``groups`` from ``cursor``, up to ``max_bytes``; see the facade."""
+    _check_groups(groups)
+    if type(cursor) is not tuple or len(cursor) != 2 or type(cursor[0]) is not int or type(cursor[1]) is not int:
+        raise InterfaceError(f"bad cursor {cursor!r}")
+    g, i = cursor
+    if not (0 <= g <= KEY_GROUP_SLOTS and i >= 0):
+        raise InterfaceError(f"bad cursor {cursor!r}")
+    records: list = []
+    size = 0
+    while g < KEY_GROUP_SLOTS:
+        slot = groups[g]
+        if slot is not None and type(slot) is not list:
+            raise InterfaceError(f"group slot {g} holds a {type(slot).__name__}, not a list")
+        if slot is None or i + 1 >= len(slot):
+            groups[g] = None  # done with this group: its records go as soon as they are encoded
+            g += 1
+            i = 0
+            continue
+        k = slot[i]
+        v = slot[i + 1]
+        n = len(k) + len(v) + 11
+        if records and size + n > max_bytes:
+            break
+        records.append((k, v))
+        size += n
+        i += 2
+    return records, (g, i)

