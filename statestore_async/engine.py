@@ -368,11 +368,16 @@ class VersionedStore:
         self._data_bytes += data_delta
         return pre, records, undo_bytes, record_bytes
 
-    def _commit(self, overlay: dict, ckptid: str | None) -> Delta:
-        parent = self._head
-        child = CheckpointRef(parent.version + 1, ckptid or new_checkpoint_id())
+    def _child(self, ckptid: str | None) -> CheckpointRef:
+        """The state a commit on the head makes (a fresh checkpoint id when None), checked new."""
+        child = CheckpointRef(self._head.version + 1, ckptid or new_checkpoint_id())
         if any(c.child == child for c in self._history):
             raise InterfaceError(f"checkpoint {child} was committed already")
+        return child
+
+    def _commit(self, overlay: dict, ckptid: str | None) -> Delta:
+        parent = self._head
+        child = self._child(ckptid)
         # a tombstone for a key that did not exist changes nothing: apply_changes leaves it out
         undo, records, nbytes, record_bytes = self._mutate(overlay)
         lineage = (parent,) + self._lineage_tail()
@@ -499,6 +504,17 @@ class StoreVersion:
             self._overlay_bytes += _overlay.remove_keys(self._overlay, keys, KEY_GROUP_BYTES, ENTRY_OVERHEAD)
 
     # --- ending the version -----------------------------------------------------------------------
+    def prepare_commit(self, ckptid: str | None = None) -> CheckpointRef:
+        """What ``commit(ckptid)`` will make, checked now: the new state's ref (its checkpoint id
+        fresh when None). Raises what ``commit`` would; once it returned, ``commit(ref.ckptid)``
+        only applies the changes (O(changed keys)) and cannot fail on what it was given."""
+        self._check_updating("commit")
+        return self._store._child(ckptid)
+
+    def upload_bound(self) -> int:
+        """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count."""
+        return self._overlay_bytes + 256
+
     def commit(self, ckptid: str | None = None) -> Delta:
         """Make the changes version ``version + 1`` (checkpoint ``ckptid``, fresh when None).
 

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import time
 
 from .checkpoint import FileHeader
@@ -40,16 +39,29 @@ STEP_RECORDS = 2048
 STEP_BLOCK_BYTES = 64 << 10
 
 
-async def _give_way() -> None:
-    """Between two snapshot steps: let the CPU and then the event loop go to others.
+class _Pacer:
+    """Between two snapshot steps: give way to requests, and now and then to other processes.
 
-    ``sched_yield`` first: a client woken by our last answer may be waiting for this very core,
-    and a kernel that does not preempt a busy task on wake-up would otherwise let it wait for the
-    next scheduler tick (milliseconds) while the snapshot goes on. It costs a system call when
-    nobody waits.
+    Each call lets the event loop serve what is waiting (``sleep(0)``). Once the steps have kept
+    the loop busy for ``busy`` seconds, the call sleeps ``rest`` seconds for real instead: a
+    client woken by one of our answers may be waiting for this very core, and a kernel that does
+    not preempt a busy task on wake-up lets it wait for the end of our time slice (milliseconds:
+    the commit latency tail) while the snapshot goes on. Requests arriving meanwhile are served
+    at once, as the loop is only waiting on a timer. (``sched_yield`` instead was measured: it hands
+    the core to any runnable task, a low-priority one included, for its whole slice.)
     """
-    os.sched_yield()
-    await asyncio.sleep(0)
+
+    def __init__(self, busy: float = 0.001, rest: float = 0.001):
+        self.busy = busy
+        self.rest = rest
+        self._since = time.monotonic()
+
+    async def __call__(self) -> None:
+        if time.monotonic() - self._since < self.busy:
+            await asyncio.sleep(0)
+            return
+        await asyncio.sleep(self.rest)
+        self._since = time.monotonic()
 
 
 @contextlib.contextmanager
@@ -153,7 +165,7 @@ class Maintenance:
         with _no_cyclic_gc():
             view = store.freeze()
             try:
-                data = await snapshot_bytes(view, give_way=_give_way, chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
+                data = await snapshot_bytes(view, give_way=_Pacer(), chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
             finally:
                 view.release()
         try:

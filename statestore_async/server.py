@@ -331,10 +331,31 @@ class _Connection(asyncio.Protocol):
     def _commit(self, ev: Commit):
         d = self.daemon
         w = self._writer(ev.handle)
-        delta = w.commit(ev.ckptid)
-        self._finish(ev.handle)
-        up = d.uploader.enqueue(delta)
+        ref = w.prepare_commit(ev.ckptid)  # every check a commit makes; raises before anything is done
+        answered = d.uploader.would_admit(w.upload_bound())
+        if answered:
+            # The answer goes before the work: applying the changes to the store's map costs
+            # O(changed keys) (~0.4 ms for 1000 keys of a 200k-key map, cache misses) that the task
+            # need not wait for; nothing below can fail on checked input, and this callback runs
+            # to its end before any other request (this client's next one included) is read.
+            self._write(self.proto.send_committed(ev.request_id, ref))
+        try:
+            delta = w.commit(ref.ckptid)
+            self._finish(ev.handle)
+            up = d.uploader.enqueue(delta)
+        except BaseException:
+            if answered:
+                # never (memory aside): the client was told COMMITTED, so it must not get a second
+                # answer; cutting the connection fails its task, and the driver's fence never
+                # sees a file for this version
+                log.exception("commit of %s failed after it was answered; closing the connection", w.store_id)
+                self.closed = True
+                self.transport.abort()
+                return
+            raise
         d.check_budget_soon()
+        if answered:
+            return
         if up.admitted.is_set():
             self._write(self.proto.send_committed(ev.request_id, delta.ref))
         else:

@@ -110,6 +110,10 @@ class Uploader:
             self._workers[up.store_id] = asyncio.get_running_loop().create_task(self._run_store(up.store_id))
         return up
 
+    def would_admit(self, size: int) -> bool:
+        """Whether a delta of ``size`` queue bytes enqueued now is admitted at once."""
+        return not self._waiting and (not self.queued_bytes or self.queued_bytes + size <= self.queue_limit)
+
     def _admit(self) -> None:
         while self._waiting:
             up = self._waiting[0]

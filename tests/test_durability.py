@@ -123,6 +123,7 @@ async def test_an_outage_keeps_commits_returning_until_the_queue_bound_then_dura
             refs.append(ref)
         assert max(times[:3]) < 0.5, times  # commits keep returning during the outage ...
         assert sum(times) > 2.0, times  # ... until the queue is full: then they wait (never dropped)
+        assert d.counters["commits_waited"] >= 1  # answered once admitted, not before
         for r in refs:
             assert await c.await_durable(sid, r, timeout=60)
         assert time.monotonic() - t0 >= 4.5

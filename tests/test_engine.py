@@ -343,3 +343,24 @@ def test_deltas_since_snapshot_counts_the_chain_a_load_would_replay():
     assert s.deltas_since_snapshot() == 2
     s.mark_snapshot(refs[4])
     assert s.deltas_since_snapshot() == 0
+
+
+def test_prepare_commit_checks_what_commit_checks_and_names_its_state():
+    store = VersionedStore(SID)
+    w = store.open(0)
+    w.put(store_key(0, b"a"), b"1")
+    ref = w.prepare_commit("a" * 32)
+    assert ref == CheckpointRef(1, "a" * 32)
+    bound = w.upload_bound()
+    delta = w.commit(ref.ckptid)
+    assert delta.ref == ref
+    assert delta.nbytes + 256 <= bound  # never below what the upload queue will count
+    with pytest.raises(StoreStateError):
+        w.prepare_commit()
+    # a sibling attempt of the same version may not reuse a checkpoint id already committed
+    w2 = store.open(0)
+    with pytest.raises(InterfaceError, match="committed already"):
+        w2.prepare_commit("a" * 32)
+    fresh = w2.prepare_commit()
+    assert fresh.version == 1 and fresh.ckptid != "a" * 32
+    assert w2.commit(fresh.ckptid).ref == fresh
