@@ -102,6 +102,17 @@ class Maintenance:
         self._closed = False
         self.counters = {"snapshots": 0, "snapshot_bytes": 0, "snapshot_errors": 0, "cleanups": 0,
                          "files_deleted": 0, "cleanup_errors": 0}
+        listeners = getattr(registry, "evict_listeners", None)
+        if listeners is not None:
+            listeners.append(self.forget)
+
+    def forget(self, store_id: StoreId) -> None:
+        """Drop what is kept for ``store_id`` (its store left memory): a daemon that serves many
+        stores over its life does not keep each one's retention headers forever. A reloaded store
+        starts over: its delta chain is counted again, its next cleanup LISTs once more."""
+        self._headers.pop(store_id, None)
+        self._chain_bytes.pop(store_id, None)
+        self._cleaned_below.pop(store_id, None)
 
     def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int, lineage=None) -> None:
         """The uploader made the delta of ``ref`` durable (``nbytes`` bytes): snapshot if due.

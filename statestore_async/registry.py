@@ -63,6 +63,8 @@ class StoreRegistry:
         self._loading: dict[StoreId, asyncio.Future] = {}
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "evictions": 0,
                          "writer_conflicts": 0}
+        # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
+        self.evict_listeners: list[Callable[[StoreId], None]] = []
 
     def __len__(self) -> int:
         return len(self._stores)
@@ -166,6 +168,8 @@ class StoreRegistry:
                 total -= store.memory_bytes
                 del self._stores[store_id]
                 evicted += 1
+                for listener in self.evict_listeners:
+                    listener(store_id)
                 log.info("evicted %s at %s (memory %d > budget %d)", store_id, store.head, total,
                          self.memory_budget)
         self.counters["evictions"] += evicted

@@ -206,10 +206,14 @@ async def test_eviction_under_a_tiny_budget_then_reload_gives_equal_data(make_da
             await h.put_many(items)
             refs[p] = await h.commit()
             assert await c.await_durable(sid, refs[p], 10)
+        assert all(StoreId(root, "ev", p) in d.maintenance._chain_bytes for p in data)
         d.registry.enforce_budget()
         assert d.registry.counters["evictions"] >= 2
         assert d.registry.memory_bytes <= 60_000
         assert d.registry.get(StoreId(root, "ev", 0)) is None
+        # maintenance keeps nothing of an evicted store (a long-lived daemon would grow otherwise)
+        gone = [StoreId(root, "ev", p) for p in data if d.registry.get(StoreId(root, "ev", p)) is None]
+        assert gone and not any(s in d.maintenance._chain_bytes or s in d.maintenance._headers for s in gone)
         for p, items in data.items():
             h = await c.open(StoreId(root, "ev", p), 1, refs[p].ckptid)
             assert sorted([kv async for kv in h.scan(b"")]) == sorted(items)
