@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import overlay as _overlay
 from .errors import InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError
@@ -39,20 +39,42 @@ class State(enum.Enum):
     ABORTED = "ABORTED"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Delta:
     """What one commit changed: the records to persist for ``ref``.
 
     ``records`` maps key → new value, or None for a removed key (a tombstone). ``lineage`` lists the
     committed states this one builds on, newest first, back to its base (a state with a snapshot,
     or the empty state, version 0). ``lineage[0]`` is the parent.
+
+    The delta of a deferred commit (``StoreVersion.commit(defer=True)``) has its records once the
+    store has applied the changes: reading ``records`` applies them (``VersionedStore.apply_pending``)
+    if that has not happened yet; ``applied`` tells without doing it.
     """
 
     store_id: StoreId
     ref: CheckpointRef
     lineage: tuple[CheckpointRef, ...]
-    records: dict
-    nbytes: int = 0  # bytes of the records' keys and values (+ 8 each): what the upload queue counts
+    _records: dict | None
+    # bytes of the records' keys and values (+ 8 each): what the upload queue counts (for a deferred
+    # commit, counted from the changes before they were applied: an upper bound)
+    nbytes: int = 0
+    _store: "VersionedStore | None" = field(default=None, repr=False)
+
+    @property
+    def records(self) -> dict:
+        if self._records is None:
+            self._store.apply_pending()
+        return self._records
+
+    @property
+    def applied(self) -> bool:
+        return self._records is not None
+
+    def apply(self) -> None:
+        """Apply a deferred commit's changes now (nothing if they are applied already)."""
+        if self._records is None:
+            self._store.apply_pending()
 
     @property
     def parent(self) -> CheckpointRef:
@@ -186,6 +208,8 @@ class VersionedStore:
         self._writer: StoreVersion | None = None
         self._views: list[FrozenView] = []
         self._data_bytes = sum(_entry_bytes(k, v) for k, v in self._data.items())
+        # a deferred commit whose changes are not in the map yet: (changes, its _Commit, its Delta)
+        self._pending: tuple[dict, _Commit, Delta] | None = None
 
     # --- what is committed ----------------------------------------------------------------------
     @property
@@ -204,11 +228,13 @@ class VersionedStore:
         return self._writer
 
     def __len__(self) -> int:
+        self.apply_pending()
         return len(self._data)
 
     @property
     def memory_bytes(self) -> int:
         """Approximate bytes held: committed map, open overlay and the undo/redo history."""
+        self.apply_pending()
         total = self._data_bytes + sum(c.nbytes for c in self._history)
         if self._writer is not None:
             total += self._writer._overlay_bytes
@@ -244,14 +270,17 @@ class VersionedStore:
     # --- reading the committed state --------------------------------------------------------------
     def get(self, key: bytes):
         """The committed value of ``key`` at the head (None if absent)."""
+        self.apply_pending()
         return self._data.get(key)
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         """The committed records at the head (do not commit while iterating; use freeze())."""
+        self.apply_pending()
         return iter(self._data.items())
 
     def freeze(self) -> FrozenView:
         """A view of the head that later commits and rollbacks leave unchanged."""
+        self.apply_pending()
         view = FrozenView(self)
         self._views.append(view)
         return view
@@ -263,6 +292,7 @@ class VersionedStore:
         Raises ``WriterConflictError`` if another version is being updated, and
         ``VersionNotFoundError`` if that state is not in memory (the caller loads it from files).
         """
+        self.apply_pending()
         if self._writer is not None:
             raise WriterConflictError(
                 f"store {self.store_id} already has a writer at version {self._writer.version}; "
@@ -375,17 +405,41 @@ class VersionedStore:
             raise InterfaceError(f"checkpoint {child} was committed already")
         return child
 
-    def _commit(self, overlay: dict, ckptid: str | None) -> Delta:
+    def _commit(self, overlay: dict, ckptid: str | None, defer: bool = False, bound: int = 0) -> Delta:
+        self.apply_pending()
         parent = self._head
         child = self._child(ckptid)
-        # a tombstone for a key that did not exist changes nothing: apply_changes leaves it out
-        undo, records, nbytes, record_bytes = self._mutate(overlay)
         lineage = (parent,) + self._lineage_tail()
-        self._history.append(_Commit(parent, child, lineage, undo, records, nbytes))
+        commit = _Commit(parent, child, lineage, None, None, 0)
+        self._history.append(commit)
         if len(self._history) > self._history_limit:
             del self._history[: len(self._history) - self._history_limit]
         self._head, self._lineage = child, lineage
+        if defer:
+            delta = Delta(self.store_id, child, lineage, None, bound, self)
+            self._pending = (overlay, commit, delta)
+            return delta
+        records, record_bytes = self._apply(overlay, commit)
         return Delta(self.store_id, child, lineage, records, record_bytes)
+
+    def _apply(self, overlay: dict, commit: "_Commit") -> tuple[dict, int]:
+        # a tombstone for a key that did not exist changes nothing: apply_changes leaves it out
+        undo, records, nbytes, record_bytes = self._mutate(overlay)
+        commit.undo, commit.redo, commit.nbytes = undo, records, nbytes
+        return records, record_bytes
+
+    def apply_pending(self) -> None:
+        """Apply a deferred commit's changes to the map, if one waits (see ``StoreVersion.commit``).
+
+        Every method that reads the map or the history calls it first, so a deferred commit is
+        never seen half done; a caller may also call it when it is idle. Idempotent."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        overlay, commit, delta = pending
+        records, _ = self._apply(overlay, commit)
+        object.__setattr__(delta, "_records", records)
 
 
 class StoreVersion:
@@ -515,14 +569,19 @@ class StoreVersion:
         """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count."""
         return self._overlay_bytes + 256
 
-    def commit(self, ckptid: str | None = None) -> Delta:
+    def commit(self, ckptid: str | None = None, *, defer: bool = False) -> Delta:
         """Make the changes version ``version + 1`` (checkpoint ``ckptid``, fresh when None).
 
-        Costs O(changed keys). Returns the ``Delta`` to persist.
+        Costs O(changed keys). Returns the ``Delta`` to persist. With ``defer`` the version is
+        committed (head, lineage, history) but its changes reach the map only later, in
+        ``VersionedStore.apply_pending`` — called by the owner when idle, and by every read of the
+        store or of the delta's records before that — so the commit itself costs O(1).
         """
         self._check_updating("commit")
         store = self._store
-        delta = store._commit(self._overlay, ckptid)
+        # the changes' bytes as the upload queue counts them (+ 8 each instead of the entry overhead)
+        bound = self._overlay_bytes - (ENTRY_OVERHEAD - 8) * len(self._overlay) if defer else 0
+        delta = store._commit(self._overlay, ckptid, defer, bound)
         self.state = State.COMMITTED
         self._result = delta
         self._overlay = {}

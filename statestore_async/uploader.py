@@ -46,6 +46,12 @@ class _Upload:
         self.done = asyncio.Event()
 
 
+# How long a COMMIT answered before its changes were applied leaves them pending: the event loop
+# sleeps in between, so the client woken by the answer — often onto the daemon's own core — runs
+# first (see server._Connection._commit). One timer tick of uvloop (milliseconds).
+DEFERRED_APPLY_DELAY = 0.001
+
+
 def delta_size(delta) -> int:
     """Bytes a delta is accounted for in the upload queue (its keys and values)."""
     if delta.nbytes:  # counted by the engine while it applied the commit
@@ -149,6 +155,12 @@ class Uploader:
     async def _upload(self, up: _Upload) -> None:
         key = file_key(up.store_id, up.ref, DELTA)
         delay = self.retry_base
+        if not getattr(up.delta, "applied", True):
+            # a deferred commit (the daemon answered it before applying its changes to the map):
+            # give the loop the time to sleep first, as the daemon does, then apply it here on the
+            # loop if that has not happened yet — never in the encoding thread
+            await asyncio.sleep(DEFERRED_APPLY_DELAY)
+            up.delta.apply()
         try:
             data = await asyncio.to_thread(self._encode, up.delta)
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop

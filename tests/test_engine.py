@@ -287,13 +287,17 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(ops, st.booleans(), st.booleans()), min_size=1, max_size=8))
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(ops, st.booleans(), st.booleans(), st.sampled_from([None, "records", "idle", "open"])),
+                min_size=1, max_size=8))
 def test_model_random_batches_retries_and_aborts(batches):
+    """Random batches, retries and aborts; commits deferred or not (``defer``: the changes reach the
+    map later — read through the delta's records, applied when idle, or by the next open)."""
     s = VersionedStore(SID, history=8)
     model = {EMPTY_STATE: {}}
     head = EMPTY_STATE
-    for batch, do_commit, retry_previous in batches:
+    view = s.freeze()  # a view of the empty state, kept through everything
+    for batch, do_commit, retry_previous, defer in batches:
         start = head
         if retry_previous and head.version > 0:
             # a retry of the previous batch: reopen the head's parent
@@ -310,13 +314,29 @@ def test_model_random_batches_retries_and_aborts(batches):
                 expected.pop(k(i), None)
         assert dict(w.items()) == expected
         if do_commit:
-            d = w.commit()
+            before = model[start]
+            touched = {key for _, i, _ in batch for key in [k(i)]}
+            # every put, and every removal of a key that was there (removing nothing changes nothing)
+            changes = {key: expected.get(key) for key in touched if key in expected or key in before}
+            d = w.commit(defer=defer is not None)
+            assert d.applied is (defer is None)
+            if defer == "records":
+                assert d.records == changes
+            elif defer == "idle":
+                s.apply_pending()
+                assert d.applied and d.records == changes
+            elif defer == "open":
+                s.open(d.version, d.ckptid).abort()
+                assert d.applied and d.records == changes
+            else:
+                assert d.records == changes
             model[d.ref] = expected
             head = d.ref
         else:
             w.abort()
             head = start
         assert dict(s.items()) == model[head]
+    assert len(view) == 0 and view.keys() == []
     # every state still in the history opens to exactly its model
     for ref in s.known_states():
         w = s.open(ref.version, ref.ckptid)
