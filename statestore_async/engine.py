@@ -566,8 +566,12 @@ class StoreVersion:
         return self._store._child(ckptid)
 
     def upload_bound(self) -> int:
-        """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count."""
-        return self._overlay_bytes + 256
+        """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count:
+        the changes' keys and values + 8 each (a removal of a missing key is counted, then dropped)."""
+        return self._change_bytes() + 256
+
+    def _change_bytes(self) -> int:
+        return self._overlay_bytes - (ENTRY_OVERHEAD - 8) * len(self._overlay)
 
     def commit(self, ckptid: str | None = None, *, defer: bool = False) -> Delta:
         """Make the changes version ``version + 1`` (checkpoint ``ckptid``, fresh when None).
@@ -579,9 +583,7 @@ class StoreVersion:
         """
         self._check_updating("commit")
         store = self._store
-        # the changes' bytes as the upload queue counts them (+ 8 each instead of the entry overhead)
-        bound = self._overlay_bytes - (ENTRY_OVERHEAD - 8) * len(self._overlay) if defer else 0
-        delta = store._commit(self._overlay, ckptid, defer, bound)
+        delta = store._commit(self._overlay, ckptid, defer, self._change_bytes() if defer else 0)
         self.state = State.COMMITTED
         self._result = delta
         self._overlay = {}

@@ -68,10 +68,10 @@ class _Pacer:
 def _no_cyclic_gc():
     """Pause Python's cyclic garbage collector while a snapshot is encoded.
 
-    A frozen view lists every key of the store, and the snapshot buckets them by key group: lists
-    of hundreds of thousands of references that every collection of their generation would walk
-    (2-3 ms each at 200k keys) in the middle of someone's COMMIT. Nothing encoded makes reference
-    cycles; the lists are gone when the collector comes back on.
+    A frozen view lists every key of the store, and the snapshot sorts its records into per-group
+    lists: hundreds of thousands of references that every collection of their generation would
+    walk (2-3 ms each at 200k keys) in the middle of someone's COMMIT. Nothing encoded makes
+    reference cycles; the lists are gone when the collector comes back on.
     """
     was_enabled = gc.isenabled()
     gc.disable()
