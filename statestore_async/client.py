@@ -52,18 +52,31 @@ class RequestTimeoutError(ConnectionLostError):
 
 def _split(items: list, max_batch: int, budget: int, pairs: bool) -> list[list]:
     """Cut ``items`` (keys, or (key, value) pairs) into runs of at most ``max_batch`` items and
-    ``budget`` encoded bytes."""
+    ``budget`` encoded bytes.
+
+    Runs of ``max_batch`` items are sized at C speed (``sum(map(len, ...))``); only a run over the
+    byte budget is cut item by item."""
     n = len(items)
     per_item = 8 if pairs else 4
-    flat = chain.from_iterable(items) if pairs else items
-    if n <= max_batch and 4 + per_item * n + sum(map(len, flat)) <= budget:
-        return [items]
+    out: list = []
+    for start in range(0, n, max_batch) if n > max_batch else (0,):
+        run = items[start:start + max_batch] if n > max_batch else items
+        flat = chain.from_iterable(run) if pairs else run
+        if 4 + per_item * len(run) + sum(map(len, flat)) <= budget:
+            out.append(run)
+        else:
+            out.extend(_split_bytes(run, budget, per_item, pairs))
+    return out
+
+
+def _split_bytes(items: list, budget: int, per_item: int, pairs: bool) -> list[list]:
+    """Cut a run of items into runs of at most ``budget`` encoded bytes, item by item."""
     out, cur, cur_bytes = [], [], 4
     for x in items:
         s = (len(x[0]) + len(x[1]) if pairs else len(x)) + per_item
         if s + 4 > budget:
             raise LimitExceededError(f"one item of {s} bytes does not fit in a frame of {budget} bytes")
-        if cur and (len(cur) >= max_batch or cur_bytes + s > budget):
+        if cur and cur_bytes + s > budget:
             out.append(cur)
             cur, cur_bytes = [], 4
         cur.append(x)

@@ -10,12 +10,14 @@ import time
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from statestore_async.testing.daemon import start_daemon, stop_daemon
 
 from statestore_async import errors
 from statestore_async import protocol as P
-from statestore_async.client import Client, StoreHandle
+from statestore_async.client import Client, StoreHandle, _split
 from statestore_async.ids import StoreId
 
 
@@ -36,6 +38,28 @@ def daemon(tmp_path_factory):
     finally:
         stop_daemon(proc)
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+_blob = st.binary(max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(st.lists(_blob, max_size=60), st.lists(st.tuples(_blob, _blob), max_size=60)),
+       st.integers(1, 20), st.integers(24, 200))
+def test_split_keeps_order_and_limits(items, max_batch, budget):
+    """The client cuts a batch into runs within the daemon's item and byte limits, in order, and
+    refuses only an item that fits in no frame."""
+    pairs = bool(items) and isinstance(items[0], tuple)
+    per_item = 8 if pairs else 4
+    size = (lambda x: len(x[0]) + len(x[1]) + per_item) if pairs else (lambda x: len(x) + per_item)
+    if any(size(x) + 4 > budget for x in items):
+        with pytest.raises(errors.LimitExceededError):
+            _split(items, max_batch, budget, pairs)
+        return
+    runs = _split(items, max_batch, budget, pairs)
+    assert [x for r in runs for x in r] == items
+    assert all(len(r) <= max_batch and 4 + sum(map(size, r)) <= budget for r in runs)
+    assert all(runs) or runs == [[]]
 
 
 def test_round_trip_with_transparent_splitting(daemon):
