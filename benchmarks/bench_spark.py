@@ -18,6 +18,11 @@ Figure: input rows / ``durationMs.triggerExecution``, median of the measured bat
   P4 redis         foreachBatch + mapInArrow, pyarrow pre-aggregation, MGET/MSET to a local
                    redis-server (not durable, not exactly-once)
 
+The JVM is shared by every peer of a run. Its JIT compiler warms up over several batches (a batch
+of the same plan runs ~2x slower on a cold JVM), so whichever peer ran first would pay for it: unless
+``--warmup-rounds 0``, each selected peer first runs once on a smaller input (``--warmup-rows``, its
+figures discarded), then every peer is measured on a JVM warmed by all of them.
+
 Each run's final state is checked against the input (keys, total count, total sum) where it can be
 read back (ours: ``load_state``; P1: Spark's ``statestore`` reader; P4: Redis).
 """
@@ -80,7 +85,9 @@ def figure(progress: list[dict], warmup: int = 1) -> dict:
     commit = [op.get("commitTimeMs", 0) for p in measured for op in p.get("stateOperators", [])]
     return {"rows_s": statistics.median(rates) if rates else 0.0, "batches": len(measured),
             "batch_ms": statistics.median(p["durationMs"]["triggerExecution"] for p in measured) if measured else 0,
-            "commit_ms": statistics.median(commit) if commit else None}
+            "commit_ms": statistics.median(commit) if commit else None,
+            "duration_ms": {k: statistics.median(p["durationMs"].get(k, 0) for p in measured)
+                            for k in measured[0]["durationMs"]} if measured else {}}
 
 
 def du(path: str) -> tuple[int, int]:
@@ -261,6 +268,9 @@ def main() -> int:
     ap.add_argument("--p2-rows", type=int, default=None, help="rows per batch for P2 (default 20,000)")
     ap.add_argument("--peers", default="ours,ours-vec,ours-pre,p1,p1-rocks,p2,p4")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--warmup-rounds", type=int, default=1,
+                    help="discarded rounds of every peer before measuring (warms the shared JVM; default 1)")
+    ap.add_argument("--warmup-rows", type=int, default=None, help="rows per batch of the warm-up rounds (default B/2)")
     a = ap.parse_args()
     keys = [int(k) for k in (a.keys or ("20000" if a.quick else "100000,1000000")).split(",")]
     rows = a.rows or (200_000 if a.quick else 1_000_000)
@@ -283,52 +293,67 @@ def main() -> int:
 
     from statestore_async.spark.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum
 
+    wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
+              "p1": "P1 hdfs (default)", "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
+              "p4": "P4 redis pre-aggregated"}
+    unknown = [p for p in peers if p not in wanted]
+    if unknown:
+        ap.error(f"unknown peers {unknown}; choose from {sorted(wanted)}")
+
+    def round_(K: int, batch_rows: int, n_measured: int, label: str) -> list[dict]:
+        """Every selected peer on one input of ``1 + n_measured`` batches of ``batch_rows`` rows."""
+        src = os.path.join(work, f"in-{label}-{K}")
+        t = time.perf_counter()
+        oracle = gen(src, K, batch_rows, n_measured + 1)
+        print(f"# {label} K={K:,}: input {n_measured + 1} x {batch_rows:,} rows written in "
+              f"{time.perf_counter() - t:.1f}s", flush=True)
+        src_p2 = os.path.join(work, f"in-p2-{label}-{K}")
+        if "p2" in peers:
+            gen(src_p2, K, p2_rows, 3)
+        runs = {
+            "ours per-key": lambda d: ours(spark, src, d, CountSum(), oracle, a.timeout),
+            "ours vectorized": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout),
+            "ours vectorized + JVM pre-agg": lambda d: ours(spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
+                                                            [F.count("*").alias("n"), F.sum("value").alias("s")]),
+            "P1 hdfs (default)": lambda d: p1(spark, src, d, oracle, a.timeout, False),
+            "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
+            "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),
+            "P4 redis pre-aggregated": lambda d: p4(spark, src, d, oracle, a.timeout),
+        }
+        out = []
+        for short in peers:
+            name = wanted[short]
+            d = os.path.join(work, f"{label}-{short}-{K}")
+            os.makedirs(d)
+            t = time.perf_counter()
+            try:
+                fig = runs[name](d)
+            except Exception as exc:
+                fig = {"rows_s": 0.0, "error": str(exc).splitlines()[0][:200]}
+            fig.update(K=K, peer=name, wall=time.perf_counter() - t)
+            out.append(fig)
+            print(f"  {name:28s} {fig['rows_s']:>12,.0f} rows/s  ({fig.get('batches', 0)} batches, "
+                  f"median {fig.get('batch_ms', 0):,.0f} ms, correct={fig.get('correct')}, "
+                  f"wall {fig['wall']:.0f}s) {fig.get('phases', '')} tasks {fig.get('task_ms', '')} {fig.get('error', '')}"
+                  f"\n    durationMs {fig.get('duration_ms', '')}",
+                  flush=True)
+            shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(src_p2, ignore_errors=True)
+        return out
+
     results = []
     try:
+        for w in range(a.warmup_rounds):  # figures discarded: see the module docstring
+            round_(keys[0], a.warmup_rows or max(rows // 2, 1000), 2, f"warm-up {w + 1}")
         for K in keys:
-            src = os.path.join(work, f"in-{K}")
-            t = time.perf_counter()
-            oracle = gen(src, K, rows, measured + 1)
-            print(f"# K={K:,}: input {measured + 1} x {rows:,} rows written in {time.perf_counter() - t:.1f}s", flush=True)
-            src_p2 = os.path.join(work, f"in-p2-{K}")
-            runs = {
-                "ours per-key": lambda d: ours(spark, src, d, CountSum(), oracle, a.timeout),
-                "ours vectorized": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout),
-                "ours vectorized + JVM pre-agg": lambda d: ours(spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
-                                                                [F.count("*").alias("n"), F.sum("value").alias("s")]),
-                "P1 hdfs (default)": lambda d: p1(spark, src, d, oracle, a.timeout, False),
-                "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
-                "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),
-                "P4 redis pre-aggregated": lambda d: p4(spark, src, d, oracle, a.timeout),
-            }
-            wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
-                      "p1": "P1 hdfs (default)",
-                      "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
-                      "p4": "P4 redis pre-aggregated"}
-            if "p2" in peers:
-                gen(src_p2, K, p2_rows, 3)
-            for short in peers:
-                name = wanted[short]
-                d = os.path.join(work, f"{short}-{K}")
-                os.makedirs(d)
-                t = time.perf_counter()
-                try:
-                    fig = runs[name](d)
-                except Exception as exc:
-                    fig = {"rows_s": 0.0, "error": str(exc).splitlines()[0][:200]}
-                fig.update(K=K, peer=name, wall=time.perf_counter() - t)
-                results.append(fig)
-                print(f"  {name:28s} {fig['rows_s']:>12,.0f} rows/s  ({fig.get('batches', 0)} batches, "
-                      f"median {fig.get('batch_ms', 0):,.0f} ms, correct={fig.get('correct')}, "
-                      f"wall {fig['wall']:.0f}s) {fig.get('phases', '')} tasks {fig.get('task_ms', '')} {fig.get('error', '')}",
-                      flush=True)
-                shutil.rmtree(d, ignore_errors=True)
+            results.extend(round_(K, rows, measured, "measured"))
     finally:
         spark.stop()
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"workload W: B={rows:,} rows/batch, 1 warm-up + {measured} measured batches (P2: {p2_rows:,} rows/batch, "
-          "1 + 2), local[2], 2 state partitions")
+          f"1 + 2), local[2], 2 state partitions; JVM warmed by {a.warmup_rounds} discarded round(s) of every peer")
     print("| K | peer | rows/s | × P1 hdfs | × P4 | × P2 | batch ms | commit/fence ms | checkpoint | correct |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for K in keys:
