@@ -345,7 +345,7 @@ def main() -> int:
     results = []
     try:
         for w in range(a.warmup_rounds):  # figures discarded: see the module docstring
-            round_(keys[0], a.warmup_rows or max(rows // 2, 1000), 2, f"warm-up {w + 1}")
+            round_(keys[0], a.warmup_rows or max(rows // 2, 1000), 2, f"warm-up-{w + 1}")
         for K in keys:
             results.extend(round_(K, rows, measured, "measured"))
     finally:
