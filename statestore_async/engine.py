@@ -63,8 +63,7 @@ class Delta:
 
     @property
     def records(self) -> dict:
-        if self._records is None:
-            self._store.apply_pending()
+        self.apply()
         return self._records
 
     @property

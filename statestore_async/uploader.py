@@ -118,12 +118,16 @@ class Uploader:
 
     def would_admit(self, size: int) -> bool:
         """Whether a delta of ``size`` queue bytes enqueued now is admitted at once."""
-        return not self._waiting and (not self.queued_bytes or self.queued_bytes + size <= self.queue_limit)
+        return not self._waiting and self._has_room(size)
+
+    def _has_room(self, size: int) -> bool:
+        # an empty queue takes any delta, however large: a commit never waits forever
+        return not self.queued_bytes or self.queued_bytes + size <= self.queue_limit
 
     def _admit(self) -> None:
         while self._waiting:
             up = self._waiting[0]
-            if self.queued_bytes and self.queued_bytes + up.size > self.queue_limit:
+            if not self._has_room(up.size):
                 return
             self._waiting.popleft()
             self.queued_bytes += up.size
