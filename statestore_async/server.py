@@ -342,6 +342,13 @@ class _Connection(asyncio.Protocol):
             # would wait for the apply. Any use of the store or of the delta's records applies
             # them first, so nothing sees the commit half done.
             self._write(self.proto.send_committed(ev.request_id, ref))
+            # The client's request woke this thread on the client's core (a Unix-socket write is a
+            # synchronous wake-up) and preempted it there: runnable, answer in hand, it waits
+            # for that core until this thread sleeps, the other core idle or not. Yielding lets
+            # it run now; the commit's own work and whatever the loop has queued (uploads,
+            # snapshot steps) follow. Measured on 2 cores, 1000 commits, S3 +50 ms: p50 0.28 →
+            # 0.10 ms, p99 1.93 → 0.78 ms. With no other task on this core it returns at once.
+            os.sched_yield()
         try:
             delta = w.commit(ref.ckptid, defer=answered)
             self._finish(ev.handle)
@@ -473,7 +480,8 @@ class Daemon:
             worker = SnapshotWorker({"s3": cfg.s3_options(), "cache_dir": cfg.cache_dir, "cache_bytes": cfg.cache_bytes})
         self.maintenance = Maintenance(self.registry, self.objstores, snapshot_interval=cfg.snapshot_interval,
                                        snapshot_delta_bytes=cfg.snapshot_delta_bytes,
-                                       retention_versions=cfg.retention_versions, worker=worker)
+                                       retention_versions=cfg.retention_versions, worker=worker,
+                                       served=lambda: self.counters["requests"])
         self.uploader.on_durable = self._on_durable
         await s3_warm_up()
         prepare_socket_path(cfg.socket, cfg.socket_mode)

@@ -331,3 +331,38 @@ async def test_retention_never_deletes_what_another_daemons_attempt_in_the_windo
         for v in (8, 9, 10):
             store, _ = await load_store(st, sid, refs[v])
             assert store.head == refs[v]
+
+
+async def test_the_snapshot_pacer_rests_after_requests_and_after_busy_stretches(monkeypatch):
+    """Between snapshot steps the daemon sleeps for real (``rest``) once it has served a request —
+    the client it answered may be waiting for this core — or once its steps were busy ``busy``
+    seconds; otherwise it only lets the loop serve what is waiting (``sleep(0)``)."""
+    import types
+
+    from statestore_async import maintenance
+
+    served = [0]
+    slept = []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+        if seconds and served[0] == 2:
+            served[0] += 1  # a request answered while resting, as the rest ends
+        await asyncio.sleep(0)
+
+    monkeypatch.setattr(maintenance, "asyncio", types.SimpleNamespace(sleep=sleep))
+    pace = maintenance._Pacer(busy=60.0, rest=0.001, served=lambda: served[0])
+    await pace()
+    served[0] += 1
+    await pace()
+    await pace()
+    served[0] += 1
+    await pace()  # rests; the request served during that rest earns the next one too
+    await pace()
+    await pace()
+    assert slept == [0, 0.001, 0, 0.001, 0.001, 0]
+    slept.clear()
+    busy = maintenance._Pacer(busy=0.0, rest=0.002)  # no request count: rests on time alone
+    await busy()
+    await busy()
+    assert slept == [0.002, 0.002]
