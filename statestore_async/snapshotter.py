@@ -87,8 +87,12 @@ class SnapshotWorker:
             return None
         return json.loads(line)
 
-    async def snapshot(self, store_id: StoreId, ref: CheckpointRef) -> int:
-        """Have the worker create the snapshot of ``ref``; returns its size in bytes (0: it existed)."""
+    async def snapshot(self, store_id: StoreId, ref: CheckpointRef, objstore=None) -> int:
+        """Have the worker create the snapshot of ``ref``; returns its size in bytes (0: it existed).
+
+        ``objstore``: the daemon's own store of that root; when it is a local cache
+        (``adopt``), the copies the worker put into the shared cache folder are counted there.
+        """
         async with self._lock:
             self._next_id += 1
             message = {"id": self._next_id, "root": store_id.root, "store": store_id.to_json(),
@@ -104,6 +108,9 @@ class SnapshotWorker:
                 raise SnapshotWorkerError("the snapshot worker exited twice while building a snapshot")
         for kind, n in answer.get("requests", {}).items():
             self.requests[kind] = self.requests.get(kind, 0) + n
+        adopt = getattr(objstore, "adopt", None)
+        if adopt is not None and answer.get("cached"):
+            await asyncio.to_thread(lambda: [adopt(k) for k in answer["cached"]])
         if not answer.get("ok"):
             raise error_for_code(answer.get("code", 0))(answer.get("message", "snapshot worker error"))
         return answer["bytes"]
@@ -145,6 +152,7 @@ async def _build(objstores: dict, settings: dict, message: dict) -> dict:
             objstore = CachingObjectStore(objstore, settings["cache_dir"], settings["cache_bytes"])
         objstores[root] = objstore
     before = _requests(objstore)
+    cached_before = objstore.cached_keys() if hasattr(objstore, "cached_keys") else set()
     try:
         s = message["store"]
         store_id = StoreId(root, s["operator_id"], s["partition_id"], s["store_name"])
@@ -165,6 +173,10 @@ async def _build(objstores: dict, settings: dict, message: dict) -> dict:
         answer = {"ok": False, "code": StateStoreError.code, "message": f"{type(exc).__name__}: {exc}"}
     after = _requests(objstore)
     answer["requests"] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    if hasattr(objstore, "cached_keys"):
+        # the copies this build put into the node's cache folder (the snapshot, deltas it
+        # downloaded): the daemon's cache counts them against its bound (``adopt``)
+        answer["cached"] = sorted(objstore.cached_keys() - cached_before)
     answer["id"] = message.get("id")
     return answer
 

@@ -14,6 +14,7 @@ from statestore_async.files import write_delta
 from statestore_async.ids import SNAPSHOT, CheckpointRef, StoreId, file_key, file_name
 from statestore_async.loader import load_store
 from statestore_async.objectstore import open_object_store
+from statestore_async.objectstore.cache import CachingObjectStore
 from statestore_async.snapshotter import SnapshotWorker
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
@@ -56,6 +57,32 @@ async def test_the_worker_snapshot_holds_the_state_and_loads_alone(tmp_path):
     finally:
         await worker.close()
     assert worker.stats()["worker_running"] == 0
+    await objstore.close()
+
+
+def files_under(folder) -> dict:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+
+
+async def test_copies_the_worker_puts_in_the_node_cache_count_against_the_daemons_bound(tmp_path):
+    objstore, store, refs = await committed_store(tmp_path)
+    cache = CachingObjectStore(objstore, tmp_path / "cache", 1 << 30)  # the daemon's, empty
+    worker = SnapshotWorker({"s3": {}, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 1 << 30})
+    try:
+        assert await worker.snapshot(store.store_id, store.head, cache) > 0
+    finally:
+        await worker.close()
+    on_disk = files_under(cache.dir)
+    snap = file_key(store.store_id, store.head, SNAPSHOT)
+    assert snap in on_disk and len(on_disk) == 1 + len(refs)  # its snapshot and the deltas it read
+    assert cache.cached_keys() == set(on_disk) and cache.total == sum(on_disk.values())
+    assert await cache.get(snap) == await objstore.get(snap) and cache.hits == 1
+    # the bound covers them: over it, the least recently used copies go, the worker's included
+    cache.max_bytes = on_disk[snap] + 10
+    cache.adopt(snap)
+    assert files_under(cache.dir) == {snap: on_disk[snap]} and cache.total == on_disk[snap]
+    cache.adopt("op/3/no-such-file")  # gone again: nothing counted
+    assert cache.cached_keys() == {snap}
     await objstore.close()
 
 

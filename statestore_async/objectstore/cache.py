@@ -89,12 +89,38 @@ class CachingObjectStore(ObjectStore):
             old = self._lru.pop(key, 0)
             self._lru[key] = len(data)
             self.total += len(data) - old
-            victims = []
-            while self.total > self.max_bytes and self._lru:
-                k, size = self._lru.popitem(last=False)
-                self.total -= size
-                victims.append(k)
-        for k in victims:
+            victims = self._evict_locked()
+        self._unlink(victims)
+
+    def cached_keys(self) -> set[str]:
+        """The keys this cache holds a copy of, as it knows them."""
+        with self._lock:
+            return set(self._lru)
+
+    def adopt(self, key: str) -> None:
+        """Count a copy of ``key`` that another process wrote into this cache's folder (the
+        snapshot worker), so the bound covers it and it is evicted in turn. Runs in a worker
+        thread (a stat, maybe evictions)."""
+        try:
+            size = self._path(key).stat().st_size
+        except OSError:
+            return  # gone again (evicted by its writer): nothing to count
+        with self._lock:
+            self.total += size - self._lru.pop(key, 0)
+            self._lru[key] = size
+            victims = self._evict_locked()
+        self._unlink(victims)
+
+    def _evict_locked(self) -> list[str]:
+        victims = []
+        while self.total > self.max_bytes and self._lru:
+            k, size = self._lru.popitem(last=False)
+            self.total -= size
+            victims.append(k)
+        return victims
+
+    def _unlink(self, keys) -> None:
+        for k in keys:
             self._path(k).unlink(missing_ok=True)
 
     def forget(self, key: str) -> bool:
