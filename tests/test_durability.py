@@ -251,6 +251,28 @@ async def test_a_restart_on_the_same_node_reloads_from_the_local_cache(make_daem
     assert objstore.hits == 4 and objstore.misses == 1 and objstore.counts["GET"] == 1
 
 
+async def test_the_snapshot_workers_cached_copies_are_within_the_daemons_cache_bound(make_daemon, seaweedfs, s3_bucket,
+                                                                                    tmp_path):
+    cache = tmp_path / "cache"
+    d = await make_daemon(seaweedfs.endpoint_url, cache_dir=str(cache), snapshot_interval=3, snapshot_builder="process")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    async with AsyncClient(d.config.socket) as c:
+        ref = CheckpointRef(0, "")
+        for _ in range(3):
+            ref, _ = await commit_version(c, sid, ref.version, ckptid=ref.ckptid or None)
+            assert await c.await_durable(sid, ref, timeout=20)
+        for _ in range(200):
+            if d.maintenance.counters["snapshots"]:
+                break
+            await asyncio.sleep(0.05)
+    assert d.maintenance.counters["snapshots"] == 1 and d.maintenance.stats()["builder"] == "process"
+    objstore = d.objstores(sid.root)
+    on_disk = {p.relative_to(objstore.dir).as_posix(): p.stat().st_size for p in objstore.dir.rglob("*") if p.is_file()}
+    # the worker wrote the snapshot into the node's cache folder; the daemon's cache counts it
+    assert file_key(sid, ref, SNAPSHOT) in on_disk
+    assert objstore.cached_keys() == set(on_disk) and objstore.total == sum(on_disk.values())
+
+
 KILL_SCRIPT = """
 import asyncio, sys
 from statestore_async.config import load_config
