@@ -28,7 +28,7 @@ from . import arrowbatch, rowcodec, rows
 from .config import default_socket_path
 from .errors import InterfaceError
 from .framing import HEADER_SIZE
-from .ids import CheckpointRef, StoreId
+from .ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId
 from .keys import DEFAULT_KEY_GROUPS
 from .protocol import (
     CLOSED,
@@ -425,6 +425,12 @@ class Client:
     def stats(self) -> dict:
         return self._call("send_stats")
 
+    def release(self, root: str, operator_id: str, partitions, store_name: str = DEFAULT_STORE_NAME) -> dict:
+        """Ask the daemon to drop its idle copies of these partitions of an operator's store.
+
+        Returns ``{"released": [...], "kept": [...], "held": [...]}`` (``StoreRegistry.release``)."""
+        return self._call("send_release", root, operator_id, partitions, store_name)
+
     def open(self, store_id: StoreId, version: int, ckptid: str | None = None) -> "StoreHandle":
         """Open committed ``version`` of ``store_id`` (attempt ``ckptid``) for update."""
         with self._lock:
@@ -738,6 +744,10 @@ class AsyncClient:
 
     async def stats(self) -> dict:
         return await self._call("send_stats")
+
+    async def release(self, root: str, operator_id: str, partitions, store_name: str = DEFAULT_STORE_NAME) -> dict:
+        """See ``Client.release``."""
+        return await self._call("send_release", root, operator_id, partitions, store_name)
 
     async def open(self, store_id: StoreId, version: int, ckptid: str | None = None) -> "AsyncStoreHandle":
         handle, ref = await self._call("send_open", store_id, version, ckptid)

@@ -25,6 +25,8 @@ Request payloads (integers little-endian; ``list``/``optional list``/``pairs`` a
     AWAIT_DURABLE  u32 partition | u64 version | f64 timeout | list [root, operator, store name, ckptid]
                    → u8 1 durable / 0 timed out
     STATS          empty → JSON object
+    RELEASE        u32 n | n × u32 partition | list [root, operator, store name]
+                   → JSON {released, kept, held}: partition ids (see ``registry.release``)
 
 The daemon does not decode batches into Python objects: the ``GetMany.keys``, ``PutMany.items`` and
 ``RemoveMany.keys`` of decoded requests are validated ``framing.PackedList`` / ``PackedPairs`` (lazy
@@ -66,7 +68,7 @@ from .errors import (  # noqa: F401  (the protocol's errors are re-exported for 
     UnsupportedVersionError,
     error_for_code,
 )
-from .ids import CheckpointRef, StoreId, check_checkpoint_id
+from .ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId, check_checkpoint_id
 
 PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
@@ -86,6 +88,7 @@ class Op(enum.IntEnum):
     ABORT = 9
     AWAIT_DURABLE = 10
     STATS = 11
+    RELEASE = 12
 
 
 RESPONSE = 0x01
@@ -183,6 +186,17 @@ class AwaitDurable:
 @dataclass(frozen=True, slots=True)
 class Stats:
     request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """Drop the daemon's idle copies of these partitions of one operator's store (a coordinator's hint)."""
+
+    request_id: int
+    root: str
+    operator_id: str
+    store_name: str
+    partitions: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +357,7 @@ class ServerProtocol:
             Op.ABORT: self._abort,
             Op.AWAIT_DURABLE: self._await_durable,
             Op.STATS: self._stats,
+            Op.RELEASE: self._release,
         }
 
     # -- input --
@@ -460,6 +475,21 @@ class ServerProtocol:
         _end(p, 0, "STATS")
         return Stats(rid)
 
+    def _release(self, rid, p):
+        _need(p, 4, "RELEASE")
+        n = _U32.unpack_from(p)[0]
+        if n > self.max_batch:
+            raise LimitExceededError(f"RELEASE of {n} partitions is over the batch limit of {self.max_batch}")
+        _need(p, 4 + 4 * n, "RELEASE")
+        partitions = struct.unpack_from(f"<{n}I", p, 4)
+        fields, end = framing.decode_list(p, 4 + 4 * n, 3)
+        _end(p, end, "RELEASE")
+        if len(fields) != 3:
+            raise DecodeError(f"RELEASE: 3 strings expected (root, operator, store name), got {len(fields)}")
+        root, op, name = (_utf8(f, "RELEASE") for f in fields)
+        StoreId(root, op, 0, name)  # checks the names
+        return Release(rid, root, op, name, tuple(partitions))
+
     # -- output --
     @staticmethod
     def _frame(opcode: int, rid: int, payload: bytes = b"", more: bool = False) -> bytes:
@@ -500,6 +530,9 @@ class ServerProtocol:
 
     def send_stats(self, rid: int, stats: dict) -> bytes:
         return self._frame(Op.STATS, rid, json.dumps(stats, default=str).encode())
+
+    def send_released(self, rid: int, outcome: dict) -> bytes:
+        return self._frame(Op.RELEASE, rid, json.dumps(outcome).encode())
 
     def send_error(self, rid: int, opcode: int, exc: BaseException) -> bytes:
         return framing.encode_frame(opcode & 0xFF, RESPONSE | ERROR, rid & MAX_REQUEST_ID, encode_error(exc))
@@ -556,6 +589,16 @@ def _dec_stats(p):
         raise DecodeError("STATS answer is not JSON") from None
 
 
+def _dec_released(p):
+    try:
+        out = json.loads(p)
+    except ValueError:
+        raise DecodeError("RELEASE answer is not JSON") from None
+    if not isinstance(out, dict):
+        raise DecodeError("RELEASE answer is not a JSON object")
+    return out
+
+
 _RESPONSE_DECODERS = {
     Op.HELLO: _dec_hello,
     Op.PING: bytes,
@@ -568,6 +611,7 @@ _RESPONSE_DECODERS = {
     Op.ABORT: lambda p: None,
     Op.AWAIT_DURABLE: lambda p: p[:1] == b"\x01",
     Op.STATS: _dec_stats,
+    Op.RELEASE: _dec_released,
 }
 
 
@@ -682,6 +726,14 @@ class ClientProtocol:
     def send_stats(self):
         return self._request(Op.STATS, b"")
 
+    def send_release(self, root: str, operator_id: str, partitions, store_name: str = DEFAULT_STORE_NAME):
+        partitions = [int(x) for x in partitions]
+        StoreId(root, operator_id, 0, store_name)  # checks the names
+        if any(not 0 <= x <= 0xFFFFFFFF for x in partitions):
+            raise InterfaceError(f"partition ids must be in [0, 2**32), got {partitions}")
+        return self._request(Op.RELEASE, _U32.pack(len(partitions)) + struct.pack(f"<{len(partitions)}I", *partitions)
+                             + framing.encode_list([root.encode(), operator_id.encode(), store_name.encode()]))
+
     def forget(self, request_id: int) -> None:
         """Stop expecting an answer to ``request_id`` (its answer, if it comes, is dropped)."""
         self._pending.pop(request_id, None)
@@ -746,6 +798,6 @@ __all__ = [
     "HandshakeRequiredError", "LimitExceededError", "PermissionDeniedError", "UnknownHandleError",
     "ConnectionLostError", "ShuttingDownError",
     "NEED_DATA", "CLOSED", "Hello", "Ping", "Open", "GetMany", "PutMany", "RemoveMany", "Scan", "Commit",
-    "Abort", "AwaitDurable", "Stats", "BadRequest", "ConnectionFailed", "Response", "ErrorResponse",
+    "Abort", "AwaitDurable", "Stats", "Release", "BadRequest", "ConnectionFailed", "Response", "ErrorResponse",
     "HelloInfo", "ServerProtocol", "ClientProtocol", "encode_error", "decode_error", "EncodeError",
 ]

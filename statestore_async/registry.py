@@ -9,7 +9,8 @@
 One writer per store: the engine raises ``WriterConflictError``. Memory is accounted with the
 engine's ``memory_bytes``; above ``memory_budget`` the least recently used stores that are idle
 (no writer) and whose head is durable (the uploader has nothing of them pending) are evicted —
-they reload from the object store when opened again.
+they reload from the object store when opened again. ``release`` evicts named stores on the same
+terms, at once (the driver's coordinator knows another node now owns them).
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class StoreRegistry:
         self._stores: OrderedDict[StoreId, VersionedStore] = OrderedDict()  # least recently used first
         self._loading: dict[StoreId, asyncio.Future] = {}
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "evictions": 0,
-                         "writer_conflicts": 0}
+                         "writer_conflicts": 0, "released": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -166,14 +167,42 @@ class StoreRegistry:
                 break
             if self._evictable(store):
                 total -= store.memory_bytes
-                del self._stores[store_id]
+                self._drop(store_id)
                 evicted += 1
-                for listener in self.evict_listeners:
-                    listener(store_id)
                 log.info("evicted %s at %s (memory %d > budget %d)", store_id, store.head, total,
                          self.memory_budget)
         self.counters["evictions"] += evicted
         return evicted
+
+    def _drop(self, store_id: StoreId) -> None:
+        del self._stores[store_id]
+        for listener in self.evict_listeners:
+            listener(store_id)
+
+    def release(self, root: str, operator_id: str, store_name: str, partitions) -> dict:
+        """Drop the copies of ``partitions`` of one operator's store that are idle and durable.
+
+        Returns partition ids: ``released`` (dropped now), ``kept`` (held but in use, loading, or
+        with uploads pending: asked again later) and ``held`` (every partition of that operator's
+        store still in this daemon's memory). A partition this daemon does not hold is neither
+        released nor kept. Nothing is lost either way: a dropped store reloads when opened again.
+        """
+        released, kept = [], []
+        for p in sorted(set(partitions)):
+            store_id = StoreId(root, operator_id, p, store_name)
+            store = self._stores.get(store_id)
+            if store is None:
+                continue
+            if self._evictable(store):
+                self._drop(store_id)
+                released.append(p)
+                log.info("released %s at %s: another node owns it now", store_id, store.head)
+            else:
+                kept.append(p)
+        self.counters["released"] += len(released)
+        held = sorted(s.partition_id for s in self._stores
+                      if s.root == root and s.operator_id == operator_id and s.store_name == store_name)
+        return {"released": released, "kept": kept, "held": held}
 
     def stats(self) -> dict:
         return {"stores": len(self._stores), "memory_bytes": self.memory_bytes,

@@ -53,6 +53,7 @@ from .protocol import (
     PermissionDeniedError,
     Ping,
     PutMany,
+    Release,
     RemoveMany,
     Scan,
     ServerProtocol,
@@ -76,7 +77,7 @@ SCAN_CHUNK_BYTES = 1 << 20
 MAX_FINISHED_HANDLES = 256
 _OPCODE = {Hello: Op.HELLO, Ping: Op.PING, Open: Op.OPEN, GetMany: Op.GET_MANY, PutMany: Op.PUT_MANY,
            RemoveMany: Op.REMOVE_MANY, Scan: Op.SCAN, Commit: Op.COMMIT, Abort: Op.ABORT,
-           AwaitDurable: Op.AWAIT_DURABLE, Stats: Op.STATS}
+           AwaitDurable: Op.AWAIT_DURABLE, Stats: Op.STATS, Release: Op.RELEASE}
 _PEERCRED = struct.Struct("3i")
 
 
@@ -286,6 +287,9 @@ class _Connection(asyncio.Protocol):
                 self._write(proto.send_pong(rid, ev.payload))
             elif cls is Stats:
                 self._write(proto.send_stats(rid, d.stats()))
+            elif cls is Release:
+                self._write(proto.send_released(rid, d.registry.release(ev.root, ev.operator_id, ev.store_name,
+                                                                        ev.partitions)))
             elif cls is Hello:
                 self._write(proto.send_hello(rid, d.limits()))
             elif cls is BadRequest:

@@ -54,6 +54,8 @@ def test_every_request_decodes_to_its_event():
         (c.send_abort(4), P.Abort(0, 4)),
         (c.send_await_durable(SID, CheckpointRef(2, CK), 1.5), P.AwaitDurable(0, SID, CheckpointRef(2, CK), 1.5)),
         (c.send_stats(), P.Stats(0)),
+        (c.send_release(SID.root, SID.operator_id, [3, 0, 7]), P.Release(0, SID.root, SID.operator_id, "default", (3, 0, 7))),
+        (c.send_release(SID.root, SID.operator_id, [], "other"), P.Release(0, SID.root, SID.operator_id, "other", ())),
     ]
     for (rid, data), expected in cases:
         s.receive_data(data)
@@ -69,14 +71,33 @@ def test_answers_decode_to_values_and_keep_none_apart_from_empty():
     r3, _ = roundtrip(c, s, c.send_commit(1))
     r4, _ = roundtrip(c, s, c.send_stats())
     r5, _ = roundtrip(c, s, c.send_await_durable(SID, CheckpointRef(1, CK), 0))
+    r6, _ = roundtrip(c, s, c.send_release(SID.root, SID.operator_id, [1]))
+    released = {"released": [1], "kept": [], "held": [0]}
     # answers in another order than the requests (pipelining)
     c.receive_data(s.send_stats(r4, {"x": 1}) + s.send_committed(r3, CheckpointRef(1, CK))
                    + s.send_values(r1, [b"v", None, b""]) + s.send_opened(r2, 9, CheckpointRef(0, ""))
-                   + s.send_durable(r5, True))
+                   + s.send_durable(r5, True) + s.send_released(r6, released))
     got = {ev.request_id: ev.value for ev in iter(c.next_event, P.NEED_DATA)}
     assert got == {r4: {"x": 1}, r3: CheckpointRef(1, CK), r1: [b"v", None, b""],
-                   r2: (9, CheckpointRef(0, "")), r5: True}
+                   r2: (9, CheckpointRef(0, "")), r5: True, r6: released}
     assert c.pending == 0
+
+
+def test_release_requests_are_checked():
+    c, s = pair()
+    for payload, error in (
+        (b"", errors.DecodeError),                                    # no count
+        (struct.pack("<I", 3) + struct.pack("<2I", 1, 2), errors.DecodeError),  # fewer ids than counted
+        (struct.pack("<I", 1 << 30), errors.LimitExceededError),       # over the batch limit
+        (struct.pack("<I", 0) + framing.encode_list([b"r", b"op"]), errors.DecodeError),  # 2 names
+        (struct.pack("<I", 0) + framing.encode_list([b"r", b"a/b", b"default"]), errors.InterfaceError),
+        (struct.pack("<I", 0) + framing.encode_list([b"r", b"op", b"default"]) + b"x", errors.DecodeError),
+    ):
+        s.receive_data(framing.encode_frame(P.Op.RELEASE, 0, 5, payload))
+        ev = s.next_event()
+        assert isinstance(ev, P.BadRequest) and isinstance(ev.error, error), (payload, ev)
+    with pytest.raises(errors.InterfaceError):
+        c.send_release(SID.root, SID.operator_id, [-1])
 
 
 def test_byte_by_byte_delivery():

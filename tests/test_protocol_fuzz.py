@@ -173,7 +173,7 @@ def model(events):
     w = store.open(0)
     for ev in events:
         if getattr(ev, "handle", None) != 1:
-            if isinstance(ev, (P.Open, P.AwaitDurable)):
+            if isinstance(ev, (P.Open, P.AwaitDurable, P.Release)):
                 return None
             continue
         try:

@@ -262,6 +262,51 @@ async def test_an_idle_store_with_uploads_pending_is_not_evicted(make_daemon, ro
         assert d.registry.get(sid) is None
 
 
+async def test_release_drops_idle_durable_copies_and_keeps_busy_ones(make_daemon, root):
+    """RELEASE (the coordinator's hint that another node owns these partitions now): an idle store
+    whose uploads are done is dropped at once; one with a writer or an upload pending is kept;
+    ``held`` lists what stays. A released store reloads, equal, when opened again."""
+    d = await make_daemon()
+    gate = asyncio.Event()
+    store = d.objstores(root)
+    real = store.put_if_absent
+
+    async def put(k, data):
+        if "/2/" in k:  # partition 2's uploads wait
+            await gate.wait()
+        return await real(k, data)
+
+    store.put_if_absent = put
+    refs = {}
+    async with AsyncClient(d.config.socket) as c:
+        for p in range(4):
+            h = await c.open(StoreId(root, "rel", p), 0)
+            await h.put_many([(key(i), b"p%d-%d" % (p, i)) for i in range(100)])
+            refs[p] = await h.commit()
+        for p in (0, 1, 3):
+            assert await c.await_durable(StoreId(root, "rel", p), refs[p], 10)
+        busy = await c.open(StoreId(root, "rel", 3), 1, refs[3].ckptid)  # a writer: in use
+        out = await c.release(root, "rel", [0, 1, 2, 3, 9])
+        assert out == {"released": [0, 1], "kept": [2, 3], "held": [2, 3]}
+        assert d.registry.get(StoreId(root, "rel", 0)) is None and d.registry.counters["released"] == 2
+        assert (await c.release(root, "other", [0]))["held"] == []  # another operator: nothing of it here
+        await busy.abort()
+        gate.set()
+        assert await c.await_durable(StoreId(root, "rel", 2), refs[2], 10)
+        assert await c.release(root, "rel", [2, 3]) == {"released": [2, 3], "kept": [], "held": []}
+        h = await c.open(StoreId(root, "rel", 1), 1, refs[1].ckptid)  # reloads from its files
+        assert await h.get_many([key(5)]) == [b"p1-5"]
+        await h.abort()
+
+    def blocking():  # the blocking client too (in a thread: the daemon runs on this loop)
+        with Client(d.config.socket) as c:
+            assert c.release(root, "rel", []) == {"released": [], "kept": [], "held": [1]}
+            with pytest.raises(errors.InterfaceError):  # bad names are refused before sending
+                c.release(root, "no/slash", [0])
+
+    await asyncio.to_thread(blocking)
+
+
 async def test_concurrent_opens_wait_for_one_load(make_daemon, root):
     d = await make_daemon()
     sid = StoreId(root, "load", 0)
