@@ -350,8 +350,8 @@ def job_main(argv: list[str]) -> int:
     run_stream(spark, a.src, a.ckpt, fn)
     with open(os.path.join(a.out, "progress.json"), "a") as f:
         for p in op.history:
-            f.write(json.dumps({"batch": p.batch_id, "refs": {k: [v.version, v.ckptid] for k, v in p.refs.items()}})
-                    + "\n")
+            f.write(json.dumps({"batch": p.batch_id, "refs": {k: [v.version, v.ckptid] for k, v in p.refs.items()},
+                                "locations": p.locations}) + "\n")
     spark.stop()
     return 0
 

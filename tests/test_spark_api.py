@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from spark_cluster import Daemon
 from statestore_async import errors, rowhash
+from statestore_async.client import Client
 from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.spark import (
     StatefulOperator,
@@ -24,6 +25,7 @@ from statestore_async.spark import (
     placement,
     route_values,
 )
+from statestore_async.spark.coordinator import Coordinator, location_of
 from statestore_async.spark.examples import CountSum
 from statestore_async.spark.routing import KG_COLUMN, murmur3_int
 from statestore_async.spark.runtime import RoutingError, TaskSpec, run_partition
@@ -125,6 +127,63 @@ def test_run_partition_checks_routing_and_output_width(daemon, tmp_path):
     with pytest.raises(errors.InterfaceError, match="output rows have 3 values"):
         run_partition(CountSum(), spec, 0, 0, mine.to_batches())
     assert run_partition(CountSum(), spec, 1, 0, []).num_rows == 0  # no rows: no store opened
+
+
+def test_coordinator_tracks_owners_and_names_stale_copies():
+    c = Coordinator()
+    c.observe([(0, {"location": "h:A", "held": [0], "released": [], "kept": []}), (1, {"location": "h:A", "held": [0, 1]})])
+    assert c.locations() == {0: "h:A", 1: "h:A"} and c.releases() == {}
+    c.observe([(1, {"location": "h:B", "held": [1]}), (0, {"location": "h:A", "held": [0, 1]})])
+    assert c.locations() == {0: "h:A", 1: "h:B"} and c.counters["moves"] == 1
+    assert c.releases() == {"h:A": (1,)}  # A still holds 1, which B owns now
+    c.observe([(0, {"location": "h:A", "held": [0], "released": [1], "kept": []})])  # no task on B this batch
+    assert c.releases() == {} and c.holdings() == {"h:A": [0], "h:B": [1]} and c.counters["released"] == 1
+    c.observe([(0, {"location": "h:C"})])  # a report without the daemon's answer (RELEASE failed)
+    assert c.locations()[0] == "h:C" and c.holdings()["h:C"] == [0] and c.releases() == {"h:A": (0,)}
+
+
+def test_tasks_ask_their_daemon_to_release_what_another_node_owns(tmp_path):
+    """Two daemons stand for two nodes; the driver's side is played by a Coordinator and
+    ``run_partition``: partition 1 moves from A to B, and A's next task has A drop its copy."""
+    root = f"file://{tmp_path}/s"
+    keys = [f"k{i}" for i in range(200)]
+    kg = rowhash.key_groups(rowhash.hash_rows([(k,) for k in keys], ["string"]), 64)
+    part = (kg * 2 // 64).tolist()
+    rows = {p: pa.table({"key": [k for k, q in zip(keys, part) if q == p],
+                         "value": [1] * part.count(p),
+                         KG_COLUMN: pa.array([g for g, q in zip(kg.tolist(), part) if q == p], pa.int32())})
+            for p in (0, 1)}
+    coord = Coordinator()
+    refs = [EMPTY_STATE, EMPTY_STATE]
+    with Daemon() as a, Daemon() as b:
+        def batch(b_id, placement_of):
+            reports, counts = [], {}
+            for p, d in placement_of.items():
+                spec = TaskSpec(root, "op", ("key",), ("value",), pa.schema(
+                    [("key", pa.string()), ("count", pa.int64()), ("sum", pa.int64())]), 2, 64, b_id, tuple(refs), 0,
+                    d.socket, releases=coord.releases())
+                out = run_partition(CountSum(), spec, p, 0, rows[p].to_batches(),
+                                    lambda q, ref, timings, node: reports.append((q, ref, node)))
+                counts.update(zip(out.column("key").to_pylist(), out.column("count").to_pylist()))
+            for q, ref, node in reports:
+                refs[q] = ref
+                with Client(node["location"].split(":", 1)[1]) as c:
+                    assert c.await_durable(StoreId(root, "op", q), ref, 10)
+            coord.observe([(q, node) for q, _, node in reports])
+            assert counts == {k: b_id + 1 for k in keys}  # every key's state is whole, wherever it ran
+            return {q: node for q, _, node in reports}
+
+        where_a, where_b = location_of(a.socket), location_of(b.socket)
+        batch(0, {0: a, 1: a})
+        nodes = batch(1, {0: a, 1: b})  # partition 1 moves to node B
+        assert nodes[0]["held"] == [0, 1] and nodes[1]["held"] == [1]
+        assert coord.releases() == {where_a: (1,)}
+        nodes = batch(2, {0: a, 1: b})
+        assert nodes[0]["released"] == [1] and nodes[0]["held"] == [0]
+        assert coord.releases() == {} and coord.locations() == {0: where_a, 1: where_b}
+        with Client(a.socket) as c:
+            assert c.stats()["registry"]["released"] == 1
+        batch(3, {0: a, 1: a})  # back on A: partition 1 reloads from its files
 
 
 def test_open_partition_store_commits_or_aborts(daemon, tmp_path):

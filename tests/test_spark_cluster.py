@@ -54,3 +54,9 @@ def test_node_lost_mid_stream_recovers_from_s3(seaweedfs, s3_bucket, tmp_path):
     got = read_outputs(str(out))
     assert [got[b] for b in sorted(got)] == per_batch
     assert final_count_sum(load_state(root, "counts", s3_options=seaweedfs.client_options())) == final
+    # the coordinator reports where each partition ran: on the nodes' daemons, on A's alone
+    # once B is gone
+    progress = [json.loads(line) for line in open(out / "progress.json")]
+    where = [{loc.split(":", 1)[1] for loc in p["locations"].values()} for p in progress]
+    assert where[-1] == {cluster.socket("A")}
+    assert set().union(*where) <= {cluster.socket("A"), cluster.socket("B")}

@@ -16,6 +16,7 @@ from statestore_async.spark import (
     load_state,
     read_state,
 )
+from statestore_async.spark.coordinator import location_of
 from statestore_async.spark.examples import CountSum, VectorizedCountSum
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -54,6 +55,7 @@ def test_per_key_processor_equals_spark(spark, data, daemon, tmp_path):
         spark.conf.unset("spark.sql.adaptive.advisoryPartitionSizeInBytes")
     assert got == expected
     assert final_count_sum(load_state(root, "counts")) == final
+    assert set(op.locations()) == {0, 1, 2} and set(op.locations().values()) == {location_of(daemon.socket)}
     df = read_state(spark, root, "counts")
     rows = df.collect()
     assert len(rows) == len(final)
@@ -88,8 +90,10 @@ def test_jvm_pre_aggregation_equals_spark(spark, data, daemon, tmp_path):
     src, expected, final = data
     root = f"file://{tmp_path}/state"
     op = StatefulOperator(root, "pre", ["key"], PreAggregatedCountSum(), OUT, num_partitions=2,
-                          socket_path=daemon.socket, pre_aggregate=[F.count("*").alias("n"), F.sum("value").alias("s")])
+                          socket_path=daemon.socket, pre_aggregate=[F.count("*").alias("n"), F.sum("value").alias("s")],
+                          coordinate=False)  # correctness does not depend on the coordinator
     got: dict = {}
     run_stream(spark, src, str(tmp_path / "ckpt"), op.foreach_batch(collector(got)))
     assert got == expected
     assert final_count_sum(load_state(root, "pre")) == final
+    assert op.locations() == {} and all(not p.locations for p in op.history)

@@ -13,7 +13,8 @@ Per micro-batch ``b`` (``sink(output_df, b)`` is the user's sink):
 3. one ``mapInArrow`` task per partition (``runtime.run_partition``) opens its store at the state
    the manifest names, applies the processor, commits, and reports ``(partition, ref)`` through an
    accumulator (the tasks run in a single result stage: Spark merges the updates of exactly one
-   successful attempt per task);
+   successful attempt per task), with where it ran (``coordinator``: optional, best effort — a
+   task also asks its daemon to drop copies of partitions that another node owns now);
 4. the output is materialized once (``persist`` + a ``noop`` write, or a parquet folder when
    ``output_path`` is set), so the sink cannot re-run the stateful stage;
 5. the driver's fence: every reported delta file must exist in the object store (HEAD, not the
@@ -42,6 +43,7 @@ from ..ids import DELTA, EMPTY_STATE, DEFAULT_STORE_NAME, CheckpointRef, StoreId
 from ..keys import DEFAULT_KEY_GROUPS, check_num_key_groups
 from ..manifest import Manifest, read_manifest, write_manifest
 from ..objectstore import open_object_store
+from .coordinator import Coordinator
 from .processor import StatefulProcessor, VectorizedProcessor
 from .routing import with_routing
 from .runtime import Fault, TaskSpec, fire, run_partition
@@ -108,6 +110,7 @@ class BatchProgress:
     partitions_committed: int = 0
     refs: dict = field(default_factory=dict)
     tasks: dict = field(default_factory=dict)  # partition -> the task's timings (seconds) and counts
+    locations: dict = field(default_factory=dict)  # partition -> where its task ran (coordinator on)
 
 
 class StatefulOperator:
@@ -121,13 +124,15 @@ class StatefulOperator:
     aggregate Columns (``[F.count("*").alias("n"), F.sum("v").alias("s")]``): the JVM first computes
     ``groupBy(keys).agg(*pre_aggregate)`` per batch, and the processor gets one row of those
     columns per key (much less data crosses to Python; for associative state updates).
+    ``coordinate``: keep track of where each partition runs and have daemons drop the copies that
+    another node owns now (``coordinator``; best effort, correctness does not depend on it).
     """
 
     def __init__(self, checkpoint_root: str, operator_id: str, key_columns, processor, output_schema,
                  num_partitions: int, num_key_groups: int = DEFAULT_KEY_GROUPS, *, value_columns=None,
                  socket_path: str | None = None, daemon_env: dict | None = None, fence_timeout: float = 60.0,
                  s3_options: dict | None = None, output_path: str | None = None, pre_aggregate=None, faults=(),
-                 clock=time.time):
+                 clock=time.time, coordinate: bool = True):
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
         if isinstance(key_columns, str):
@@ -157,8 +162,13 @@ class StatefulOperator:
         self.faults = tuple(Fault(**f) if isinstance(f, dict) else f for f in faults)
         self.clock = clock  # seconds; the TTL clock of a batch is read once, on the driver
         self.pre_aggregate = list(pre_aggregate) if pre_aggregate else None
+        self.coordinator = Coordinator() if coordinate else None
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
+
+    def locations(self) -> dict[int, str]:
+        """Partition → where (host and daemon socket) its last committed task ran; {} when not coordinating."""
+        return self.coordinator.locations() if self.coordinator is not None else {}
 
     # -- object store --
     def _objstore(self):
@@ -225,8 +235,8 @@ class StatefulOperator:
             ctx = TaskContext.get()
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
 
-            def report(p, ref, timings):
-                acc.add([(p, ref.version, ref.ckptid, attempt, timings)])
+            def report(p, ref, timings, node=None):
+                acc.add([(p, ref.version, ref.ckptid, attempt, timings, node)])
 
             out = run_partition(processor, spec, part, attempt, list(batches), report)
             yield from out.to_batches(max_chunksize=65536)
@@ -252,7 +262,8 @@ class StatefulOperator:
         refs = tuple(base.ref(p) for p in range(self.num_partitions))
         spec = TaskSpec(self.root, self.operator_id, self.key_columns, values, self.arrow_schema, self.num_partitions,
                         self.num_key_groups, batch_id, refs, int(self.clock() * 1000), self.socket_path,
-                        self.daemon_env, self.faults)
+                        self.daemon_env, self.faults,
+                        self.coordinator.releases() if self.coordinator is not None else None)
         spark = df.sparkSession
         acc = spark.sparkContext.accumulator([], _reports_param())
         routed = with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
@@ -269,7 +280,8 @@ class StatefulOperator:
             result = out
         prog.compute = time.perf_counter() - t0
         try:
-            refs = self._collect_reports(acc.value, prog)
+            reports = acc.value
+            refs = self._collect_reports(reports, prog)
             fire(self.faults, "before_fence", batch_id, socket_path=self.socket_path)
             t = time.perf_counter()
             self._fence(refs)
@@ -296,6 +308,9 @@ class StatefulOperator:
                 out.unpersist()
             elif tmp_dir.startswith(("/", "file:")):
                 shutil.rmtree(tmp_dir.removeprefix("file://").removeprefix("file:"), ignore_errors=True)
+        if self.coordinator is not None:
+            # only now: a batch that failed before its manifest taught the coordinator nothing
+            self.coordinator.observe([(r[0], r[5]) for r in reports if r[5] is not None])
         prog.partitions_committed = len(refs)
         prog.refs = refs
         prog.total = time.perf_counter() - t0
@@ -307,8 +322,10 @@ class StatefulOperator:
 
     def _collect_reports(self, reports: list, prog: BatchProgress) -> dict[int, CheckpointRef]:
         refs: dict[int, CheckpointRef] = {}
-        for p, version, ckptid, _attempt, timings in reports:
+        for p, version, ckptid, _attempt, timings, node in reports:
             prog.tasks[p] = timings
+            if node is not None:
+                prog.locations[p] = node["location"]
             if p in refs:
                 raise DuplicateReportError(f"partition {p} reported two committed attempts: {refs[p]} and "
                                            f"{version}_{ckptid}")

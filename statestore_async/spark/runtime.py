@@ -9,6 +9,7 @@ Also the low-level API ``open_partition_store`` for mapPartitions / mapInArrow /
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -20,11 +21,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .. import rowcodec
-from ..errors import InterfaceError
+from ..errors import InterfaceError, StateStoreError
 from ..ids import CheckpointRef, StoreId
 from . import placement
+from .coordinator import location_of
 from .processor import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
 from .routing import KG_COLUMN
+
+log = logging.getLogger(__name__)
 
 
 class RoutingError(InterfaceError):
@@ -90,6 +94,7 @@ class TaskSpec:
     socket_path: str | None = None
     daemon_env: dict | None = None
     faults: tuple = field(default=())
+    releases: dict | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
 
 
 def get_all(handle, keys: list[bytes]) -> list:
@@ -186,9 +191,10 @@ def run_partition(processor, spec: TaskSpec, partition: int, attempt: int, batch
                   report=None) -> pa.Table:
     """Apply ``processor`` to one state partition's rows of a batch; returns the output table.
 
-    Opens the store at ``spec.refs[partition]``, commits, calls ``report(partition, ref, timings)``
-    after the commit (``timings``: seconds spent grouping, in the store, in the processor). A
-    partition without rows opens nothing and reports nothing.
+    Opens the store at ``spec.refs[partition]``, commits, calls ``report(partition, ref, timings,
+    node)`` after the commit (``timings``: seconds spent grouping, in the store, in the processor;
+    ``node``: where it ran, for the coordinator, see ``_coordinate``). A partition without rows
+    opens nothing and reports nothing.
     """
     t0 = time.perf_counter()
     table = _table_of([b for b in batches if b.num_rows])
@@ -215,11 +221,27 @@ def run_partition(processor, spec: TaskSpec, partition: int, attempt: int, batch
         fire(spec.faults, "before_commit", spec.batch_id, partition, attempt, spec.socket_path)
         ref = handle.commit()
         timings["write"] = time.perf_counter() - t
+    node = _coordinate(client, spec, partition)
     timings["total"] = time.perf_counter() - t0
     if report is not None:
-        report(partition, ref, timings)
+        report(partition, ref, timings, node)
     fire(spec.faults, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
     return out
+
+
+def _coordinate(client, spec: TaskSpec, partition: int) -> dict | None:
+    """Where this task ran, and (the coordinator being on) its daemon's answer to RELEASE of the
+    partitions the driver says another location owns now. Best effort: never fails the task."""
+    if spec.releases is None:
+        return None
+    loc = location_of(placement.socket_path_for(spec.socket_path))
+    node = {"location": loc}
+    stale = [p for p in spec.releases.get(loc, ()) if p != partition]
+    try:
+        node.update(client.release(spec.root, spec.operator_id, stale))
+    except StateStoreError as exc:
+        log.warning("could not ask the daemon at %s to release partitions %s: %s", loc, stale, exc)
+    return node
 
 
 def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table, offsets,
