@@ -426,7 +426,8 @@ class Client:
         return self._call("send_stats")
 
     def release(self, root: str, operator_id: str, partitions, store_name: str = DEFAULT_STORE_NAME) -> dict:
-        """Ask the daemon to drop its idle copies of these partitions of an operator's store.
+        """Ask the daemon to drop its idle copies of these partitions of an operator's store:
+        ``partitions`` are ids or ``(id, below)`` pairs (then only a copy whose head version is lower).
 
         Returns ``{"released": [...], "kept": [...], "held": [...]}`` (``StoreRegistry.release``)."""
         return self._call("send_release", root, operator_id, partitions, store_name)

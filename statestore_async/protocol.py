@@ -25,7 +25,7 @@ Request payloads (integers little-endian; ``list``/``optional list``/``pairs`` a
     AWAIT_DURABLE  u32 partition | u64 version | f64 timeout | list [root, operator, store name, ckptid]
                    → u8 1 durable / 0 timed out
     STATS          empty → JSON object
-    RELEASE        u32 n | n × u32 partition | list [root, operator, store name]
+    RELEASE        u32 n | n × (u32 partition | u64 below version) | list [root, operator, store name]
                    → JSON {released, kept, held}: partition ids (see ``registry.release``)
 
 The daemon does not decode batches into Python objects: the ``GetMany.keys``, ``PutMany.items`` and
@@ -196,7 +196,7 @@ class Release:
     root: str
     operator_id: str
     store_name: str
-    partitions: tuple[int, ...]
+    partitions: tuple[tuple[int, int], ...]  # (partition, below): only a copy whose head version is lower
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +250,7 @@ _OPEN = struct.Struct("<IQ")
 _OPENED = struct.Struct("<IQ")
 _SCAN = struct.Struct("<IQ")
 _DURABLE = struct.Struct("<IQd")
+_RELEASE = struct.Struct("<IQ")
 _ERR = struct.Struct("<I")
 
 
@@ -480,15 +481,15 @@ class ServerProtocol:
         n = _U32.unpack_from(p)[0]
         if n > self.max_batch:
             raise LimitExceededError(f"RELEASE of {n} partitions is over the batch limit of {self.max_batch}")
-        _need(p, 4 + 4 * n, "RELEASE")
-        partitions = struct.unpack_from(f"<{n}I", p, 4)
-        fields, end = framing.decode_list(p, 4 + 4 * n, 3)
+        _need(p, 4 + _RELEASE.size * n, "RELEASE")
+        partitions = tuple(_RELEASE.iter_unpack(p[4:4 + _RELEASE.size * n]))
+        fields, end = framing.decode_list(p, 4 + _RELEASE.size * n, 3)
         _end(p, end, "RELEASE")
         if len(fields) != 3:
             raise DecodeError(f"RELEASE: 3 strings expected (root, operator, store name), got {len(fields)}")
         root, op, name = (_utf8(f, "RELEASE") for f in fields)
         StoreId(root, op, 0, name)  # checks the names
-        return Release(rid, root, op, name, tuple(partitions))
+        return Release(rid, root, op, name, partitions)
 
     # -- output --
     @staticmethod
@@ -727,11 +728,14 @@ class ClientProtocol:
         return self._request(Op.STATS, b"")
 
     def send_release(self, root: str, operator_id: str, partitions, store_name: str = DEFAULT_STORE_NAME):
-        partitions = [int(x) for x in partitions]
+        """``partitions``: ids, or ``(id, below)`` pairs (only a copy whose head version is lower)."""
+        pairs = [tuple(x) if isinstance(x, (tuple, list)) else (x, NO_LIMIT) for x in partitions]
         StoreId(root, operator_id, 0, store_name)  # checks the names
-        if any(not 0 <= x <= 0xFFFFFFFF for x in partitions):
-            raise InterfaceError(f"partition ids must be in [0, 2**32), got {partitions}")
-        return self._request(Op.RELEASE, _U32.pack(len(partitions)) + struct.pack(f"<{len(partitions)}I", *partitions)
+        for pair in pairs:
+            if (len(pair) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in pair)
+                    or not 0 <= pair[0] <= 0xFFFFFFFF or not 0 <= pair[1] <= NO_LIMIT):
+                raise InterfaceError(f"a partition id in [0, 2**32) or (id, below version) expected, got {pair!r}")
+        return self._request(Op.RELEASE, _U32.pack(len(pairs)) + b"".join(_RELEASE.pack(*x) for x in pairs)
                              + framing.encode_list([root.encode(), operator_id.encode(), store_name.encode()]))
 
     def forget(self, request_id: int) -> None:

@@ -180,20 +180,23 @@ class StoreRegistry:
             listener(store_id)
 
     def release(self, root: str, operator_id: str, store_name: str, partitions) -> dict:
-        """Drop the copies of ``partitions`` of one operator's store that are idle and durable.
+        """Drop the copies of ``partitions`` (``(partition id, below version)`` pairs) of one
+        operator's store that are idle and durable and whose head version is lower than ``below``:
+        a copy newer than the state the asker knows of (its partition back on this node, committed
+        again) is not the stale one meant.
 
-        Returns partition ids: ``released`` (dropped now), ``kept`` (held but in use, loading, or
-        with uploads pending: asked again later) and ``held`` (every partition of that operator's
-        store still in this daemon's memory). A partition this daemon does not hold is neither
-        released nor kept. Nothing is lost either way: a dropped store reloads when opened again.
+        Returns partition ids: ``released`` (dropped now), ``kept`` (held but in use, loading,
+        with uploads pending or too new: asked again later) and ``held`` (every partition of that
+        operator's store still in this daemon's memory). A partition this daemon does not hold is
+        neither released nor kept. Nothing is lost either way: a dropped store reloads when opened.
         """
         released, kept = [], []
-        for p in sorted(set(partitions)):
+        for p, below in sorted(set(partitions)):
             store_id = StoreId(root, operator_id, p, store_name)
             store = self._stores.get(store_id)
-            if store is None:
+            if store is None or p in released or p in kept:
                 continue
-            if self._evictable(store):
+            if self._evictable(store) and store.head.version < below:
                 self._drop(store_id)
                 released.append(p)
                 log.info("released %s at %s: another node owns it now", store_id, store.head)

@@ -54,7 +54,8 @@ def test_every_request_decodes_to_its_event():
         (c.send_abort(4), P.Abort(0, 4)),
         (c.send_await_durable(SID, CheckpointRef(2, CK), 1.5), P.AwaitDurable(0, SID, CheckpointRef(2, CK), 1.5)),
         (c.send_stats(), P.Stats(0)),
-        (c.send_release(SID.root, SID.operator_id, [3, 0, 7]), P.Release(0, SID.root, SID.operator_id, "default", (3, 0, 7))),
+        (c.send_release(SID.root, SID.operator_id, [3, (0, 5)]),
+         P.Release(0, SID.root, SID.operator_id, "default", ((3, P.NO_LIMIT), (0, 5)))),
         (c.send_release(SID.root, SID.operator_id, [], "other"), P.Release(0, SID.root, SID.operator_id, "other", ())),
     ]
     for (rid, data), expected in cases:
@@ -87,7 +88,7 @@ def test_release_requests_are_checked():
     c, s = pair()
     for payload, error in (
         (b"", errors.DecodeError),                                    # no count
-        (struct.pack("<I", 3) + struct.pack("<2I", 1, 2), errors.DecodeError),  # fewer ids than counted
+        (struct.pack("<I", 2) + struct.pack("<IQ", 1, 2), errors.DecodeError),  # fewer ids than counted
         (struct.pack("<I", 1 << 30), errors.LimitExceededError),       # over the batch limit
         (struct.pack("<I", 0) + framing.encode_list([b"r", b"op"]), errors.DecodeError),  # 2 names
         (struct.pack("<I", 0) + framing.encode_list([b"r", b"a/b", b"default"]), errors.InterfaceError),
@@ -96,8 +97,9 @@ def test_release_requests_are_checked():
         s.receive_data(framing.encode_frame(P.Op.RELEASE, 0, 5, payload))
         ev = s.next_event()
         assert isinstance(ev, P.BadRequest) and isinstance(ev.error, error), (payload, ev)
-    with pytest.raises(errors.InterfaceError):
-        c.send_release(SID.root, SID.operator_id, [-1])
+    for bad in ([-1], [(1, -2)], [(1,)], [True]):
+        with pytest.raises(errors.InterfaceError):
+            c.send_release(SID.root, SID.operator_id, bad)
 
 
 def test_byte_by_byte_delivery():

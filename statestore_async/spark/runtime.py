@@ -236,7 +236,10 @@ def _coordinate(client, spec: TaskSpec, partition: int) -> dict | None:
         return None
     loc = location_of(placement.socket_path_for(spec.socket_path))
     node = {"location": loc}
-    stale = [p for p in spec.releases.get(loc, ()) if p != partition]
+    # a copy at or below the state this batch starts from: one this batch committed (its partition
+    # back on this node, run by another task) is newer, and stays
+    stale = [(p, spec.refs[p].version + 1) for p in spec.releases.get(loc, ())
+             if p != partition and p < len(spec.refs)]
     try:
         node.update(client.release(spec.root, spec.operator_id, stale))
     except StateStoreError as exc:
