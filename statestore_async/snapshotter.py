@@ -110,7 +110,7 @@ class SnapshotWorker:
             self.requests[kind] = self.requests.get(kind, 0) + n
         adopt = getattr(objstore, "adopt", None)
         if adopt is not None and answer.get("cached"):
-            await asyncio.to_thread(lambda: [adopt(k) for k in answer["cached"]])
+            await asyncio.to_thread(adopt, *answer["cached"])
         if not answer.get("ok"):
             raise error_for_code(answer.get("code", 0))(answer.get("message", "snapshot worker error"))
         return answer["bytes"]

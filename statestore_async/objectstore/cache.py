@@ -97,17 +97,20 @@ class CachingObjectStore(ObjectStore):
         with self._lock:
             return set(self._lru)
 
-    def adopt(self, key: str) -> None:
-        """Count a copy of ``key`` that another process wrote into this cache's folder (the
-        snapshot worker), so the bound covers it and it is evicted in turn. Runs in a worker
-        thread (a stat, maybe evictions)."""
-        try:
-            size = self._path(key).stat().st_size
-        except OSError:
-            return  # gone again (evicted by its writer): nothing to count
+    def adopt(self, *keys: str) -> None:
+        """Count the copies of ``keys`` that another process wrote into this cache's folder (the
+        snapshot worker), so the bound covers them and they are evicted in turn. Runs in a worker
+        thread (a stat each, maybe evictions)."""
+        sizes = {}
+        for key in keys:
+            try:
+                sizes[key] = self._path(key).stat().st_size
+            except OSError:
+                pass  # gone again (evicted by its writer): nothing to count
         with self._lock:
-            self.total += size - self._lru.pop(key, 0)
-            self._lru[key] = size
+            for key, size in sizes.items():
+                self.total += size - self._lru.pop(key, 0)
+                self._lru[key] = size
             victims = self._evict_locked()
         self._unlink(victims)
 
