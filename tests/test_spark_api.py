@@ -237,3 +237,23 @@ def test_operator_arguments_are_checked(tmp_path):
         StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 8, 4)
     with pytest.raises(errors.InterfaceError, match="operator_id"):
         StatefulOperator(str(tmp_path), "bad/id", ["k"], CountSum(), OUT, 2)
+
+
+def test_pre_aggregation_adds_no_shuffle_to_the_routing(spark, tmp_path):
+    """With ``pre_aggregate`` the JVM's groupBy runs on the routing shuffle's partitions: the batch
+    is shuffled once (a groupBy before the routing would shuffle it twice)."""
+    from pyspark.sql import functions as F
+
+    from statestore_async.spark.examples import PreAggregatedCountSum
+    from statestore_async.spark.routing import ROUTE_COLUMN
+
+    df = spark.createDataFrame([(f"k{i % 7}", i) for i in range(50)], "key string, value bigint")
+    op = StatefulOperator(str(tmp_path), "pre", ["key"], PreAggregatedCountSum(), OUT, 2,
+                          pre_aggregate=[F.count("*").alias("n"), F.sum("value").alias("s")])
+    routed, values = op.routed(df)
+    assert values == ("n", "s")
+    plan = routed._jdf.queryExecution().executedPlan().toString()
+    assert plan.count("Exchange ") == 1 and f"hashpartitioning({ROUTE_COLUMN}" in plan, plan
+    rows = routed.collect()
+    assert sorted((r.key, r.n, r.s) for r in rows) == sorted(
+        (f"k{j}", len(range(j, 50, 7)), sum(range(j, 50, 7))) for j in range(7))

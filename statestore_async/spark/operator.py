@@ -45,7 +45,7 @@ from ..manifest import Manifest, read_manifest, write_manifest
 from ..objectstore import open_object_store
 from .coordinator import Coordinator
 from .processor import StatefulProcessor, VectorizedProcessor
-from .routing import with_routing
+from .routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 from .runtime import Fault, TaskSpec, fire, run_partition
 
 log = logging.getLogger(__name__)
@@ -243,6 +243,20 @@ class StatefulOperator:
 
         return task
 
+    def routed(self, df):
+        """``(routed, value_columns)``: the batch shuffled so task i holds state partition i's rows (and,
+        with ``pre_aggregate``, one row per key of those rows' aggregates)."""
+        if self.pre_aggregate:
+            # the JVM combines each key's rows of the batch right after the routing shuffle: grouped by
+            # (route, key group, keys), the aggregate is satisfied by the shuffle's partitioning, so it
+            # adds no shuffle of its own (a groupBy before the routing would shuffle twice)
+            routed = with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups)
+            routed = routed.groupBy(ROUTE_COLUMN, KG_COLUMN, *self.key_columns).agg(*self.pre_aggregate)
+            return routed, tuple(c for c in routed.columns if c not in (ROUTE_COLUMN, KG_COLUMN, *self.key_columns))
+        values = self.value_columns or tuple(c for c in df.columns if c not in self.key_columns)
+        return with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
+                            columns=[*self.key_columns, *values]), values
+
     def process_batch(self, df, batch_id: int, sink=None):
         """Run the operator on one micro-batch; returns the output DataFrame (already materialized)."""
         from pyspark import StorageLevel
@@ -253,21 +267,15 @@ class StatefulOperator:
         missing = [c for c in self.key_columns if c not in df.columns]
         if missing:
             raise InterfaceError(f"key columns {missing} are not in the batch's columns {df.columns}")
-        if self.pre_aggregate:
-            # the JVM combines each key's rows of the batch first (map-side partial aggregation)
-            df = df.groupBy(*self.key_columns).agg(*self.pre_aggregate)
-            values = tuple(c for c in df.columns if c not in self.key_columns)
-        else:
-            values = self.value_columns or tuple(c for c in df.columns if c not in self.key_columns)
+        routed, values = self.routed(df)
         refs = tuple(base.ref(p) for p in range(self.num_partitions))
         spec = TaskSpec(self.root, self.operator_id, self.key_columns, values, self.arrow_schema, self.num_partitions,
                         self.num_key_groups, batch_id, refs, int(self.clock() * 1000), self.socket_path,
                         self.daemon_env, self.faults,
-                        self.coordinator.releases() if self.coordinator is not None else None)
+                        self.coordinator.releases() if self.coordinator is not None else None,
+                        keys_unique=bool(self.pre_aggregate))
         spark = df.sparkSession
         acc = spark.sparkContext.accumulator([], _reports_param())
-        routed = with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
-                              columns=[*self.key_columns, *values])
         out = routed.mapInArrow(self._task_fn(spec, acc), self.output_schema)
         tmp_dir = None
         if self.output_path:

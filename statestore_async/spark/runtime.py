@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import rowcodec
+from .. import rowarrow, rowcodec
 from ..errors import InterfaceError, StateStoreError
 from ..ids import CheckpointRef, StoreId
 from . import placement
@@ -95,6 +95,7 @@ class TaskSpec:
     daemon_env: dict | None = None
     faults: tuple = field(default=())
     releases: dict | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
+    keys_unique: bool = False     # one row per key already (the JVM pre-aggregated): no grouping needed
 
 
 def get_all(handle, keys: list[bytes]) -> list:
@@ -102,8 +103,15 @@ def get_all(handle, keys: list[bytes]) -> list:
     return handle.get_many(keys)
 
 
-def write_all(handle, puts: list, removes: list) -> None:
-    """All puts and all removals, one call each."""
+def write_all(handle, puts, removes) -> None:
+    """All puts and all removals, one call each: lists of (key, value) and keys, or Arrow arrays
+    (``puts`` a (keys, values) pair, ``removes`` keys; the vectorized path)."""
+    if isinstance(puts, tuple):
+        if len(puts[0]):
+            handle.put_many_arrow(*puts)
+        if removes is not None and len(removes):
+            handle.remove_many_arrow(removes)
+        return
     if puts:
         handle.put_many(puts)
     if removes:
@@ -202,11 +210,14 @@ def run_partition(processor, spec: TaskSpec, partition: int, attempt: int, batch
         return spec.output_schema.empty_table()
     kg = table[KG_COLUMN].to_numpy()
     _check_routing(kg, partition, spec)
-    order, offsets = group_rows(table, list(spec.key_columns))
-    firsts = order[offsets[:-1]]
-    kgs = kg[firsts].tolist()
-    keys_table = table.select(list(spec.key_columns)).take(pa.array(firsts))
-    rows_table = table.select(list(spec.value_columns)).take(pa.array(order))
+    keys_table, rows_table = table.select(list(spec.key_columns)), table.select(list(spec.value_columns))
+    if spec.keys_unique:
+        offsets, kgs = np.arange(table.num_rows + 1, dtype=np.int64), kg
+    else:
+        order, offsets = group_rows(table, list(spec.key_columns))
+        firsts = order[offsets[:-1]]
+        kgs = kg[firsts]
+        keys_table, rows_table = keys_table.take(pa.array(firsts)), rows_table.take(pa.array(order))
     timings = {"rows": table.num_rows, "keys": len(kgs), "group": time.perf_counter() - t0}
     client = placement.connect(spec.socket_path, env=spec.daemon_env)
     base = spec.refs[partition]
@@ -256,7 +267,8 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
         raise InterfaceError(f"{type(processor).__name__}.init declared no state")
     keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
     n = len(keys)
-    skeys = [store_keys(v.name, keys, kgs, spec.num_key_groups) for v in variables]
+    skeys = [rowarrow.encode_tuples(keys_table.columns, key_groups=kgs, head=(v.name,), key=True).to_pylist()
+             for v in variables]
     t = time.perf_counter()
     raw = get_all(handle, [k for ks in skeys for k in ks])
     timings["read"] = time.perf_counter() - t
@@ -291,37 +303,30 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
 
 def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table, offsets,
                     kgs, handle, timings: dict):
+    """Keys, state and changes stay Arrow columns end to end (``rowarrow``): no Python object per key."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
         raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
-    keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
-    skeys = store_keys(processor.state_name, keys, kgs, spec.num_key_groups)
+    n = keys_table.num_rows
+    skeys = rowarrow.encode_tuples(keys_table.columns, key_groups=kgs, head=(processor.state_name,), key=True)
     t = time.perf_counter()
-    raw = get_all(handle, skeys)
+    raw = handle.get_many_arrow(skeys)
     timings["read"] = time.perf_counter() - t
-    exists = np.fromiter((r is not None for r in raw), dtype=bool, count=len(raw))
-    present = rowcodec.decode_rows([r for r in raw if r is not None])
-    # decoded tuples -> one struct array (in C), then scattered to their keys with nulls elsewhere
-    st = pa.struct(list(schema))
-    where = np.full(len(raw), len(present), dtype=np.int64)
-    where[exists] = np.arange(len(present), dtype=np.int64)
-    full = pa.concat_arrays([pa.array(present, type=st), pa.nulls(1, st)]).take(pa.array(where))
-    cols = full.flatten()
-    state = pa.Table.from_arrays(cols, schema=schema)
+    exists = raw.is_valid().to_numpy(zero_copy_only=False)
+    state = rowarrow.decode_tuples(raw, schema)
     t = time.perf_counter()
     result = processor.process(keys_table, rows, offsets, state, exists)
     new_state, output = result[0], result[1]
     valid = result[2] if len(result) > 2 else None
-    if new_state.num_rows != len(keys):
-        raise InterfaceError(f"process returned {new_state.num_rows} state rows for {len(keys)} keys")
-    enc = rowcodec.encode_rows(list(zip(*[c.to_pylist() for c in new_state.select(schema.names).columns])))
+    if new_state.num_rows != n:
+        raise InterfaceError(f"process returned {new_state.num_rows} state rows for {n} keys")
+    enc = rowarrow.encode_tuples(new_state.select(schema.names).columns)
     if valid is None:
-        puts = list(zip(skeys, enc))
-        removes = []
+        puts, removes = (skeys, enc), None
     else:
-        valid = np.asarray(valid, dtype=bool)
-        puts = [(k, e) for k, e, ok in zip(skeys, enc, valid.tolist()) if ok]
-        removes = [k for k, ok, ex in zip(skeys, valid.tolist(), exists.tolist()) if not ok and ex]
+        valid = pa.array(np.asarray(valid, dtype=bool))
+        puts = (skeys.filter(valid), enc.filter(valid))
+        removes = skeys.filter(pc.and_(pc.invert(valid), pa.array(exists)))
     if output is None:
         output = spec.output_schema.empty_table()
     elif output.schema != spec.output_schema:
