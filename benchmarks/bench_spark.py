@@ -117,7 +117,7 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
         hist = op.history[1:] or op.history
         fig["commit_ms"] = statistics.median(p.fence * 1000 for p in hist) if hist else None
         fig["phases"] = {ph: round(statistics.median(getattr(p, ph) for p in hist) * 1000) for ph in
-                         ("compute", "fence", "manifest", "sink", "total")} if hist else {}
+                         ("plan", "compute", "fence", "manifest", "sink", "total")} if hist else {}
         tasks = [t for p in hist for t in p.tasks.values()]
         fig["task_ms"] = {k: round(statistics.median(t.get(k, 0) for t in tasks) * 1000) for k in
                           ("group", "read", "process", "write", "total")} if tasks else {}

@@ -102,7 +102,8 @@ class BatchProgress:
     """Timings (seconds) and counts of the last batch, for logs and benchmarks."""
 
     batch_id: int = -1
-    compute: float = 0.0
+    plan: float = 0.0      # reading the manifest and building the plan, before Spark runs anything
+    compute: float = 0.0   # from the start to the output's materialization (plan included)
     fence: float = 0.0
     manifest: float = 0.0
     sink: float = 0.0
@@ -278,6 +279,7 @@ class StatefulOperator:
         acc = spark.sparkContext.accumulator([], _reports_param())
         out = routed.mapInArrow(self._task_fn(spec, acc), self.output_schema)
         tmp_dir = None
+        prog.plan = time.perf_counter() - t0
         if self.output_path:
             tmp_dir = f"{self.output_path.rstrip('/')}/{batch_id}-{uuid.uuid4().hex[:12]}"
             out.write.mode("errorifexists").parquet(tmp_dir)
