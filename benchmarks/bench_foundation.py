@@ -14,11 +14,12 @@ import sys
 import tempfile
 import time
 
+import numpy as np
 import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from statestore_async import _accel
+from statestore_async import _accel, rowarrow
 from statestore_async.engine import VersionedStore
 from statestore_async.files import write_snapshot
 from statestore_async.ids import StoreId
@@ -40,8 +41,8 @@ def best_of(fn, repeat=3):
 
 def codec_rows(n_native: int, n_ref: int):
     rows = []
-    impls = {"native": {m: _accel.native(m) for m in ("rowhash", "rowcodec", "blockcodec")},
-             "python": {m: _accel.reference(m) for m in ("rowhash", "rowcodec", "blockcodec")}}
+    mods = ("rowhash", "rowcodec", "rowarrow", "blockcodec")
+    impls = {"native": {m: _accel.native(m) for m in mods}, "python": {m: _accel.reference(m) for m in mods}}
     data = {}
     for label, n in (("native", n_native), ("python", n_ref)):
         m = impls[label]
@@ -57,6 +58,19 @@ def codec_rows(n_native: int, n_ref: int):
         data[(label, "row codec encode")] = (n / t, nbytes / t)
         t, _ = best_of(lambda: m["rowcodec"].decode_rows(enc))
         data[(label, "row codec decode")] = (n / t, nbytes / t)
+        # rowarrow: store keys (key group + (state name, str key)) and (int64, int64) state rows
+        kgs = np.arange(n, dtype=np.uint16) % 4096
+        head = m["rowcodec"].encode_key("total")
+        t, (_, kdata, _) = best_of(lambda: m["rowarrow"].encode_columns(
+            n, [rowarrow.descriptor(arrow_col)], kgs, head, 1, True))
+        data[(label, "rowarrow store keys")] = (n / t, len(kdata) / t)
+        state = pa.table({"count": np.arange(n), "sum": np.arange(n) * 7})
+        t, (offs, sdata, w) = best_of(lambda: m["rowarrow"].encode_columns(
+            n, [rowarrow.descriptor(c) for c in state.columns], None, b"", 0, False))
+        data[(label, "rowarrow state rows encode")] = (n / t, len(sdata) / t)
+        col = (None, offs, sdata, 0, w)
+        t, _ = best_of(lambda: m["rowarrow"].decode_columns(n, col, [("i", 8), ("i", 8)]))
+        data[(label, "rowarrow state rows decode")] = (n / t, len(sdata) / t)
         records = [(store_key(i % 4096, b"k%08d" % i), b"v" * 16) for i in range(n)]
         raw = sum(len(k) + len(v) + 3 for k, v in records)
 

@@ -64,7 +64,14 @@ def _array(col) -> pa.Array:
     return col
 
 
-def _descriptor(arr: pa.Array, kind: str, width: int) -> tuple:
+def descriptor(col) -> tuple | None:
+    """The column descriptor ``encode_columns`` takes for a pyarrow array (or chunked array):
+    ``(kind, width, validity, values, data, offset)``; None for a type it does not handle."""
+    arr = _array(col)
+    k = kind_of(arr.type)
+    if k is None:
+        return None
+    kind, width = k
     bufs = arr.buffers()
     validity = bufs[0] if arr.null_count else None
     if kind == "n":
@@ -92,12 +99,11 @@ def encode_tuples(columns, *, key_groups=None, head: tuple = (), key: bool = Fal
     if any(len(a) != n for a in arrays):
         raise ValueError(f"columns of different lengths {[len(a) for a in arrays]}")
     prefixes = _prefixes(key_groups, n)
-    kinds = [kind_of(a.type) for a in arrays]
-    if all(k is not None for k in kinds):
+    descriptors = [descriptor(a) for a in arrays]
+    if all(d is not None for d in descriptors):
         enc = rowcodec.encode_key if key else rowcodec.encode_row
         head_bytes = b"".join(enc(h) for h in head)
-        done = encode_columns(n, [_descriptor(a, *k) for a, k in zip(arrays, kinds)], prefixes, head_bytes,
-                              len(head), key)
+        done = encode_columns(n, descriptors, prefixes, head_bytes, len(head), key)
         if done is not None:
             offsets, data, width = done
             return to_array(n, 0, None, offsets, data, width)
@@ -144,4 +150,4 @@ def decode_tuples(values, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays(full.flatten(), schema=schema)
 
 
-__all__ = ["encode_tuples", "decode_tuples", "kind_of", "encode_columns", "decode_columns"]
+__all__ = ["encode_tuples", "decode_tuples", "kind_of", "descriptor", "encode_columns", "decode_columns"]

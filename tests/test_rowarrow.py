@@ -56,7 +56,7 @@ def tables(draw, max_rows=12):
 
 
 def _descriptors(cols):
-    return [rowarrow._descriptor(c, *rowarrow.kind_of(c.type)) for c in cols]
+    return [rowarrow.descriptor(c) for c in cols]
 
 
 def _expected(cols, n, kgs, head, key):
