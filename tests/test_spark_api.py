@@ -19,6 +19,7 @@ from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.spark import (
     StatefulOperator,
     StatefulProcessor,
+    VectorizedProcessor,
     group_rows,
     load_state,
     open_partition_store,
@@ -257,3 +258,59 @@ def test_pre_aggregation_adds_no_shuffle_to_the_routing(spark, tmp_path):
     rows = routed.collect()
     assert sorted((r.key, r.n, r.s) for r in rows) == sorted(
         (f"k{j}", len(range(j, 50, 7)), sum(range(j, 50, 7))) for j in range(7))
+
+
+class _Streak(VectorizedProcessor):
+    """Per key (last value as text, running count, a flag, a float): the state is dropped once a
+    key has been seen 3 times or more (``valid`` False)."""
+
+    state_name = "streak"
+    state_schema = pa.schema([("last", pa.string()), ("n", pa.int32()), ("odd", pa.bool_()), ("avg", pa.float64())])
+
+    def process(self, keys, rows, offsets, state, exists):
+        counts = np.diff(offsets)
+        values = rows.column(0).to_numpy()
+        last = values[offsets[1:] - 1]
+        n = state.column("n").fill_null(0).to_numpy(zero_copy_only=False) + counts
+        old_avg = state.column("avg").fill_null(0.0).to_numpy(zero_copy_only=False)
+        sums = np.add.reduceat(values, offsets[:-1])
+        avg = (old_avg * (n - counts) + sums) / n
+        new = pa.table({"last": pa.array([f"v{x}" for x in last.tolist()]), "n": pa.array(n, pa.int32()),
+                        "odd": pa.array(n % 2 == 1), "avg": pa.array(avg)})
+        out = pa.table({"key": keys.column(0), "n": pa.array(n, pa.int64())})
+        return new, out, n < 3
+
+
+def test_vectorized_state_of_several_types_and_removal(daemon, tmp_path):
+    """A vectorized processor's state of string/int32/bool/float columns round-trips through the
+    store (Arrow all the way), and rows it marks invalid are removed, or never written."""
+    root = f"file://{tmp_path}/s"
+
+    def batch(version, refs, rows):
+        keys = [k for k, _ in rows]
+        kg = rowhash.key_groups(rowhash.hash_rows([(k,) for k in keys], ["string"]), 64).astype(np.int32)
+        t = pa.table({"key": keys, "value": pa.array([v for _, v in rows], pa.int64()), KG_COLUMN: pa.array(kg)})
+        spec = TaskSpec(root, "streak", ("key",), ("value",), pa.schema([("key", pa.string()), ("n", pa.int64())]),
+                        1, 64, version, refs, 0, daemon.socket)
+        got = []
+        out = run_partition(_Streak(), spec, 0, 0, t.to_batches(), lambda p, ref, *_: got.append(ref))
+        return dict(zip(out.column("key").to_pylist(), out.column("n").to_pylist())), got[0]
+
+    def stored(ref):
+        from statestore_async import rowcodec
+
+        with Client(daemon.socket) as c:
+            h = c.open(StoreId(root, "streak", 0), ref.version, ref.ckptid)
+            try:
+                return {rowcodec.decode_row(k[2:])[1]: rowcodec.decode_row(v) for k, v in h.scan()}
+            finally:
+                h.abort()
+
+    out, ref = batch(0, (EMPTY_STATE,), [("a", 1), ("a", 2), ("a", 3), ("b", 4), ("c", 5), ("c", 7)])
+    assert out == {"a": 3, "b": 1, "c": 2}
+    state = stored(ref)
+    assert state == {"b": ("v4", 1, True, 4.0), "c": ("v7", 2, False, 6.0)}  # 'a' reached 3: never written
+    out, ref = batch(1, (ref,), [("b", 10), ("c", 9), ("d", 1)])
+    assert out == {"b": 2, "c": 3, "d": 1}
+    state = stored(ref)
+    assert state == {"b": ("v10", 2, False, 7.0), "d": ("v1", 1, True, 1.0)}  # 'c' removed
