@@ -337,9 +337,10 @@ cdef bytes _as_bytes(object item):
 
 def apply_changes(dict data, dict changes, Py_ssize_t overhead):
     """Apply key → value|None (None: remove) to ``data`` in one pass; see the facade's docstring."""
-    # both get at most one entry per change: sized once, no rehash on the way (a commit's cost)
-    cdef dict pre = ssa_dict_presized(PyDict_Size(changes))
-    cdef dict records = ssa_dict_presized(PyDict_Size(changes))
+    # the pre-images go to a list in the changes' order: a dict of them cost as much as the rest of
+    # the commit (half a million inserts into a fresh table); the engine builds one only to roll back
+    cdef list pre = PyList_New(0)
+    cdef set dropped = None
     cdef Py_ssize_t pos = 0
     cdef PyObject* kp
     cdef PyObject* vp
@@ -353,7 +354,10 @@ def apply_changes(dict data, dict changes, Py_ssize_t overhead):
         klen = len(k)
         if v is None:
             if oldp == NULL:
-                continue  # removing what is not there changes nothing
+                if dropped is None:
+                    dropped = set()
+                dropped.add(k)  # removing what is not there changes nothing
+                continue
             old = <object>oldp  # a reference of our own before the map lets go of it
             olen = len(old)
             PyDict_DelItem(data, k)
@@ -370,10 +374,16 @@ def apply_changes(dict data, dict changes, Py_ssize_t overhead):
                 olen = len(old)
                 data_delta += vlen - olen
             PyDict_SetItem(data, k, v)
-        PyDict_SetItem(pre, k, old)
-        PyDict_SetItem(records, k, v)
+        PyList_Append(pre, old)
         undo_bytes += klen + olen + overhead
         rec_bytes += klen + vlen + 8
+    cdef dict records = changes
+    if dropped is not None:
+        records = ssa_dict_presized(PyDict_Size(changes) - len(dropped))
+        pos = 0
+        while PyDict_Next(changes, &pos, &kp, &vp):
+            if <object>kp not in dropped:
+                PyDict_SetItem(records, <object>kp, <object>vp)
     return pre, records, data_delta, undo_bytes, rec_bytes
 
 

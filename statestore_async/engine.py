@@ -96,9 +96,13 @@ class _Commit:
     parent: CheckpointRef
     child: CheckpointRef
     child_lineage: tuple[CheckpointRef, ...]
-    undo: dict  # key -> value before the commit (None: absent)
+    undo: list  # the value before the commit of each key of ``redo``, in its order (None: absent)
     redo: dict  # key -> value after the commit (None: removed)
     nbytes: int = 0
+
+    def undo_changes(self) -> dict:
+        """key -> value before the commit: the changes that roll it back."""
+        return dict(zip(self.redo, self.undo))
 
 
 def _entry_bytes(key: bytes, value) -> int:
@@ -144,9 +148,9 @@ class FrozenView:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _preserve(self, pre_images: dict) -> None:
+    def _preserve(self, keys: dict, pre_images: list) -> None:
         shadow = self._shadow
-        for k, old in pre_images.items():
+        for k, old in zip(keys, pre_images):
             if k not in shadow:
                 shadow[k] = old
 
@@ -348,7 +352,7 @@ class VersionedStore:
             )
         undo, redo = path
         for c in undo:
-            self._mutate(c.undo)
+            self._mutate(c.undo_changes())
             self._head, self._lineage = c.parent, self._lineage_of(c.parent)
         for c in redo:
             self._mutate(c.redo)
@@ -389,11 +393,12 @@ class VersionedStore:
     def _mutate(self, changes: dict):
         """Apply key → value|None to the map in one pass (``overlay.apply_changes``).
 
-        Returns (pre-images, effective records, accounted bytes of the pre-images, of the records).
+        Returns (pre-images in the records' order, effective records, accounted bytes of the
+        pre-images, of the records).
         """
         pre, records, data_delta, undo_bytes, record_bytes = _overlay.apply_changes(self._data, changes, ENTRY_OVERHEAD)
         for view in self._views:
-            view._preserve(pre)
+            view._preserve(records, pre)
         self._data_bytes += data_delta
         return pre, records, undo_bytes, record_bytes
 

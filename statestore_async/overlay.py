@@ -22,10 +22,12 @@ the write functions return how much the accounted bytes changed.
     with ``frame=(opcode, flags, request_id)``, that whole frame.
 ``apply_changes(data, changes, overhead) -> (pre, records, data_delta, undo_bytes, record_bytes)``
     Apply a commit's (or a rollback's) key → value|None to the committed map ``data`` in one
-    pass: ``pre`` holds each changed key's value before (None: absent), ``records`` the changes that
-    changed something (a removal of an absent key is dropped from both), ``data_delta`` how much
-    the accounted bytes of ``data`` changed, ``undo_bytes`` the accounted bytes of ``pre``, and
-    ``record_bytes`` the keys and values of ``records`` (+ 8 per record) for the upload queue.
+    pass: ``records`` holds the changes that changed something (a removal of an absent key is
+    dropped; ``records`` is ``changes`` itself when nothing was dropped: do not change either
+    afterwards), ``pre`` the value of each key of ``records`` before, in ``records``' order, as a
+    list (None: absent), ``data_delta`` how much the accounted bytes of ``data`` changed,
+    ``undo_bytes`` the accounted bytes of the pre-images, and ``record_bytes`` the keys and values
+    of ``records`` (+ 8 per record) for the upload queue.
 ``group_records(keys, start, stop, shadow, data, groups) -> None``
     Sort the records of ``keys[start:stop]`` (a list of bytes) into ``groups``, a list of
     ``KEY_GROUP_SLOTS`` (65536) slots, by key group (a key's first two bytes, big-endian; 0 for a

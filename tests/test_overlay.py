@@ -153,7 +153,8 @@ def test_apply_changes_ref_and_native_agree(data, changes):
     outs = []
     for impl in (_accel.reference("overlay"), _accel.native("overlay")):
         d = dict(data)
-        pre, records, data_delta, undo_bytes, record_bytes = impl.apply_changes(d, dict(changes), 50)
+        changes = dict(changes)
+        pre, records, data_delta, undo_bytes, record_bytes = impl.apply_changes(d, changes, 50)
         outs.append((d, pre, records, data_delta, undo_bytes, record_bytes))
         # the map is what applying the changes means, and the accounting follows it
         expected = dict(data)
@@ -166,7 +167,9 @@ def test_apply_changes_ref_and_native_agree(data, changes):
         size = lambda m: sum(len(a) + len(b) + 50 for a, b in m.items())  # noqa: E731
         assert data_delta == size(d) - size(data)
         assert set(records) == {key for key, v in changes.items() if v is not None or key in data}
-        assert pre == {key: data.get(key) for key in records}
+        assert list(records) == [key for key in changes if key in records]  # the changes' order
+        assert pre == [data.get(key) for key in records]
+        assert (records is changes) == (len(records) == len(changes))  # no copy when nothing is dropped
     assert outs[0] == outs[1]
 
 

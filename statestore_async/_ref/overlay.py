@@ -138,23 +138,24 @@ def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr
 
 def apply_changes(data: dict, changes: dict, overhead: int):
     """Apply key → value|None (None: remove) to ``data`` in one pass; see the facade's docstring."""
-    pre: dict = {}
-    records: dict = {}
+    pre: list = []
+    dropped: set = set()
     data_delta = undo_bytes = rec_bytes = 0
     for k, v in changes.items():
         old = data.get(k)
         if v is None:
             if old is None:
-                continue  # removing what is not there changes nothing
+                dropped.add(k)  # removing what is not there changes nothing
+                continue
             del data[k]
             data_delta -= len(k) + len(old) + overhead
         else:
             data[k] = v
             data_delta += len(v) - len(old) if old is not None else len(k) + len(v) + overhead
-        pre[k] = old
-        records[k] = v
+        pre.append(old)
         undo_bytes += len(k) + (len(old) if old is not None else 0) + overhead
         rec_bytes += len(k) + (len(v) if v is not None else 0) + 8
+    records = {k: v for k, v in changes.items() if k not in dropped} if dropped else changes
     return pre, records, data_delta, undo_bytes, rec_bytes
 
 
