@@ -167,7 +167,7 @@ cdef int _enc_item(Buf* b, Col* c, Py_ssize_t i, bint key) except -1:
     cdef double d
     cdef int64_t s, e
     cdef int q
-    _room(b, 10)
+    _room(b, 11)  # a tag and a varint of up to 10 bytes
     if c.kind == 110 or not _valid(c.validity, j):  # 'n'
         b.p[b.len] = T_NONE
         b.len += 1
