@@ -479,14 +479,16 @@ cdef object _field_result(Out* o, Py_ssize_t n):
 
 
 def decode_columns(Py_ssize_t n, values, list kinds):
-    """Per field ``(null_count, validity, buffers...)`` of n encoded tuples, or None when one does not conform."""
-    validity, offsets, data, start, width = values
+    """Per field ``(null_count, validity, buffers...)`` of n encoded tuples (``values``: a column
+    descriptor of kind "y"), or None when one does not conform."""
+    if values[0] != "y":
+        raise EncodeError(f"encoded tuples are a binary column (kind 'y'), not kind {values[0]!r}")
     cdef Py_ssize_t nf = len(kinds), i, k, b, e, pos
     cdef Col vc
     cdef uint64_t count
     cdef int r
     keep: list = []
-    _columns(n, [("y", width, validity, offsets, data, start)], &vc, keep)
+    _columns(n, [values], &vc, keep)
     cdef Out* outs = <Out*>calloc(nf if nf else 1, sizeof(Out))
     if outs == NULL:
         raise MemoryError()

@@ -68,7 +68,7 @@ def codec_rows(n_native: int, n_ref: int):
         t, (offs, sdata, w) = best_of(lambda: m["rowarrow"].encode_columns(
             n, [rowarrow.descriptor(c) for c in state.columns], None, b"", 0, False))
         data[(label, "rowarrow state rows encode")] = (n / t, len(sdata) / t)
-        col = (None, offs, sdata, 0, w)
+        col = ("y", w, None, offs, sdata, 0)
         t, _ = best_of(lambda: m["rowarrow"].decode_columns(n, col, [("i", 8), ("i", 8)]))
         data[(label, "rowarrow state rows decode")] = (n / t, len(sdata) / t)
         records = [(store_key(i % 4096, b"k%08d" % i), b"v" * 16) for i in range(n)]

@@ -132,10 +132,7 @@ def decode_tuples(values, schema: pa.Schema) -> pa.Table:
     n = len(arr)
     kinds = [kind_of(f.type) for f in schema]
     if all(k is not None for k in kinds):
-        bufs = arr.buffers()
-        col = (bufs[0] if arr.null_count else None, bufs[1], bufs[2] if bufs[2] is not None else b"", arr.offset,
-               8 if pa.types.is_large_binary(arr.type) else 4)
-        parts = decode_columns(n, col, list(kinds))
+        parts = decode_columns(n, descriptor(arr), kinds)
         if parts is not None:
             return pa.Table.from_arrays([_field_array(f.type, n, k[0], p) for f, k, p in zip(schema, kinds, parts)],
                                         schema=schema)

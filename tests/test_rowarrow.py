@@ -166,9 +166,7 @@ def _same(a, b) -> bool:
 def test_decoding_agrees_with_the_reference_and_the_general_path(ra, schema, data, skip, large):
     stored = [_stored(data.draw, schema) for _ in range(data.draw(st.integers(0, 8)) + skip)]
     values = pa.array(stored, type=pa.large_binary() if large else pa.binary()).slice(skip)
-    bufs = values.buffers()
-    col = (bufs[0] if values.null_count else None, bufs[1], bufs[2] if bufs[2] is not None else b"", values.offset,
-           8 if large else 4)
+    col = rowarrow.descriptor(values)
     kinds = [rowarrow.kind_of(f.type) for f in schema]
     ref = _accel.reference("rowarrow").decode_columns(len(values), col, kinds)
     got = ra.decode_columns(len(values), col, kinds)

@@ -153,9 +153,11 @@ def _pack_bits(bits: list[bool]) -> bytes:
 
 
 def decode_columns(n: int, values, kinds: list):
-    """Per field ``(null_count, validity, buffers...)`` of n encoded tuples, or None when one does not conform."""
-    validity, offsets, data, start, width = values
-    col = _Reader(0, n, ("y", width, validity, offsets, data, start))
+    """Per field ``(null_count, validity, buffers...)`` of n encoded tuples (``values``: a column
+    descriptor of kind "y"), or None when one does not conform."""
+    if values[0] != "y":
+        raise EncodeError(f"encoded tuples are a binary column (kind 'y'), not kind {values[0]!r}")
+    col = _Reader(0, n, values)
     for k, (kind, w) in enumerate(kinds):
         if kind in ("i", "u", "f"):
             if (kind == "f" and w not in (4, 8)) or w not in (1, 2, 4, 8):
