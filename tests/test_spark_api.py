@@ -238,6 +238,56 @@ def test_operator_arguments_are_checked(tmp_path):
         StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 8, 4)
     with pytest.raises(errors.InterfaceError, match="operator_id"):
         StatefulOperator(str(tmp_path), "bad/id", ["k"], CountSum(), OUT, 2)
+    with pytest.raises(errors.InterfaceError, match="materialize"):
+        StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 2, materialize="disk")
+
+
+class _Runs(CountSum):
+    """CountSum that appends a line to ``path`` each time a task runs it: how often the stateful
+    stage ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def init(self, handle):
+        with open(self.path, "a") as f:
+            f.write("run\n")
+        super().init(handle)
+
+
+@pytest.mark.parametrize("materialize", ["checkpoint", "cache", "output_path"])
+def test_output_is_computed_once_and_released(spark, daemon, tmp_path, materialize):
+    """Whichever way the output waits for the sink, the stateful stage runs once per partition and
+    batch however often the sink reads it, and nothing of the output is left in Spark afterwards."""
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    runs = tmp_path / "runs"
+    kw = {"output_path": str(tmp_path / "out")} if materialize == "output_path" else {"materialize": materialize}
+    op = StatefulOperator(f"file://{tmp_path}/s", "once", ["key"], _Runs(str(runs)), OUT, 2, 16,
+                          socket_path=daemon.socket, **kw)
+    seen = {}
+
+    def sink(df, b):
+        assert df.count() == 7
+        seen[b] = sorted(tuple(r) for r in df.collect())
+
+    storage = spark.sparkContext._jsc.sc()
+    cached = {i.id() for i in storage.getRDDStorageInfo()}
+    for b in range(2):
+        df = spark.createDataFrame([(f"k{i % 7}", i) for i in range(70)], "key string, value bigint")
+        op.process_batch(df, b, sink)
+    assert seen[1] == [(f"k{j}", 20, 2 * sum(range(j, 70, 7))) for j in range(7)]
+    assert runs.read_text().count("run") == 2 * 2  # 2 partitions x 2 batches, none re-run by the sink
+    assert {i.id() for i in storage.getRDDStorageInfo()} <= cached
+    if materialize == "output_path":
+        assert not list((tmp_path / "out").iterdir())
+
+
+def test_materialize_auto_is_checkpoint_in_local_mode(spark, tmp_path):
+    assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2).materialize_mode(spark) == "checkpoint"
+    assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2,
+                            materialize="cache").materialize_mode(spark) == "cache"
 
 
 def test_pre_aggregation_adds_no_shuffle_to_the_routing(spark, tmp_path):

@@ -15,8 +15,9 @@ Per micro-batch ``b`` (``sink(output_df, b)`` is the user's sink):
    accumulator (the tasks run in a single result stage: Spark merges the updates of exactly one
    successful attempt per task), with where it ran (``coordinator``: optional, best effort — a
    task also asks its daemon to drop copies of partitions that another node owns now);
-4. the output is materialized once (``persist`` + a ``noop`` write, or a parquet folder when
-   ``output_path`` is set), so the sink cannot re-run the stateful stage;
+4. the output is materialized once (``materialize``: a local checkpoint of its blocks, ``persist`` +
+   a ``noop`` write, or a parquet folder when ``output_path`` is set), so the sink cannot re-run the
+   stateful stage;
 5. the driver's fence: every reported delta file must exist in the object store (HEAD, not the
    report); after ``fence_timeout`` seconds it raises ``FenceTimeoutError``, the batch fails and
    Spark replays it from the same manifest;
@@ -51,6 +52,7 @@ from .runtime import Fault, TaskSpec, fire, run_partition
 log = logging.getLogger(__name__)
 LAYOUT = "statestore_async.spark/1"
 FENCE_FAST_SECONDS = 3.0  # the fence checks for the batch's files every <= 50 ms this long, then every <= 0.5 s
+MATERIALIZE = ("auto", "checkpoint", "cache")  # how the output waits for the sink (see StatefulOperator)
 
 
 class OperatorConfigError(InterfaceError):
@@ -127,15 +129,24 @@ class StatefulOperator:
     columns per key (much less data crosses to Python; for associative state updates).
     ``coordinate``: keep track of where each partition runs and have daemons drop the copies that
     another node owns now (``coordinator``; best effort, correctness does not depend on it).
+    ``materialize``: how the output is kept between the job that computes it and the sink (unless
+    ``output_path`` is set): ``"checkpoint"`` — ``localCheckpoint``, the cheapest: blocks that are
+    never recomputed, so an executor lost before the sink has read them fails the batch (Spark
+    replays it; state stays exactly-once); ``"cache"`` — ``persist(MEMORY_AND_DISK)``, whose lost
+    blocks Spark recomputes by running the stateful stage again (that run's commit is in no
+    manifest); ``"auto"`` (default) — ``"checkpoint"`` in local mode (an executor is lost only with
+    the driver), ``"cache"`` on a cluster.
     """
 
     def __init__(self, checkpoint_root: str, operator_id: str, key_columns, processor, output_schema,
                  num_partitions: int, num_key_groups: int = DEFAULT_KEY_GROUPS, *, value_columns=None,
                  socket_path: str | None = None, daemon_env: dict | None = None, fence_timeout: float = 60.0,
                  s3_options: dict | None = None, output_path: str | None = None, pre_aggregate=None, faults=(),
-                 clock=time.time, coordinate: bool = True):
+                 clock=time.time, coordinate: bool = True, materialize: str = "auto"):
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
+        if materialize not in MATERIALIZE:
+            raise InterfaceError(f"materialize must be one of {', '.join(MATERIALIZE)}, got {materialize!r}")
         if isinstance(key_columns, str):
             key_columns = [key_columns]
         if not key_columns:
@@ -164,6 +175,7 @@ class StatefulOperator:
         self.clock = clock  # seconds; the TTL clock of a batch is read once, on the driver
         self.pre_aggregate = list(pre_aggregate) if pre_aggregate else None
         self.coordinator = Coordinator() if coordinate else None
+        self.materialize = materialize
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
 
@@ -259,7 +271,9 @@ class StatefulOperator:
                             columns=[*self.key_columns, *values]), values
 
     def process_batch(self, df, batch_id: int, sink=None):
-        """Run the operator on one micro-batch; returns the output DataFrame (already materialized)."""
+        """Run the operator on one micro-batch: the output goes to ``sink(output_df, batch_id)``, the
+        only place it can be read (its blocks are released when the sink returns). Returns the
+        batch's ``BatchProgress``."""
         from pyspark import StorageLevel
 
         t0 = time.perf_counter()
@@ -280,10 +294,15 @@ class StatefulOperator:
         out = routed.mapInArrow(self._task_fn(spec, acc), self.output_schema)
         tmp_dir = None
         prog.plan = time.perf_counter() - t0
-        if self.output_path:
+        mode = "parquet" if self.output_path else self.materialize_mode(spark)
+        if mode == "parquet":
             tmp_dir = f"{self.output_path.rstrip('/')}/{batch_id}-{uuid.uuid4().hex[:12]}"
             out.write.mode("errorifexists").parquet(tmp_dir)
             result = spark.read.schema(self.output_schema).parquet(tmp_dir)
+        elif mode == "checkpoint":
+            # one job; the blocks hold the output's rows as computed (no columnar cache to build: with
+            # ~630k output rows a batch takes ~0.3 s less than with persist), released after the sink
+            result = out = out.localCheckpoint(eager=True)
         else:
             out = out.persist(StorageLevel.MEMORY_AND_DISK)
             out.write.format("noop").mode("overwrite").save()
@@ -314,7 +333,9 @@ class StatefulOperator:
                 sink(result, batch_id)
             prog.sink = time.perf_counter() - t
         finally:
-            if tmp_dir is None:
+            if mode == "checkpoint":
+                _release_checkpoint(out)
+            elif mode == "cache":
                 out.unpersist()
             elif tmp_dir.startswith(("/", "file:")):
                 shutil.rmtree(tmp_dir.removeprefix("file://").removeprefix("file:"), ignore_errors=True)
@@ -328,7 +349,13 @@ class StatefulOperator:
         self.history.append(prog)
         log.info("operator %s batch %d: %d partitions committed, compute %.3fs fence %.3fs",
                  self.operator_id, batch_id, len(refs), prog.compute, prog.fence)
-        return result
+        return prog
+
+    def materialize_mode(self, spark) -> str:
+        """``"checkpoint"`` or ``"cache"``: ``materialize``, with ``"auto"`` resolved for this session."""
+        if self.materialize != "auto":
+            return self.materialize
+        return "checkpoint" if spark.sparkContext.master.startswith("local") else "cache"
 
     def _collect_reports(self, reports: list, prog: BatchProgress) -> dict[int, CheckpointRef]:
         refs: dict[int, CheckpointRef] = {}
@@ -375,6 +402,15 @@ class StatefulOperator:
 
     def __getstate__(self):
         raise InterfaceError("StatefulOperator lives on the driver; tasks get a TaskSpec")
+
+
+def _release_checkpoint(df) -> None:
+    """Drop the blocks of a locally checkpointed DataFrame now; otherwise they stay until the JVM's
+    garbage collector lets Spark's cleaner find the RDD (for a streaming query: many batches' outputs)."""
+    try:
+        df._jdf.logicalPlan().rdd().unpersist(False)
+    except Exception as exc:  # noqa: BLE001 - a plan that is not the checkpoint's LogicalRDD: leave it to the cleaner
+        log.warning("could not release the output's checkpoint blocks now (Spark's cleaner will): %s", exc)
 
 
 __all__ = ["StatefulOperator", "OperatorConfigError", "FenceTimeoutError", "DuplicateReportError", "BatchProgress"]
