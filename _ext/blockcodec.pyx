@@ -38,6 +38,7 @@ __all__ = [
     "read_block_header",
     "encode_records_raw",
     "decode_records_raw",
+    "key_group_range",
 ]
 
 MAGIC = b"\xb1\x0c"
@@ -260,6 +261,31 @@ def encode_records_raw(records):
         return PyBytes_FromStringAndSize(<char*>w.buf, w.len)
     finally:
         free(w.buf)
+
+
+def key_group_range(records, start, stop):
+    """See ``statestore_async._ref.blockcodec.key_group_range``."""
+    start = _check_int("start", start)
+    stop = _check_int("stop", stop)
+    cdef list recs = records if PyList_CheckExact(records) else list(records)
+    cdef Py_ssize_t n = PyList_GET_SIZE(recs)
+    if not 0 <= start < stop <= n:
+        raise InterfaceError(f"range {start}..{stop} is empty or outside 0..{n}")
+    cdef const unsigned char* kptr
+    cdef const unsigned char* vptr
+    cdef Py_ssize_t klen, vlen, i
+    cdef unsigned int kg, lo = 0xFFFF, hi = 0
+    cdef list keep = []
+    for i in range(<Py_ssize_t>start, <Py_ssize_t>stop):
+        _record(recs, i, &kptr, &klen, &vptr, &vlen, keep)
+        kg = ((<unsigned int>kptr[0]) << 8) | kptr[1] if klen >= 2 else 0
+        if kg < lo:
+            lo = kg
+        if kg > hi:
+            hi = kg
+        if PyList_GET_SIZE(keep):
+            del keep[:]
+    return lo, hi
 
 
 def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, level=3):

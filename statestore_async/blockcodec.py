@@ -42,6 +42,9 @@ Functions
     (``total_len``) the block needs; fewer than 24 bytes raise ``CorruptBlockError("truncated...")``.
 ``encode_records_raw(records) -> bytes`` / ``decode_records_raw(payload, count) -> list``
     The uncompressed payload alone, with the same validation.
+``key_group_range(records, start, stop) -> (min, max)``
+    The smallest and largest key group (a key's first two bytes, big-endian; 0 for a shorter key)
+    of ``records[start:stop]``, for a block's index entry; records are checked as for encoding.
 
 Bad arguments (negative offset/start/count, unknown codec for encoding, zstd level out of range)
 raise ``InterfaceError``; an object that is not bytes-like where bytes are read raises
@@ -63,6 +66,7 @@ decode_block = _impl.decode_block
 read_block_header = _impl.read_block_header
 encode_records_raw = _impl.encode_records_raw
 decode_records_raw = _impl.decode_records_raw
+key_group_range = _impl.key_group_range
 
 __all__ = [
     "HEADER_SIZE",
@@ -75,4 +79,5 @@ __all__ = [
     "read_block_header",
     "encode_records_raw",
     "decode_records_raw",
+    "key_group_range",
 ]

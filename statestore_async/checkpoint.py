@@ -140,12 +140,10 @@ class CheckpointWriter:
         n = len(records)
         while start < n:
             block, nxt = blockcodec.encode_block(records, start, self._block_bytes, self._codec, self._level)
-            kgs_first = _kg(records[start][0])
-            if self.kind == SNAPSHOT:
-                kgs_last = _kg(records[nxt - 1][0])
+            if self.kind == SNAPSHOT:  # sorted by key
+                kgs_first, kgs_last = _kg(records[start][0]), _kg(records[nxt - 1][0])
             else:
-                kgs = [_kg(r[0]) for r in records[start:nxt]]
-                kgs_first, kgs_last = min(kgs), max(kgs)
+                kgs_first, kgs_last = blockcodec.key_group_range(records, start, nxt)
             self._index.append(BlockIndexEntry(self._offset, len(block), nxt - start, kgs_first, kgs_last))
             self._parts.append(block)
             self._offset += len(block)

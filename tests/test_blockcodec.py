@@ -175,6 +175,34 @@ def test_encode_errors(codec, records, message):
         codec.encode_records_raw(records)
 
 
+def test_key_group_range(codec):
+    records = [(b"\x00\x07a", b"v"), (b"\x01\x00", None), (bytearray(b"\x00\x02"), b""), (b"\x09", b"short key")]
+    assert codec.key_group_range(records, 0, 3) == (2, 256)
+    assert codec.key_group_range(records, 1, 2) == (256, 256)
+    assert codec.key_group_range(records, 0, 4) == (0, 256)  # a key shorter than 2 bytes is group 0
+    assert codec.key_group_range(iter(records), 2, 3) == (2, 2)
+    for start, stop in ((0, 0), (2, 1), (-1, 2), (0, 5)):
+        with pytest.raises(InterfaceError, match="range"):
+            codec.key_group_range(records, start, stop)
+    with pytest.raises(InterfaceError, match="stop"):
+        codec.key_group_range(records, 0, 2.0)
+    with pytest.raises(EncodeError, match="record 1: key must be bytes-like"):
+        codec.key_group_range([(b"ok", b""), ("k", b"v")], 0, 2)
+
+
+@both
+@settings(max_examples=500, deadline=None)
+@given(records=st.lists(st.tuples(st.binary(max_size=4), st.none() | st.binary(max_size=4)), min_size=1, max_size=30),
+       data=st.data())
+def test_key_group_range_agrees(records, data):
+    start = data.draw(st.integers(0, len(records) - 1))
+    stop = data.draw(st.integers(start + 1, len(records)))
+    want = REF.key_group_range(records, start, stop)
+    assert NATIVE.key_group_range(records, start, stop) == want
+    groups = [(k[0] << 8) | k[1] if len(k) >= 2 else 0 for k, _ in records[start:stop]]
+    assert want == (min(groups), max(groups))
+
+
 # --- corruption --------------------------------------------------------------------------------------
 def small_block(codec, which):
     return codec.encode_block([(b"k1", b"v1" * 10), (b"k2", None), (b"", b"")], codec=which)[0]

@@ -25,6 +25,7 @@ __all__ = [
     "read_block_header",
     "encode_records_raw",
     "decode_records_raw",
+    "key_group_range",
 ]
 
 MAGIC = b"\xb1\x0c"
@@ -159,6 +160,21 @@ def encode_records_raw(records) -> bytes:
         key, value = _record(records, i)
         _append_record(out, key, value)
     return bytes(out)
+
+
+def key_group_range(records, start, stop) -> tuple[int, int]:
+    """``(min, max)`` of the key groups of ``records[start:stop]`` (a key's first two bytes,
+    big-endian; 0 for a shorter key)."""
+    start, stop = _check_int("start", start), _check_int("stop", stop)
+    if not isinstance(records, list):
+        records = list(records)
+    if not 0 <= start < stop <= len(records):
+        raise InterfaceError(f"range {start}..{stop} is empty or outside 0..{len(records)}")
+    groups = []
+    for i in range(start, stop):
+        key, _ = _record(records, i)
+        groups.append((key[0] << 8) | key[1] if len(key) >= 2 else 0)
+    return min(groups), max(groups)
 
 
 def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, level=3):
