@@ -55,6 +55,19 @@ def test_delta_round_trip_with_tombstones_and_header():
     assert f.footer.records == 3
 
 
+def test_delta_blocks_index_their_key_group_range():
+    s = make_store(n=400, groups=64)
+    keys = [k for k, _ in s.items()]
+    d = delta_of(s, [(k, b"x" * 20) for k in keys[::3]], keys[1::7])
+    data = encode_delta(d, block_bytes=256)
+    f = read_checkpoint(data, "d", expect=(SID, d.ref, DELTA))
+    assert len(f.footer.blocks) > 5
+    for b in f.footer.blocks:
+        recs = list(decode_blocks(data[b.offset:b.offset + b.length], "d", [b], base_offset=b.offset))
+        kgs = [key_group_of(k) for k, _ in recs]
+        assert len(recs) == b.count and (b.first_kg, b.last_kg) == (min(kgs), max(kgs))
+
+
 @pytest.mark.parametrize("codec", ["zstd", "none"])
 def test_snapshot_is_grouped_by_key_group_with_an_index(codec):
     s = make_store(n=5000, groups=512)
