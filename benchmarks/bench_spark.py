@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_spark.py            # K = 100k and 1M, B = 1M rows/batch, 1+5 batches
     .venv/bin/python benchmarks/bench_spark.py --quick    # K = 20k, B = 200k, 1+2 batches
+    .venv/bin/python benchmarks/bench_spark.py --keys 10000 --rows 20000 --conf spark.some.setting=value
 
 Rows ``(key 'k%08d', value int64 in [0, 1000))``, parquet input (2 files per batch) read by the file
 source with ``maxFilesPerTrigger=2`` and ``Trigger.AvailableNow``; local[2], 2 state partitions;
@@ -271,7 +272,15 @@ def main() -> int:
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="discarded rounds of every peer before measuring (warms the shared JVM; default 1)")
     ap.add_argument("--warmup-rows", type=int, default=None, help="rows per batch of the warm-up rounds (default B/2)")
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="an extra Spark setting for the session every peer shares (repeatable)")
     a = ap.parse_args()
+    confs = []
+    for c in a.conf:
+        key, sep, value = c.partition("=")
+        if not sep or not key:
+            ap.error(f"--conf takes KEY=VALUE, got {c!r}")
+        confs.append((key, value))
     keys = [int(k) for k in (a.keys or ("20000" if a.quick else "100000,1000000")).split(",")]
     rows = a.rows or (200_000 if a.quick else 1_000_000)
     measured = a.batches or (2 if a.quick else 5)
@@ -283,11 +292,13 @@ def main() -> int:
     from pyspark.sql import SparkSession
 
     work = tempfile.mkdtemp(prefix="bench-spark-")
-    spark = (SparkSession.builder.master("local[2]").appName("bench_spark").config("spark.ui.enabled", "false")
+    builder = (SparkSession.builder.master("local[2]").appName("bench_spark").config("spark.ui.enabled", "false")
              .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
              .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
-             .getOrCreate())
+             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp")))
+    for key, value in confs:
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     from pyspark.sql import functions as F
 
