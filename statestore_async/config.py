@@ -86,6 +86,9 @@ class DaemonConfig:
     upload_concurrency: int = field(default=8, metadata={"help": "parallel uploads", "parse": int})
     upload_queue_bytes: int = field(default=256 << 20, metadata={"help": "bytes queued for upload before commits wait", "parse": parse_size})
     drain_timeout: float = field(default=60.0, metadata={"help": "seconds SIGTERM waits for queued uploads", "parse": float})
+    exit_when_idle: float = field(default=0.0, metadata={
+        "help": "exit (as on SIGTERM) after this many seconds with no client connected and no upload pending; 0 = never",
+        "parse": float})
     s3_endpoint_url: str = field(default="", metadata={"help": "S3 endpoint (empty: AWS default)"})
     s3_region: str = field(default="", metadata={"help": "S3 region (empty: AWS chain)"})
     s3_sse: str = field(default="", metadata={"help": "server-side encryption: '', AES256 or aws:kms",
@@ -99,6 +102,8 @@ class DaemonConfig:
     def __post_init__(self):
         if self.retention_versions < 2:
             raise InterfaceError("retention_versions must be at least 2")
+        if self.exit_when_idle < 0:
+            raise InterfaceError("exit_when_idle must be >= 0 (0: never)")
         for name in ("snapshot_interval", "upload_concurrency", "max_batch", "max_inflight"):
             if getattr(self, name) < 1:
                 raise InterfaceError(f"{name} must be at least 1")

@@ -69,6 +69,8 @@ GIL_SWITCH_INTERVAL = 0.0005
 # The memory budget is checked this long after a commit, off the request's path: summing every
 # store's memory costs O(stores), and a burst of commits needs one check, not one each.
 BUDGET_CHECK_DELAY = 0.05
+# With exit_when_idle, a daemon idle that long but with an upload still running looks again this often.
+IDLE_RECHECK = 1.0
 
 log = logging.getLogger("statestore_async.daemon")
 
@@ -164,6 +166,7 @@ class _Connection(asyncio.Protocol):
             return
         d.connections.add(self)
         d.counters["connections"] += 1
+        d.watch_idle()
         log.debug("connection from pid %s uid %s", pid, uid)
 
     def data_received(self, data):
@@ -178,6 +181,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc):
         self.closed = True
         self.daemon.connections.discard(self)
+        self.daemon.watch_idle()
         for w in self.handles.values():
             if w.state is State.UPDATING:
                 w.abort()
@@ -450,6 +454,10 @@ class Daemon:
         self._server = None
         self._metrics_server = None
         self._budget_check: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        #: set when ``exit_when_idle`` seconds passed with no client and no upload: ``serve`` then stops
+        self.idle_exit = asyncio.Event()
+        self._socket_inode: tuple[int, int] | None = None
         self._started = time.monotonic()
         self.counters = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "aborted_on_disconnect": 0,
                          "commits_waited": 0, "max_inflight_seen": 0}
@@ -492,10 +500,34 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: _Connection(self), path=cfg.socket, backlog=1024)
         os.chmod(cfg.socket, cfg.socket_mode)
+        st = os.lstat(cfg.socket)
+        self._socket_inode = (st.st_dev, st.st_ino)
+        self.watch_idle()
         if cfg.metrics_port:
             self._metrics_server = start_metrics(self, cfg.metrics_host, cfg.metrics_port)
         log.info("serving on %s (mode %04o, uids %s, loop %s, pid %d)", cfg.socket, cfg.socket_mode,
                  list(self.allowed_uids), type(loop).__module__, os.getpid())
+
+    def watch_idle(self) -> None:
+        """With ``exit_when_idle``: count down while no client is connected, stop counting otherwise."""
+        delay = self.config.exit_when_idle
+        if self.connections or self.stopping or delay <= 0:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
+        elif self._idle_timer is None:
+            self._idle_timer = asyncio.get_running_loop().call_later(delay, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle_timer = None
+        if self.connections or self.stopping:
+            return
+        if self.uploader is not None and not self.uploader.idle:
+            # a delta still on its way to the object store: look again shortly
+            self._idle_timer = asyncio.get_running_loop().call_later(IDLE_RECHECK, self._idle_expired)
+            return
+        log.info("no client for %.0fs and no upload pending: exiting", self.config.exit_when_idle)
+        self.idle_exit.set()
 
     def _on_durable(self, store_id, ref, nbytes, lineage) -> None:
         self.maintenance.note_durable(store_id, ref, nbytes, lineage)
@@ -551,6 +583,7 @@ class Daemon:
         if self._budget_check is not None:
             self._budget_check.cancel()
             self._budget_check = None
+        self.watch_idle()
         drained = True
         if self.uploader is not None:
             drained = await self.uploader.drain(cfg.drain_timeout)
@@ -565,7 +598,10 @@ class Daemon:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         try:
-            if self._server is not None and stat.S_ISSOCK(os.lstat(cfg.socket).st_mode):
+            # only our own socket: a daemon started while this one was stopping has bound a new
+            # socket at the same path
+            st = os.lstat(cfg.socket)
+            if self._socket_inode == (st.st_dev, st.st_ino) and stat.S_ISSOCK(st.st_mode):
                 os.unlink(cfg.socket)
         except FileNotFoundError:
             pass
@@ -633,7 +669,8 @@ def configure_logging(config: DaemonConfig) -> None:
 
 # --- running it -----------------------------------------------------------------------------------
 async def serve(config: DaemonConfig, *, open_objstore=None) -> int:
-    """Run the daemon until SIGTERM or SIGINT; then stop gracefully. Returns the exit code (0)."""
+    """Run the daemon until SIGTERM or SIGINT (or, with ``exit_when_idle``, until it is idle that long);
+    then stop gracefully. Returns the exit code (0)."""
     daemon = Daemon(config, open_objstore=open_objstore)
     await daemon.start()
     # Everything loaded so far lives as long as the process (botocore's service models alone are
@@ -645,10 +682,13 @@ async def serve(config: DaemonConfig, *, open_objstore=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(daemon.idle_exit.wait())]
     try:
-        await stop.wait()
-        log.info("signal received")
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        log.info("signal received" if stop.is_set() else "idle: stopping")
     finally:
+        for w in waits:
+            w.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await daemon.stop()

@@ -116,6 +116,11 @@ class Uploader:
             self._workers[up.store_id] = asyncio.get_running_loop().create_task(self._run_store(up.store_id))
         return up
 
+    @property
+    def idle(self) -> bool:
+        """True when no upload is queued or running."""
+        return self._idle.is_set()
+
     def would_admit(self, size: int) -> bool:
         """Whether a delta of ``size`` queue bytes enqueued now is admitted at once."""
         return not self._waiting and self._has_room(size)

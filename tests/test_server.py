@@ -362,6 +362,51 @@ async def test_socket_file_mode_stale_socket_and_live_daemon(make_daemon, sockdi
     assert not os.path.exists(path)
 
 
+# --- exit_when_idle --------------------------------------------------------------------------------------
+async def test_exit_when_idle_counts_only_while_no_client_is_connected(make_daemon):
+    d = await make_daemon(exit_when_idle=1.0)
+    async with AsyncClient(d.config.socket) as c:
+        await asyncio.sleep(1.5)
+        assert await c.ping() == b"" and not d.idle_exit.is_set()  # a connected client keeps it
+    gone = asyncio.get_running_loop().time()
+    await asyncio.wait_for(d.idle_exit.wait(), 10)
+    assert asyncio.get_running_loop().time() - gone >= 0.9
+
+
+async def test_exit_when_idle_waits_for_pending_uploads(make_daemon, root):
+    d = await make_daemon(exit_when_idle=0.2)
+    gate = asyncio.Event()
+    store = d.objstores(root)
+    real = store.put_if_absent
+
+    async def slow_put(k, data):
+        await gate.wait()
+        return await real(k, data)
+
+    store.put_if_absent = slow_put
+    async with AsyncClient(d.config.socket) as c:
+        h = await c.open(StoreId(root, "idle", 0), 0)
+        await h.put_many([(key(1), b"x")])
+        await h.commit()
+    await asyncio.sleep(1.0)
+    assert not d.idle_exit.is_set()  # the delta is not in the object store yet
+    gate.set()
+    await asyncio.wait_for(d.idle_exit.wait(), 10)
+
+
+async def test_stop_leaves_a_socket_that_another_daemon_bound_at_the_path(make_daemon):
+    d = await make_daemon()
+    path = d.config.socket
+    os.unlink(path)  # as a daemon started while this one stops: it removed the old file and bound anew
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(path)
+    try:
+        await d.stop()
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    finally:
+        other.close()
+
+
 # --- the daemon as a process: SIGTERM finishes requests and drains uploads -----------------------------
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
 def test_sigterm_drains_uploads_and_exits_0(sockdir, tmp_path, loop):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
 
 import numpy as np
@@ -229,6 +230,35 @@ def test_autostart_is_race_free(tmp_path):
         shutil.rmtree(folder, ignore_errors=True)
     with pytest.raises(placement.DaemonUnavailableError):
         placement.connect(path, autostart=False)
+
+
+def test_an_autostarted_daemon_exits_once_idle(sockdir):
+    """A daemon a task starts goes away when no client has been connected for a while (600 s by
+    default, ``STATESTORE_EXIT_WHEN_IDLE`` otherwise), so it does not outlive the application forever."""
+    import time
+
+    quick, default = f"{sockdir}/q/d.sock", f"{sockdir}/p/d.sock"
+    try:
+        placement.start_daemon(quick, env={"STATESTORE_EXIT_WHEN_IDLE": "0.5"})
+        placement.start_daemon(default)
+        with open(f"/proc/{placement.daemon_pid(default)}/environ", "rb") as f:
+            assert f"STATESTORE_EXIT_WHEN_IDLE={placement.AUTOSTART_EXIT_WHEN_IDLE}".encode() in f.read().split(b"\0")
+        pid = placement.daemon_pid(quick)
+        c = Client(quick)
+        c.ping()
+        time.sleep(1.5)
+        assert c.ping() == b"" and os.path.exists(quick)  # a client is connected: it stays
+        c.close()
+        deadline = time.monotonic() + 20
+        # (watched without connecting: a connection is a client, and would keep it)
+        while os.path.exists(f"/proc/{pid}") and not placement._zombie(pid):
+            assert time.monotonic() < deadline, "the idle daemon did not exit"
+            time.sleep(0.1)
+        assert not os.path.exists(quick)
+        assert placement.daemon_pid(default) is not None
+    finally:
+        placement.stop_daemon(quick)
+        placement.stop_daemon(default)
 
 
 def test_operator_arguments_are_checked(tmp_path):

@@ -7,7 +7,9 @@ autostart below) and its executors get the node's socket path through their envi
 Autostart: when nothing answers at the socket, the caller takes an ``fcntl`` lock on
 ``<socket>.lock`` (so concurrent tasks start one daemon, not several), checks again, and starts
 ``python -m statestore_async.cli serve --socket <socket>`` detached in its own session, logging to
-``<socket dir>/daemon.log``; then it waits until the daemon answers PING.
+``<socket dir>/daemon.log``; then it waits until the daemon answers PING. Such a daemon exits
+``AUTOSTART_EXIT_WHEN_IDLE`` seconds after its last client went away (the Spark application ended,
+or its workers idled out), unless ``STATESTORE_EXIT_WHEN_IDLE`` says otherwise (``0``: never).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ..client import Client
 from ..config import default_socket_path
 from ..errors import ConnectionLostError, StateStoreError
 
+AUTOSTART_EXIT_WHEN_IDLE = 600  # seconds
 _STARTED: list[subprocess.Popen] = []  # keep Popen objects alive (no ResourceWarning, reaped lazily)
 
 
@@ -62,8 +65,12 @@ def start_daemon(path: str, *, env: dict | None = None, args: list[str] | None =
                 p.poll()
             log = open(os.path.join(folder, "daemon.log"), "ab")
             cmd = [sys.executable, "-m", "statestore_async.cli", "serve", "--socket", path, *(args or [])]
+            child_env = {**os.environ, **(env or {})}
+            # a daemon a task started outlives the Spark application unless told otherwise: it goes
+            # once no worker has been connected for a while (its state is in the object store)
+            child_env.setdefault("STATESTORE_EXIT_WHEN_IDLE", str(AUTOSTART_EXIT_WHEN_IDLE))
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {})}, start_new_session=True, close_fds=True)
+                                    env=child_env, start_new_session=True, close_fds=True)
             log.close()
             _STARTED.append(proc)
             deadline = time.monotonic() + timeout
