@@ -66,8 +66,8 @@ def start_daemon(path: str, *, env: dict | None = None, args: list[str] | None =
             log = open(os.path.join(folder, "daemon.log"), "ab")
             cmd = [sys.executable, "-m", "statestore_async.cli", "serve", "--socket", path, *(args or [])]
             child_env = {**os.environ, **(env or {})}
-            # a daemon a task started outlives the Spark application unless told otherwise: it goes
-            # once no worker has been connected for a while (its state is in the object store)
+            # left alone, a daemon a task started would outlive the Spark application: it exits once
+            # no worker has been connected for a while (its state is in the object store)
             child_env.setdefault("STATESTORE_EXIT_WHEN_IDLE", str(AUTOSTART_EXIT_WHEN_IDLE))
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=child_env, start_new_session=True, close_fds=True)
