@@ -237,8 +237,8 @@ async def test_commits_check_the_budget_shortly_after_once_per_burst(make_daemon
         assert 1 <= len(checks) <= 3  # one per burst (of commits, then of uploads settling)
 
 
-async def test_an_idle_store_with_uploads_pending_is_not_evicted(make_daemon, root):
-    d = await make_daemon(memory_budget=1)
+def hold_uploads(d, root) -> asyncio.Event:
+    """Make the daemon's uploads to ``root`` wait until the returned event is set."""
     gate = asyncio.Event()
     store = d.objstores(root)
     real = store.put_if_absent
@@ -248,6 +248,12 @@ async def test_an_idle_store_with_uploads_pending_is_not_evicted(make_daemon, ro
         return await real(k, data)
 
     store.put_if_absent = slow_put
+    return gate
+
+
+async def test_an_idle_store_with_uploads_pending_is_not_evicted(make_daemon, root):
+    d = await make_daemon(memory_budget=1)
+    gate = hold_uploads(d, root)
     sid = StoreId(root, "pend", 0)
     async with AsyncClient(d.config.socket) as c:
         h = await c.open(sid, 0)
@@ -375,15 +381,7 @@ async def test_exit_when_idle_counts_only_while_no_client_is_connected(make_daem
 
 async def test_exit_when_idle_waits_for_pending_uploads(make_daemon, root):
     d = await make_daemon(exit_when_idle=0.2)
-    gate = asyncio.Event()
-    store = d.objstores(root)
-    real = store.put_if_absent
-
-    async def slow_put(k, data):
-        await gate.wait()
-        return await real(k, data)
-
-    store.put_if_absent = slow_put
+    gate = hold_uploads(d, root)
     async with AsyncClient(d.config.socket) as c:
         h = await c.open(StoreId(root, "idle", 0), 0)
         await h.put_many([(key(1), b"x")])
