@@ -12,6 +12,9 @@ the same B keys back:
               pipeline per round: MSET + MGET (SET + GET at batch 1)
   (d) arrow   the same client and daemon, batches as pyarrow binary arrays: put_many_arrow +
               get_many_arrow (no Python object per key or value on the client; needs pyarrow)
+  (e) floor   the same client against a server with no engine (``--bare-server``, its own process,
+              uvloop): our protocol and socket, PUT_MANY answered with its count, GET_MANY with a
+              fixed 32-byte value per key. What (b) could reach with an infinitely fast store.
 
 Round-trip latency p50/p99 is measured at batch 1 (one get_many / one GET per round trip).
 """
@@ -137,12 +140,79 @@ def start_redis(exe: str, folder: str):
             time.sleep(0.05)
 
 
+# --- (e): the protocol and the socket without an engine ---------------------------------------------------
+BARE_VALUE = b"v" * 32
+
+
+def bare_server(path: str) -> None:
+    """Serve HELLO, OPEN, PING, PUT_MANY, GET_MANY and ABORT with the daemon's protocol code and no
+    store: the floor under (b). Runs until killed."""
+    import asyncio
+
+    import uvloop
+
+    from statestore_async.ids import CheckpointRef
+    from statestore_async.protocol import Abort, GetMany, Hello, Op, Open, Ping, PutMany, ServerProtocol
+
+    limits = {"max_frame_bytes": 64 << 20, "max_batch": 100_000, "max_inflight": 64, "daemon": "bare"}
+
+    class Bare(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+            self.proto = ServerProtocol(max_batch=limits["max_batch"])
+
+        def data_received(self, data):
+            proto = self.proto
+            proto.receive_data(data)
+            for ev in proto.events():
+                rid = ev.request_id
+                cls = ev.__class__
+                if cls is GetMany:
+                    out = proto.send_values(rid, [BARE_VALUE] * len(ev.keys))
+                elif cls is PutMany:
+                    out = proto.send_count(rid, Op.PUT_MANY, len(ev.items))
+                elif cls is Hello:
+                    out = proto.send_hello(rid, limits)
+                elif cls is Open:
+                    out = proto.send_opened(rid, 1, CheckpointRef(ev.version, ev.ckptid or ""))
+                elif cls is Ping:
+                    out = proto.send_pong(rid, ev.payload)
+                elif cls is Abort:
+                    out = proto.send_aborted(rid)
+                else:
+                    raise SystemExit(f"the bare server does not serve {cls.__name__}")
+                self.transport.write(out)
+
+    async def main():
+        server = await asyncio.get_running_loop().create_unix_server(Bare, path=path)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(main())
+
+
+def start_bare_server(folder: str) -> tuple[subprocess.Popen, str]:
+    sock = f"{folder}/bare.sock"
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bare-server", sock],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            Client(sock, connect_timeout=1).ping()
+            return proc, sock
+        except StateStoreError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the bare server did not start")
+            time.sleep(0.05)
+
+
 # --- the table ------------------------------------------------------------------------------------------
 def bench(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     all_keys, all_values = keys_and_values(KEY_POOL)
     folder = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
     daemon, sock = start_daemon(folder)
+    bare, bare_sock = start_bare_server(folder)
     redis_exe = None if args.no_redis else ensure_redis_server()
     redis_proc, r = start_redis(redis_exe, folder) if redis_exe else (None, None)
     rows = []
@@ -153,6 +223,8 @@ def bench(args) -> None:
     try:
         client = Client(sock)
         h = client.open(StoreId(f"file://{folder}/root", "bench", 0), 0)
+        bare_client = Client(bare_sock)
+        hb = bare_client.open(StoreId(f"file://{folder}/root", "bench", 0), 0)
         for b in batches:
             keys = [all_keys[i % KEY_POOL] for i in range(b)]
             items = list(zip(keys, [all_values[i % KEY_POOL] for i in range(b)]))
@@ -167,8 +239,13 @@ def bench(args) -> None:
                 h.put_many(items)
                 h.get_many(keys)
 
+            def bare_round():
+                hb.put_many(items)
+                hb.get_many(keys)
+
             a = run_for(args.seconds, dict_round, 2 * b)
             c_ops = run_for(args.seconds, daemon_round, 2 * b)
+            floor = run_for(args.seconds, bare_round, 2 * b)
             if pa is not None:
                 akeys, avalues = pa.array(keys, pa.binary()), pa.array([v for _, v in items], pa.binary())
 
@@ -197,7 +274,7 @@ def bench(args) -> None:
                 rd = run_for(args.seconds, redis_round, 2 * b)
             else:
                 rd = float("nan")
-            rows.append((b, a, c_ops, rd, ar))
+            rows.append((b, a, c_ops, rd, ar, floor))
         p50, p99 = latencies(lambda: h.get_many(all_keys[:1]), 5000)
         if r is not None:
             rp50, rp99 = latencies(lambda: r.get(all_keys[0]), 5000)
@@ -205,8 +282,11 @@ def bench(args) -> None:
             rp50 = rp99 = float("nan")
         h.abort()
         client.close()
+        bare_client.close()
     finally:
         stop(daemon)
+        bare.kill()
+        bare.wait()
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait()
@@ -221,9 +301,10 @@ def show(rows, lat) -> None:
     except ImportError:  # pragma: no cover
         Console = None
     headers = ["batch", "(a) dict ops/s", "(b) daemon ops/s", "(c) redis ops/s", "(b)/(a)", "(b)/(c)",
-               "(d) arrow ops/s", "(d)/(a)", "(d)/(c)"]
+               "(d) arrow ops/s", "(d)/(a)", "(d)/(c)", "(e) floor ops/s", "(e)/(a)", "(b)/(e)"]
     body = [[f"{b}", f"{a:,.0f}", f"{c:,.0f}", f"{rd:,.0f}", f"{c / a:.1%}", f"{c / rd:.2f}x",
-             f"{ar:,.0f}", f"{ar / a:.1%}", f"{ar / rd:.2f}x"] for b, a, c, rd, ar in rows]
+             f"{ar:,.0f}", f"{ar / a:.1%}", f"{ar / rd:.2f}x", f"{fl:,.0f}", f"{fl / a:.1%}", f"{c / fl:.1%}"]
+            for b, a, c, rd, ar, fl in rows]
     title = (f"round trip at batch 1: daemon p50 {lat[0]:.0f} µs p99 {lat[1]:.0f} µs | "
              f"redis GET p50 {lat[2]:.0f} µs p99 {lat[3]:.0f} µs")
     if Console is not None:
@@ -238,7 +319,7 @@ def show(rows, lat) -> None:
         for row in body:
             print(" | ".join(row))
         print(title)
-    big = [(b, a, c, rd) for b, a, c, rd, _ in rows if b >= 1024]
+    big = [(b, a, c, rd) for b, a, c, rd, _, _ in rows if b >= 1024]
     if big:
         ok_a = all(c >= 0.5 * a for _, a, c, _ in big)
         ok_c = all(c >= 3 * rd for _, _, c, rd in big if rd == rd)
@@ -337,8 +418,11 @@ def main() -> None:
     ap.add_argument("--no-redis", action="store_true")
     ap.add_argument("--frames", type=int, default=0, help="fire N random/mutated frames instead")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--bare-server", metavar="SOCKET", help=argparse.SUPPRESS)  # (e)'s server process
     args = ap.parse_args()
-    if args.frames:
+    if args.bare_server:
+        bare_server(args.bare_server)
+    elif args.frames:
         fire_frames(args)
     else:
         bench(args)
