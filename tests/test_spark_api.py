@@ -261,6 +261,50 @@ def test_an_autostarted_daemon_exits_once_idle(sockdir):
         placement.stop_daemon(default)
 
 
+def test_the_driver_keeps_one_object_store_on_one_loop():
+    """The operator's manifest reads, fence and manifest writes share one store on one I/O thread,
+    whichever thread calls; errors reach the caller; close() and collection close the store."""
+    import gc
+    import threading
+
+    from statestore_async.spark.operator import _DriverIO
+
+    opened = []
+
+    class Store:
+        closed = False
+
+        async def where(self):
+            return threading.get_ident()
+
+        async def close(self):
+            self.closed = True
+
+    def open_store():
+        opened.append(Store())
+        return opened[-1]
+
+    io = _DriverIO(open_store)
+    seen = [io.run(lambda store: store.where())]
+    t = threading.Thread(target=lambda: seen.append(io.run(lambda store: store.where())))
+    t.start()
+    t.join()
+    assert len(opened) == 1 and seen[0] == seen[1] != threading.get_ident()
+
+    async def fail(store):
+        raise errors.VersionNotFoundError("no manifest")
+
+    with pytest.raises(errors.VersionNotFoundError):
+        io.run(fail)
+    io.close()
+    assert opened[0].closed
+    io.run(lambda store: store.where())
+    assert len(opened) == 2
+    del io
+    gc.collect()
+    assert opened[1].closed
+
+
 def test_operator_arguments_are_checked(tmp_path):
     with pytest.raises(errors.InterfaceError, match="StatefulProcessor"):
         StatefulOperator(str(tmp_path), "op", ["k"], object(), OUT, 2)

@@ -35,8 +35,10 @@ import asyncio
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 
 from ..errors import InterfaceError, VersionError, VersionNotFoundError
@@ -176,6 +178,7 @@ class StatefulOperator:
         self.pre_aggregate = list(pre_aggregate) if pre_aggregate else None
         self.coordinator = Coordinator() if coordinate else None
         self.materialize = materialize
+        self._io = _DriverIO(self._objstore)
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
 
@@ -191,14 +194,13 @@ class StatefulOperator:
         return open_object_store(self.root)
 
     def _run(self, coro_fn):
-        async def go():
-            store = self._objstore()
-            try:
-                return await coro_fn(store)
-            finally:
-                await store.close()
+        """``await coro_fn(object_store)`` on the operator's I/O loop; its result."""
+        return self._io.run(coro_fn)
 
-        return asyncio.run(go())
+    def close(self) -> None:
+        """Close the driver's object store connection and its I/O thread (optional: the thread is a
+        daemon thread; the next batch opens them again)."""
+        self._io.close()
 
     def base_manifest(self, batch_id: int) -> Manifest:
         """The manifest batch ``batch_id`` reads (version ``batch_id``), checked against the settings."""
@@ -402,6 +404,53 @@ class StatefulOperator:
 
     def __getstate__(self):
         raise InterfaceError("StatefulOperator lives on the driver; tasks get a TaskSpec")
+
+
+class _DriverIO:
+    """The driver's object store, kept for the operator's life: one event loop in a daemon thread
+    (foreachBatch may call from any thread) and one store on it. A fresh loop and S3 client per
+    call cost ~30 ms each against a local S3 server (vs ~1.5 ms for a HEAD on a warm client), and a
+    batch makes three calls: manifest read, fence, manifest write. Closed by ``close()``, when the
+    operator is collected, or at exit."""
+
+    def __init__(self, open_store):
+        self._open_store = open_store
+        self._lock = threading.Lock()
+        self._io: dict = {}  # loop, thread, store: shared with the finalizer, which must not hold self
+        self._finalizer = weakref.finalize(self, _DriverIO._shutdown, self._io, self._lock)
+
+    def run(self, coro_fn):
+        io = self._io
+        with self._lock:
+            if "loop" not in io:
+                io["loop"] = asyncio.new_event_loop()
+                io["thread"] = threading.Thread(target=io["loop"].run_forever, name="statestore-driver-io",
+                                                daemon=True)
+                io["thread"].start()
+            loop = io["loop"]
+        return asyncio.run_coroutine_threadsafe(self._call(coro_fn), loop).result()
+
+    async def _call(self, coro_fn):
+        if self._io.get("store") is None:
+            self._io["store"] = self._open_store()
+        return await coro_fn(self._io["store"])
+
+    def close(self) -> None:
+        _DriverIO._shutdown(self._io, self._lock)
+
+    @staticmethod
+    def _shutdown(io: dict, lock) -> None:
+        with lock:
+            loop, thread, store = io.pop("loop", None), io.pop("thread", None), io.pop("store", None)
+        if loop is None:
+            return
+        try:
+            if store is not None:
+                asyncio.run_coroutine_threadsafe(store.close(), loop).result(timeout=30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(30)
+            loop.close()
 
 
 def _release_checkpoint(df) -> None:
