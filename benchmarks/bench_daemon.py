@@ -75,17 +75,22 @@ def latencies(fn, count: int) -> tuple[float, float]:
 # --- the daemon -----------------------------------------------------------------------------------------
 def start_daemon(folder: str, *extra: str) -> tuple[subprocess.Popen, str]:
     sock = f"{folder}/d.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock,
-                             "--log-level", "warning", "--max-batch", "100000", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return _start([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock, "--log-level", "warning",
+                   "--max-batch", "100000", *extra], sock, "the daemon"), sock
+
+
+def _start(cmd: list, sock: str, what: str) -> subprocess.Popen:
+    """Start ``cmd``, a server at ``sock``, and wait until it answers PING."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
     while True:
         try:
             Client(sock, connect_timeout=1).ping()
-            return proc, sock
+            return proc
         except StateStoreError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the daemon did not start")
+                proc.kill()
+                raise SystemExit(f"{what} did not start")
             time.sleep(0.05)
 
 
@@ -193,17 +198,7 @@ def bare_server(path: str) -> None:
 
 def start_bare_server(folder: str) -> tuple[subprocess.Popen, str]:
     sock = f"{folder}/bare.sock"
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bare-server", sock],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            Client(sock, connect_timeout=1).ping()
-            return proc, sock
-        except StateStoreError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the bare server did not start")
-            time.sleep(0.05)
+    return _start([sys.executable, os.path.abspath(__file__), "--bare-server", sock], sock, "the bare server"), sock
 
 
 # --- the table ------------------------------------------------------------------------------------------
