@@ -19,6 +19,11 @@ Figure: input rows / ``durationMs.triggerExecution``, median of the measured bat
   P4 redis         foreachBatch + mapInArrow, pyarrow pre-aggregation, MGET/MSET to a local
                    redis-server (not durable, not exactly-once)
 
+Not run unless named in ``--peers``: ``floor-vec`` and ``floor-pre``, Spark's part of our operator
+alone — each batch's files read as a static DataFrame, our routing shuffle (``floor-pre``: and the
+pre-aggregation), handed to a Python function that only counts the rows, noop write. No state, no
+streaming bookkeeping: a bound that neither ``ours vectorized`` nor ``ours … pre-agg`` can pass.
+
 The JVM is shared by every peer of a run. Its JIT compiler warms up over several batches (a batch
 of the same plan runs ~2x slower on a cold JVM), so whichever peer ran first would pay for it: unless
 ``--warmup-rounds 0``, each selected peer first runs once on a smaller input (``--warmup-rows``, its
@@ -185,6 +190,32 @@ def p2(spark, src, work, timeout):
     return fig
 
 
+def spark_floor(spark, src, batch_rows: int, pre: bool) -> dict:
+    """Our operator's Spark side alone on each batch of ``src`` (see the module docstring)."""
+    from pyspark.sql import functions as F
+
+    from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
+
+    def count(batches):
+        yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
+
+    files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
+    times = []
+    for i in range(0, len(files), 2):  # a micro-batch is 2 files (maxFilesPerTrigger)
+        t = time.perf_counter()
+        df = spark.read.schema("key string, value bigint").parquet(*files[i:i + 2])
+        if pre:
+            routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(
+                F.count("*").alias("n"), F.sum("value").alias("s"))
+        else:
+            routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
+        routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
+        times.append(time.perf_counter() - t)
+    measured = times[1:] or times
+    ms = statistics.median(measured) * 1000
+    return {"rows_s": batch_rows / ms * 1000, "batches": len(measured), "batch_ms": ms, "correct": "n/a (no state)"}
+
+
 def p4(spark, src, work, oracle, timeout):
     import redis
 
@@ -306,7 +337,8 @@ def main() -> int:
 
     wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
               "p1": "P1 hdfs (default)", "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
-              "p4": "P4 redis pre-aggregated"}
+              "p4": "P4 redis pre-aggregated", "floor-vec": "Spark floor, vectorized input (no state)",
+              "floor-pre": "Spark floor, pre-aggregated input (no state)"}
     unknown = [p for p in peers if p not in wanted]
     if unknown:
         ap.error(f"unknown peers {unknown}; choose from {sorted(wanted)}")
@@ -330,6 +362,8 @@ def main() -> int:
             "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
             "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),
             "P4 redis pre-aggregated": lambda d: p4(spark, src, d, oracle, a.timeout),
+            "Spark floor, vectorized input (no state)": lambda d: spark_floor(spark, src, batch_rows, False),
+            "Spark floor, pre-aggregated input (no state)": lambda d: spark_floor(spark, src, batch_rows, True),
         }
         out = []
         for short in peers:
