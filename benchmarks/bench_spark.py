@@ -23,6 +23,10 @@ Not run unless named in ``--peers``: ``floor-vec`` and ``floor-pre``, Spark's pa
 alone — each batch's files read as a static DataFrame, our routing shuffle (``floor-pre``: and the
 pre-aggregation), handed to a Python function that only counts the rows, noop write. No state, no
 streaming bookkeeping: a bound that neither ``ours vectorized`` nor ``ours … pre-agg`` can pass.
+``floor-jvm``: the same harness with Spark's own ``groupBy(key).agg(count, sum)`` in place of our
+routing — Spark aggregates each input task's rows before one shuffle by its hash of the key, as
+P1 does; our routing by key group has to shuffle every row first. ``floor-jvm`` over ``floor-pre``
+is what that costs.
 
 The JVM is shared by every peer of a run. Its JIT compiler warms up over several batches (a batch
 of the same plan runs ~2x slower on a cold JVM), so whichever peer ran first would pay for it: unless
@@ -190,8 +194,9 @@ def p2(spark, src, work, timeout):
     return fig
 
 
-def spark_floor(spark, src, batch_rows: int, pre: bool) -> dict:
-    """Our operator's Spark side alone on each batch of ``src`` (see the module docstring)."""
+def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
+    """Our operator's Spark side alone on each batch of ``src`` (``plan``: "vec", "pre"), or Spark's own
+    aggregation in the same harness ("jvm"); see the module docstring."""
     from pyspark.sql import functions as F
 
     from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
@@ -204,9 +209,11 @@ def spark_floor(spark, src, batch_rows: int, pre: bool) -> dict:
     for i in range(0, len(files), 2):  # a micro-batch is 2 files (maxFilesPerTrigger)
         t = time.perf_counter()
         df = spark.read.schema("key string, value bigint").parquet(*files[i:i + 2])
-        if pre:
-            routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(
-                F.count("*").alias("n"), F.sum("value").alias("s"))
+        aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
+        if plan == "pre":
+            routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
+        elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
+            routed = df.groupBy("key").agg(*aggs)
         else:
             routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
         routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
@@ -338,7 +345,8 @@ def main() -> int:
     wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
               "p1": "P1 hdfs (default)", "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
               "p4": "P4 redis pre-aggregated", "floor-vec": "Spark floor, vectorized input (no state)",
-              "floor-pre": "Spark floor, pre-aggregated input (no state)"}
+              "floor-pre": "Spark floor, pre-aggregated input (no state)",
+              "floor-jvm": "Spark floor, Spark's own aggregation (no state)"}
     unknown = [p for p in peers if p not in wanted]
     if unknown:
         ap.error(f"unknown peers {unknown}; choose from {sorted(wanted)}")
@@ -362,8 +370,9 @@ def main() -> int:
             "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
             "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),
             "P4 redis pre-aggregated": lambda d: p4(spark, src, d, oracle, a.timeout),
-            "Spark floor, vectorized input (no state)": lambda d: spark_floor(spark, src, batch_rows, False),
-            "Spark floor, pre-aggregated input (no state)": lambda d: spark_floor(spark, src, batch_rows, True),
+            "Spark floor, vectorized input (no state)": lambda d: spark_floor(spark, src, batch_rows, "vec"),
+            "Spark floor, pre-aggregated input (no state)": lambda d: spark_floor(spark, src, batch_rows, "pre"),
+            "Spark floor, Spark's own aggregation (no state)": lambda d: spark_floor(spark, src, batch_rows, "jvm"),
         }
         out = []
         for short in peers:
