@@ -16,7 +16,11 @@ the same B keys back:
               uvloop): our protocol and socket, PUT_MANY answered with its count, GET_MANY with a
               fixed 32-byte value per key. What (b) could reach with an infinitely fast store.
 
-Round-trip latency p50/p99 is measured at batch 1 (one get_many / one GET per round trip).
+Round-trip latency p50/p99 is measured at batch 1 (one get_many / one GET per round trip), next to
+the machine's own: a 16-byte message echoed between two Python processes over a Unix socket pair
+with blocking calls and no protocol at all. Each (b) round makes two round trips (put_many and
+get_many both wait for their answer), so at batch B, (b) >= 50% of (a) leaves two such round trips
+and every byte of encoding, decoding and storing inside twice (a)'s time for the round.
 """
 from __future__ import annotations
 
@@ -201,6 +205,42 @@ def start_bare_server(folder: str) -> tuple[subprocess.Popen, str]:
     return _start([sys.executable, os.path.abspath(__file__), "--bare-server", sock], sock, "the bare server"), sock
 
 
+def bare_round_trip(count: int = 5000) -> float:
+    """p50 µs of a 16-byte message echoed by a forked child over a Unix socket pair (blocking calls)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # the echo: no protocol, no allocation beyond the buffer
+        try:
+            a.close()
+            buf = bytearray(64)
+            while True:
+                n = b.recv_into(buf)
+                if not n:
+                    break
+                b.sendall(buf[:n])
+        finally:
+            os._exit(0)
+    b.close()
+    msg, buf = b"x" * 16, bytearray(64)
+
+    def once():
+        a.sendall(msg)
+        got = 0
+        while got < 16:
+            n = a.recv_into(buf)
+            if not n:
+                raise SystemExit("the echo process died")
+            got += n
+
+    try:
+        for _ in range(500):
+            once()
+        return latencies(once, count)[0]
+    finally:
+        a.close()
+        os.waitpid(pid, 0)
+
+
 # --- the table ------------------------------------------------------------------------------------------
 def bench(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
@@ -275,6 +315,7 @@ def bench(args) -> None:
             rp50, rp99 = latencies(lambda: r.get(all_keys[0]), 5000)
         else:
             rp50 = rp99 = float("nan")
+        bare_rt = bare_round_trip()
         h.abort()
         client.close()
         bare_client.close()
@@ -286,7 +327,7 @@ def bench(args) -> None:
             redis_proc.terminate()
             redis_proc.wait()
         shutil.rmtree(folder, ignore_errors=True)
-    show(rows, (p50, p99, rp50, rp99))
+    show(rows, (p50, p99, rp50, rp99, bare_rt))
 
 
 def show(rows, lat) -> None:
@@ -301,7 +342,8 @@ def show(rows, lat) -> None:
              f"{ar:,.0f}", f"{ar / a:.1%}", f"{ar / rd:.2f}x", f"{fl:,.0f}", f"{fl / a:.1%}", f"{c / fl:.1%}"]
             for b, a, c, rd, ar, fl in rows]
     title = (f"round trip at batch 1: daemon p50 {lat[0]:.0f} µs p99 {lat[1]:.0f} µs | "
-             f"redis GET p50 {lat[2]:.0f} µs p99 {lat[3]:.0f} µs")
+             f"redis GET p50 {lat[2]:.0f} µs p99 {lat[3]:.0f} µs | "
+             f"bare socket echo between two Python processes p50 {lat[4]:.0f} µs")
     if Console is not None:
         t = Table(title="statestore_async daemon throughput (1 op = 1 key read or written)", caption=title)
         for hd in headers:
@@ -320,6 +362,10 @@ def show(rows, lat) -> None:
         ok_c = all(c >= 3 * rd for _, _, c, rd in big if rd == rd)
         print(f"targets at batch >= 1024: (b) >= 50% of (a): {'met' if ok_a else 'NOT met'}; "
               f"(b) >= 3x (c): {'met' if ok_c else 'NOT met'}")
+        for b, a, _, _ in big:
+            budget = 2 * (2 * b / a) * 1e6  # twice (a)'s µs per round
+            print(f"  batch {b}: (a) takes {budget / 2:,.0f} µs per round; 50% of (a) allows {budget:,.0f} µs per "
+                  f"(b) round, of which two bare round trips take {2 * lat[4]:,.0f} µs")
 
 
 # --- frames mode ----------------------------------------------------------------------------------------
