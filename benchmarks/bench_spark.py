@@ -205,11 +205,11 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
         yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
 
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
+    aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
     times = []
     for i in range(0, len(files), 2):  # a micro-batch is 2 files (maxFilesPerTrigger)
         t = time.perf_counter()
         df = spark.read.schema("key string, value bigint").parquet(*files[i:i + 2])
-        aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
         if plan == "pre":
             routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
         elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
