@@ -47,7 +47,7 @@ test: build $(HELM)
 	STATESTORE_HELM=$(abspath $(HELM)) $(PY) -m pytest $(PYTEST_ARGS)
 
 demo: build
-	$(PY) -m statestore_async.demo
+	$(PY) -m statestore_async.cli.demo
 
 # Benchmarks are not tests: they print ratios against peers measured in the same run.
 # BENCH_ARGS=--quick for a short pass. bench_daemon.py installs Debian's redis-server if missing.

@@ -1,4 +1,4 @@
-# Helpers shared by the wire-format Cython modules (framing, overlay, arrowbatch): the frame header
+# Helpers shared by the wire-format Cython modules (framing, overlay, arrowframes): the frame header
 # size, little-endian u32 access and the checks that open a batch payload. Inline, so each module
 # compiles its own copy; nothing here is a module of its own. The checks raise
 # statestore_async.errors.DecodeError (imported on the error path only).

@@ -27,19 +27,6 @@ cdef extern from "Python.h":
     object PyMemoryView_FromMemory(char* mem, Py_ssize_t size, int flags)
     int PyBUF_READ
 
-__all__ = [
-    "HEADER_SIZE",
-    "CODEC_NONE",
-    "CODEC_ZSTD",
-    "MAGIC",
-    "MAX_RAW_LEN",
-    "encode_block",
-    "decode_block",
-    "read_block_header",
-    "encode_records_raw",
-    "decode_records_raw",
-    "key_group_range",
-]
 
 MAGIC = b"\xb1\x0c"
 HEADER_SIZE = 24

@@ -15,23 +15,6 @@ from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32, W
 
 from statestore_async.errors import DecodeError, EncodeError
 
-__all__ = [
-    "HEADER_SIZE",
-    "NONE_LEN",
-    "MAX_ITEM_LEN",
-    "encode_frame",
-    "split_frames",
-    "encode_list",
-    "decode_list",
-    "encode_optional_list",
-    "decode_optional_list",
-    "encode_pairs",
-    "decode_pairs",
-    "check_list",
-    "check_pairs",
-    "encode_frame_list",
-    "encode_frame_pairs",
-]
 
 HEADER_SIZE = 10
 NONE_LEN = 0xFFFFFFFF

@@ -1,9 +1,9 @@
 # cython: language_level=3
 """Batch operations on an open version's overlay, compiled: the same results, dict contents,
-bytes and errors as ``statestore_async._ref.overlay`` (documented in ``statestore_async.overlay``).
+bytes and errors as ``statestore_async._ref.overlay`` (documented in ``statestore_async.engine.overlay``).
 
 Keys and values are read straight from the request payload into the overlay dict, and GET answers
-are written straight from the dicts into the answer frame: no list of tuples, no list of values.
+are written straight from the dicts into the answer payload: no list of tuples, no list of values.
 Every read below is checked against ``end`` by hand (boundscheck is off), and every payload is
 checked whole before anything is set, so a bad batch changes nothing.
 """
@@ -33,17 +33,6 @@ cdef extern from "Python.h":
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL
     PyObject* PyDict_SetDefault(object d, object key, object default) except NULL
 
-__all__ = [
-    "put_items",
-    "remove_keys",
-    "get_list",
-    "put_packed",
-    "remove_packed",
-    "get_packed",
-    "apply_changes",
-    "group_records",
-    "gather_records",
-]
 
 cdef Py_ssize_t _SLOTS = 1 << 16
 KEY_GROUP_SLOTS = _SLOTS
@@ -255,8 +244,7 @@ def remove_packed(dict overlay, buf, Py_ssize_t offset, Py_ssize_t min_key, Py_s
     return n, delta
 
 
-def get_packed(dict overlay, dict base, buf, Py_ssize_t offset, unsigned long long max_count=0xFFFFFFFF,
-               frame=None):
+def get_packed(dict overlay, dict base, buf, Py_ssize_t offset, unsigned long long max_count=0xFFFFFFFF):
     """See ``statestore_async._ref.overlay.get_packed``."""
     cdef const uint8_t[::1] mv = buf
     cdef Py_ssize_t end = mv.shape[0]
@@ -294,24 +282,9 @@ def get_packed(dict overlay, dict base, buf, Py_ssize_t offset, unsigned long lo
         total += 4
         values[i] = val
     # write the answer
-    cdef int opcode = 0, flags = 0
-    cdef long long rid = 0
-    cdef Py_ssize_t head = 0
-    if frame is not None:
-        opcode, flags, rid = frame
-        if not (0 <= opcode <= 255 and 0 <= flags <= 255 and 0 <= rid <= 0xFFFFFFFF):
-            raise EncodeError(f"frame header out of range: opcode={opcode} flags={flags} request_id={rid}")
-        if total > 0xFFFFFFFF:
-            raise EncodeError(f"a payload of {total} bytes does not fit a frame")
-        head = _HEADER
-    cdef bytes out = PyBytes_FromStringAndSize(NULL, head + total)
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
-    if head:
-        _wr32(o, <uint32_t>total)
-        o[4] = <uint8_t>opcode
-        o[5] = <uint8_t>flags
-        _wr32(o + 6, <uint32_t>rid)
-    pos = head
+    pos = 0
     _wr32(o + pos, n)
     pos += 4
     for i in range(n):

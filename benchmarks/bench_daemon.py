@@ -38,9 +38,9 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from statestore_async import framing  # noqa: E402
-from statestore_async import protocol as P  # noqa: E402
-from statestore_async.client import Client  # noqa: E402
+from statestore_async.codecs import framing  # noqa: E402
+from statestore_async.wire import protocol as P  # noqa: E402
+from statestore_async.client.clients import Client  # noqa: E402
 from statestore_async.errors import StateStoreError  # noqa: E402
 from statestore_async.ids import StoreId  # noqa: E402
 
@@ -161,7 +161,7 @@ def bare_server(path: str) -> None:
     import uvloop
 
     from statestore_async.ids import CheckpointRef
-    from statestore_async.protocol import Abort, GetMany, Hello, Op, Open, Ping, PutMany, ServerProtocol
+    from statestore_async.wire.protocol import Abort, GetMany, Hello, Op, Open, Ping, PutMany, ServerProtocol
 
     limits = {"max_frame_bytes": 64 << 20, "max_batch": 100_000, "max_inflight": 64, "daemon": "bare"}
 

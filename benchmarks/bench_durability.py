@@ -29,7 +29,7 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
-from statestore_async.client import Client
+from statestore_async.client.clients import Client
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.testing.daemon import start_daemon, stop_daemon
 from statestore_async.testing.faultproxy import FaultProxy

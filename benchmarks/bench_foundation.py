@@ -19,12 +19,12 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from statestore_async import _accel, rowarrow
-from statestore_async.engine import VersionedStore
-from statestore_async.files import write_snapshot
+from statestore_async.codecs import twins, arrowcodec
+from statestore_async.engine.store import VersionedStore
+from statestore_async.files.transfer import write_snapshot
 from statestore_async.ids import StoreId
-from statestore_async.keys import store_key
-from statestore_async.loader import load_store
+from statestore_async.codecs.keylayout import store_key
+from statestore_async.files.loader import load_store
 from statestore_async.objectstore import LocalObjectStore
 
 
@@ -41,36 +41,36 @@ def best_of(fn, repeat=3):
 
 def codec_rows(n_native: int, n_ref: int):
     rows = []
-    mods = ("rowhash", "rowcodec", "rowarrow", "blockcodec")
-    impls = {"native": {m: _accel.native(m) for m in mods}, "python": {m: _accel.reference(m) for m in mods}}
+    mods = ("sparkhash", "valuecodec", "arrowcodec", "blockcodec")
+    impls = {"native": {m: twins.native(m) for m in mods}, "python": {m: twins.reference(m) for m in mods}}
     data = {}
     for label, n in (("native", n_native), ("python", n_ref)):
         m = impls[label]
         keys = [("k%08d" % i,) for i in range(n)]
         arrow_col = pa.array([k[0] for k in keys])
-        t, _ = best_of(lambda: m["rowhash"].hash_rows(keys, ["string"]))
+        t, _ = best_of(lambda: m["sparkhash"].hash_rows(keys, ["string"]))
         data[(label, "hash_rows (1 string col)")] = (n / t, n * 9 / t)
-        t, _ = best_of(lambda: m["rowhash"].hash_arrow([arrow_col]))
+        t, _ = best_of(lambda: m["sparkhash"].hash_arrow([arrow_col]))
         data[(label, "hash_arrow (1 string col)")] = (n / t, n * 9 / t)
         values = [("k%08d" % i, i, i * 0.5) for i in range(n)]
-        t, enc = best_of(lambda: m["rowcodec"].encode_rows(values))
+        t, enc = best_of(lambda: m["valuecodec"].encode_rows(values))
         nbytes = sum(map(len, enc))
         data[(label, "row codec encode")] = (n / t, nbytes / t)
-        t, _ = best_of(lambda: m["rowcodec"].decode_rows(enc))
+        t, _ = best_of(lambda: m["valuecodec"].decode_rows(enc))
         data[(label, "row codec decode")] = (n / t, nbytes / t)
-        # rowarrow: store keys (key group + (state name, str key)) and (int64, int64) state rows
+        # arrowcodec: store keys (key group + (state name, str key)) and (int64, int64) state rows
         kgs = np.arange(n, dtype=np.uint16) % 4096
-        head = m["rowcodec"].encode_key("total")
-        t, (_, kdata, _) = best_of(lambda: m["rowarrow"].encode_columns(
-            n, [rowarrow.descriptor(arrow_col)], kgs, head, 1, True))
-        data[(label, "rowarrow store keys")] = (n / t, len(kdata) / t)
+        head = m["valuecodec"].encode_key("total")
+        t, (_, kdata, _) = best_of(lambda: m["arrowcodec"].encode_columns(
+            n, [arrowcodec.descriptor(arrow_col)], kgs, head, 1, True))
+        data[(label, "arrowcodec store keys")] = (n / t, len(kdata) / t)
         state = pa.table({"count": np.arange(n), "sum": np.arange(n) * 7})
-        t, (offs, sdata, w) = best_of(lambda: m["rowarrow"].encode_columns(
-            n, [rowarrow.descriptor(c) for c in state.columns], None, b"", 0, False))
-        data[(label, "rowarrow state rows encode")] = (n / t, len(sdata) / t)
+        t, (offs, sdata, w) = best_of(lambda: m["arrowcodec"].encode_columns(
+            n, [arrowcodec.descriptor(c) for c in state.columns], None, b"", 0, False))
+        data[(label, "arrowcodec state rows encode")] = (n / t, len(sdata) / t)
         col = ("y", w, None, offs, sdata, 0)
-        t, _ = best_of(lambda: m["rowarrow"].decode_columns(n, col, [("i", 8), ("i", 8)]))
-        data[(label, "rowarrow state rows decode")] = (n / t, len(sdata) / t)
+        t, _ = best_of(lambda: m["arrowcodec"].decode_columns(n, col, [("i", 8), ("i", 8)]))
+        data[(label, "arrowcodec state rows decode")] = (n / t, len(sdata) / t)
         records = [(store_key(i % 4096, b"k%08d" % i), b"v" * 16) for i in range(n)]
         raw = sum(len(k) + len(v) + 3 for k, v in records)
 

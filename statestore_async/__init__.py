@@ -6,7 +6,7 @@ docs/ARCHITECTURE.md.
 """
 __version__ = "0.1.0"
 
-from .errors import StateStoreError  # noqa: E402
-from .ids import CheckpointRef, StoreId  # noqa: E402
+from statestore_async.errors import StateStoreError  # noqa: E402
+from statestore_async.ids import CheckpointRef, StoreId  # noqa: E402
 
 __all__ = ["__version__", "CheckpointRef", "StoreId", "StateStoreError"]

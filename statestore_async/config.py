@@ -14,7 +14,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 
-from .errors import InterfaceError
+from statestore_async.errors import InterfaceError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

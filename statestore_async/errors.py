@@ -60,7 +60,7 @@ class WriterConflictError(InterfaceError):
 
 
 class KeyFormatError(InterfaceError):
-    """A key that does not follow the store key layout (see ``statestore_async.keys``)."""
+    """A key that does not follow the store key layout (see ``statestore_async.codecs.keylayout``)."""
 
     code = 13
 

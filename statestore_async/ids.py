@@ -11,12 +11,11 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .errors import InterfaceError
+from statestore_async.errors import InterfaceError
 
 DEFAULT_STORE_NAME = "default"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _CKPT_RE = re.compile(r"^[0-9a-f]{32}$")
-_FILE_RE = re.compile(r"^(?P<version>0|[1-9][0-9]{0,18})_(?P<ckptid>[0-9a-f]{32})\.(?P<kind>delta|snapshot)$")
 
 
 def _check_name(what: str, value: str) -> str:
@@ -114,28 +113,3 @@ class CheckpointRef:
 
 
 EMPTY_STATE = CheckpointRef(0, "")
-
-DELTA = "delta"
-SNAPSHOT = "snapshot"
-
-
-def file_name(ref: CheckpointRef, kind: str) -> str:
-    """``<version>_<ckptid>.delta|.snapshot``."""
-    if kind not in (DELTA, SNAPSHOT):
-        raise InterfaceError(f"file kind is 'delta' or 'snapshot', got {kind!r}")
-    if ref.is_empty_state:
-        raise InterfaceError("version 0 is the empty state and has no file")
-    return f"{ref.version}_{ref.ckptid}.{kind}"
-
-
-def file_key(store_id: StoreId, ref: CheckpointRef, kind: str) -> str:
-    """The object key of a checkpoint file, relative to the checkpoint root."""
-    return f"{store_id.prefix}/{file_name(ref, kind)}"
-
-
-def parse_file_name(name: str) -> tuple[CheckpointRef, str] | None:
-    """``(ref, kind)`` for a checkpoint file name, or None for anything else (temp files, …)."""
-    m = _FILE_RE.match(name.rsplit("/", 1)[-1])
-    if not m:
-        return None
-    return CheckpointRef(int(m["version"]), m["ckptid"]), m["kind"]

@@ -8,7 +8,7 @@ import socket
 import pytest
 import uvloop
 
-from statestore_async import _accel
+from statestore_async.codecs import twins
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -21,8 +21,8 @@ def implementations(name: str):
 
     A compiled module that is missing is a failure, not a skip, unless STATESTORE_NO_EXTENSIONS=1.
     """
-    params = [pytest.param(_accel.reference(name), id="ref")]
-    if not _accel.NO_EXTENSIONS:
+    params = [pytest.param(twins.reference(name), id="ref")]
+    if not twins.NO_EXTENSIONS:
         params.append(pytest.param(name, id="native"))
     return params
 
@@ -30,7 +30,7 @@ def implementations(name: str):
 def resolve_impl(param):
     """Turn a param made by ``implementations`` into a module (importing the compiled one now)."""
     if isinstance(param, str):
-        return _accel.native(param)
+        return twins.native(param)
     return param
 
 
@@ -109,7 +109,7 @@ async def daemon_factory(sockdir):
     """Start in-process daemons: ``await daemon_factory(open_objstore=None, **settings)``; all are
     stopped (drained) at the end of the test."""
     from statestore_async.config import DaemonConfig
-    from statestore_async.server import Daemon
+    from statestore_async.daemon.server import Daemon
 
     started = []
 

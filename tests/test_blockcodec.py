@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import implementations, resolve_impl
-from statestore_async import _accel
+from statestore_async.codecs import twins
 from statestore_async.errors import CorruptBlockError, DecodeError, EncodeError, InterfaceError
 
-REF = _accel.reference("blockcodec")
-NATIVE = None if _accel.NO_EXTENSIONS else _accel.native("blockcodec")
+REF = twins.reference("blockcodec")
+NATIVE = None if twins.NO_EXTENSIONS else twins.native("blockcodec")
 both = pytest.mark.skipif(NATIVE is None, reason="compiled module disabled")
 
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from statestore_async.testing.daemon import start_daemon, stop_daemon
 
 from statestore_async import errors
-from statestore_async import protocol as P
-from statestore_async.client import Client, StoreHandle, _split
+from statestore_async.wire import protocol as P
+from statestore_async.client.clients import Client, StoreHandle, _split
 from statestore_async.ids import StoreId
 
 
@@ -244,9 +244,9 @@ def test_handle_is_bound_to_its_connection(daemon):
 
 def test_rows_in_and_out_with_spark_key_groups(daemon):
     """The *_rows calls take plain Python rows; keys land in Spark's key group of their columns."""
-    from statestore_async import rowhash
-    from statestore_async.keys import key_group_of
-    from statestore_async.rows import decode_key
+    from statestore_async.codecs import sparkhash
+    from statestore_async.codecs.keylayout import key_group_of
+    from statestore_async.codecs.pyrows import decode_key
 
     sock, root = daemon
     c = Client(sock)
@@ -265,7 +265,7 @@ def test_rows_in_and_out_with_spark_key_groups(daemon):
     assert scanned == dict(items[1:])
     for key in raw:
         row = decode_key(key)
-        assert key_group_of(key) == rowhash.key_group(rowhash.spark_xxhash64(row, ["string", "int"]), 128)
+        assert key_group_of(key) == sparkhash.key_group(sparkhash.spark_xxhash64(row, ["string", "int"]), 128)
 
 
 def test_pipelined_batches_with_big_answers_do_not_deadlock(daemon):

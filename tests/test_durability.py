@@ -12,10 +12,11 @@ import time
 import botocore.session
 import pytest
 
-from statestore_async.client import AsyncClient
+from statestore_async.client.clients import AsyncClient
 from statestore_async.errors import ObjectNotFoundError
-from statestore_async.ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
-from statestore_async.loader import load_store
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.files.loader import load_store
 from statestore_async.objectstore.s3 import S3ObjectStore
 from statestore_async.testing.faultproxy import FaultProxy
 
@@ -276,7 +277,7 @@ async def test_the_snapshot_workers_cached_copies_are_within_the_daemons_cache_b
 KILL_SCRIPT = """
 import asyncio, sys
 from statestore_async.config import load_config
-from statestore_async.server import run
+from statestore_async.daemon.server import run
 sys.exit(run(load_config(overrides={"socket": sys.argv[1], "s3_endpoint_url": sys.argv[2], "s3_region": "us-east-1",
                                     "s3_addressing_style": "path", "loop": "uvloop"})))
 """
@@ -361,7 +362,7 @@ async def test_the_snapshot_pacer_rests_after_requests_and_after_busy_stretches(
     seconds; otherwise it only lets the loop serve what is waiting (``sleep(0)``)."""
     import types
 
-    from statestore_async import maintenance
+    from statestore_async.daemon import maintenance
 
     served = [0]
     slept = []

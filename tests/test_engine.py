@@ -3,16 +3,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statestore_async.engine import State, VersionedStore
+from statestore_async.engine.store import State, VersionedStore
 from statestore_async.errors import (
-    InterfaceError,
-    KeyFormatError,
-    StoreStateError,
-    VersionNotFoundError,
-    WriterConflictError,
+    InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError,
 )
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
-from statestore_async.keys import store_key
+from statestore_async.codecs.keylayout import store_key
 
 SID = StoreId("file:///tmp/ckpt", "agg", 0)
 
@@ -246,9 +242,10 @@ def test_commit_costs_changed_keys_not_state_size(size, monkeypatch):
     # the reference implementation of overlay.apply_changes makes the same map operations as the
     # compiled one, but through Python calls a dict subclass can count (tests/test_overlay.py holds
     # the two to the same results)
-    from statestore_async import _accel, engine
+    from statestore_async.codecs import twins
+    from statestore_async.engine import store as engine
 
-    monkeypatch.setattr(engine, "_overlay", _accel.reference("overlay"))
+    monkeypatch.setattr(engine, "_overlay", twins.reference("overlay"))
     data = CountingDict({k(i): b"v" for i in range(size)})
     s = VersionedStore(SID, data)
     w = s.open(0)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statestore_async import _accel
+from statestore_async.codecs import twins
 from statestore_async.errors import DecodeError, EncodeError
 from conftest import implementations, resolve_impl
 
@@ -125,21 +125,21 @@ def test_truncations_and_overruns(fr):
 
 
 # --- the twins agree on garbage ---------------------------------------------------------------------
-@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
 @settings(max_examples=400, deadline=None)
 @given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20))
 def test_reference_and_native_agree_on_any_bytes(data, offset, max_count):
-    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    ref, nat = twins.reference("framing"), twins.native("framing")
     for name in ("decode_list", "decode_optional_list", "decode_pairs"):
         assert _outcome(getattr(ref, name), data, offset, max_count) == _outcome(getattr(nat, name), data, offset, max_count)
     assert ref.split_frames(data, max_count) == nat.split_frames(data, max_count)
 
 
-@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
 @settings(max_examples=200, deadline=None)
 @given(items=st.lists(st.one_of(st.none(), blobs), max_size=20))
 def test_reference_and_native_encode_the_same_bytes(items):
-    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    ref, nat = twins.reference("framing"), twins.native("framing")
     assert ref.encode_optional_list(items) == nat.encode_optional_list(items)
     present = [x for x in items if x is not None]
     assert ref.encode_list(present) == nat.encode_list(present)
@@ -172,11 +172,11 @@ def test_batch_frames_refuse_what_the_encoders_refuse(fr):
         fr.encode_frame_pairs(5, 0, 1, b"", [(b"k", b"v")])
 
 
-@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
 @settings(max_examples=400, deadline=None)
 @given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20))
 def test_checks_agree_with_the_decoders_on_any_bytes(data, offset, max_count):
-    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    ref, nat = twins.reference("framing"), twins.native("framing")
     for check, dec in (("check_list", "decode_list"), ("check_pairs", "decode_pairs")):
         want = _outcome(getattr(ref, dec), data, offset, max_count)
         if want[0] == "ok":
@@ -185,13 +185,13 @@ def test_checks_agree_with_the_decoders_on_any_bytes(data, offset, max_count):
         assert _outcome(getattr(nat, check), data, offset, max_count) == want
 
 
-@pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+@pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
 @settings(max_examples=200, deadline=None)
 @given(items=st.lists(st.one_of(st.tuples(blobs, blobs), st.tuples(blobs), st.tuples(blobs, st.text(max_size=2)),
                                 st.lists(blobs, min_size=2, max_size=2), st.none()), max_size=6),
        head=st.binary(max_size=4), opcode=st.integers(-1, 256))
 def test_reference_and_native_batch_frames_agree(items, head, opcode):
-    ref, nat = _accel.reference("framing"), _accel.native("framing")
+    ref, nat = twins.reference("framing"), twins.native("framing")
     assert _outcome(ref.encode_frame_pairs, opcode, 0, 3, head, items) == \
         _outcome(nat.encode_frame_pairs, opcode, 0, 3, head, items)
     flat = [x for it in items if isinstance(it, (tuple, list)) for x in it]
@@ -200,11 +200,11 @@ def test_reference_and_native_batch_frames_agree(items, head, opcode):
 
 
 def test_packed_sequences_decode_lazily_and_compare_as_lists():
-    from statestore_async import framing
+    from statestore_async.codecs import framing, packed
 
     data = b"hh" + framing.encode_pairs([(b"k1", b"v1"), (b"k2", b"")])
-    p = framing.PackedPairs(data, 2, 2)
+    p = packed.PackedPairs(data, 2, 2)
     assert len(p) == 2 and p._items is None
     assert p == [(b"k1", b"v1"), (b"k2", b"")] and list(p) == p.items and p[1] == (b"k2", b"")
-    keys = framing.PackedList(framing.encode_list([b"a"]), 0, 1)
+    keys = packed.PackedList(framing.encode_list([b"a"]), 0, 1)
     assert keys == [b"a"] and keys != [b"b"] and repr(keys) == "PackedList([b'a'])"

@@ -6,15 +6,16 @@ import sys
 
 import pytest
 
-from statestore_async.engine import VersionedStore
+from statestore_async.engine.store import VersionedStore
 from statestore_async.errors import CorruptFileError, LineageError, VersionNotFoundError
-from statestore_async.files import write_delta, write_snapshot
-from statestore_async.ids import DELTA, SNAPSHOT, CheckpointRef, StoreId, file_key
-from statestore_async.keys import store_key
-from statestore_async.loader import load_store
-from statestore_async.manifest import Manifest, read_manifest, write_manifest
+from statestore_async.files.transfer import write_delta, write_snapshot
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.codecs.keylayout import store_key
+from statestore_async.files.loader import load_store
+from statestore_async.files.manifest import Manifest, read_manifest, write_manifest
 from statestore_async.objectstore import LocalObjectStore
-from statestore_async.retention import cleanup_store
+from statestore_async.files.retention import cleanup_store
 
 
 class NoListStore(LocalObjectStore):
@@ -77,9 +78,9 @@ async def run_batches(objstore, store, first_version, count, snapshot_every=None
 async def test_lineages_are_capped_and_still_load_hop_by_hop(objstore, monkeypatch):
     """Without snapshots a lineage would grow with every commit (and every delta header with it):
     it names at most MAX_LINEAGE refs; loads and retention go on from the oldest one's header."""
-    from statestore_async import engine
-    from statestore_async.checkpoint import parse_header
-    from statestore_async.retention import needed_files
+    from statestore_async.engine import store as engine
+    from statestore_async.files.checkpoint import parse_header
+    from statestore_async.files.retention import needed_files
 
     monkeypatch.setattr(engine, "MAX_LINEAGE", 4)
     store = VersionedStore(sid(objstore))
@@ -149,7 +150,7 @@ async def test_a_failed_attempt_restarts_from_the_old_version_from_files(objstor
 LOAD_SCRIPT = """
 import asyncio, json, sys
 from statestore_async.ids import CheckpointRef, StoreId
-from statestore_async.loader import load_store
+from statestore_async.files.loader import load_store
 from statestore_async.objectstore import open_object_store
 
 async def main(uri, version, ckptid):

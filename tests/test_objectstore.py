@@ -10,11 +10,7 @@ import pytest
 from conftest import free_port
 
 from statestore_async.errors import (
-    InterfaceError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    ObjectStoreUnavailableError,
+    InterfaceError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError,
     StorageFullError,
 )
 from statestore_async.objectstore import LocalObjectStore, open_object_store

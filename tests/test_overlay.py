@@ -8,15 +8,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statestore_async import _accel
+from statestore_async.codecs import twins
 from statestore_async.errors import StateStoreError
 from conftest import implementations, resolve_impl
 
 IMPLS = implementations("overlay")
-FR = _accel.reference("framing")
+FR = twins.reference("framing")
 OVERHEAD = 106
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-native_only = pytest.mark.skipif(_accel.NO_EXTENSIONS, reason="compiled modules disabled")
+native_only = pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
 
 keys = st.binary(min_size=0, max_size=6)
 values = st.binary(max_size=10)
@@ -71,8 +71,7 @@ def test_reads_see_the_overlay_then_the_base(ov, overlay, base, ks):
     want = [overlay[k] if k in overlay else base.get(k) for k in ks]
     assert ov.get_list(overlay, base, ks) == want
     assert ov.get_packed(overlay, base, FR.encode_list(ks), 0) == FR.encode_optional_list(want)
-    framed = ov.get_packed(overlay, base, b"\x01\x02" + FR.encode_list(ks), 2, frame=(4, 1, 77))
-    assert framed == FR.encode_frame(4, 1, 77, FR.encode_optional_list(want))
+    assert ov.get_packed(overlay, base, b"\x01\x02" + FR.encode_list(ks), 2) == FR.encode_optional_list(want)
 
 
 def test_a_bad_batch_changes_nothing(ov):
@@ -106,15 +105,14 @@ def test_bytes_like_keys_and_values_are_copied(ov):
 @given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20),
        overlay=maps, base=base_maps, min_key=st.integers(0, 3))
 def test_reference_and_native_agree_on_any_bytes(data, offset, max_count, overlay, base, min_key):
-    ref, nat = _accel.reference("overlay"), _accel.native("overlay")
+    ref, nat = twins.reference("overlay"), twins.native("overlay")
     for name in ("put_packed", "remove_packed"):
         o1, o2 = dict(overlay), dict(overlay)
         assert _outcome(getattr(ref, name), o1, data, offset, min_key, OVERHEAD, max_count) == \
             _outcome(getattr(nat, name), o2, data, offset, min_key, OVERHEAD, max_count)
         assert o1 == o2
-    for frame in (None, (4, 1, 9), (300, 0, 1)):
-        assert _outcome(ref.get_packed, overlay, base, data, offset, max_count, frame) == \
-            _outcome(nat.get_packed, overlay, base, data, offset, max_count, frame)
+    assert _outcome(ref.get_packed, overlay, base, data, offset, max_count) == \
+        _outcome(nat.get_packed, overlay, base, data, offset, max_count)
 
 
 @native_only
@@ -124,7 +122,7 @@ def test_reference_and_native_agree_on_any_bytes(data, offset, max_count, overla
     st.tuples(st.one_of(st.text(max_size=3), st.integers(), st.builds(bytearray, keys)), values),
     st.tuples(keys), st.just(b"ab"), st.none()), max_size=8))
 def test_reference_and_native_agree_on_python_batches(overlay, base, items):
-    ref, nat = _accel.reference("overlay"), _accel.native("overlay")
+    ref, nat = twins.reference("overlay"), twins.native("overlay")
     o1, o2 = dict(overlay), dict(overlay)
     assert _outcome(ref.put_items, o1, items, 2, OVERHEAD) == _outcome(nat.put_items, o2, items, 2, OVERHEAD)
     assert o1 == o2
@@ -148,10 +146,10 @@ def test_huge_counts_fail_before_allocating(ov):
 @given(st.dictionaries(st.binary(min_size=2, max_size=6), st.binary(max_size=8), max_size=30),
        st.dictionaries(st.binary(min_size=2, max_size=6), st.none() | st.binary(max_size=8), max_size=30))
 def test_apply_changes_ref_and_native_agree(data, changes):
-    from statestore_async import _accel
+    from statestore_async.codecs import twins
 
     outs = []
-    for impl in (_accel.reference("overlay"), _accel.native("overlay")):
+    for impl in (twins.reference("overlay"), twins.native("overlay")):
         d = dict(data)
         changes = dict(changes)
         pre, records, data_delta, undo_bytes, record_bytes = impl.apply_changes(d, changes, 50)
@@ -174,7 +172,7 @@ def test_apply_changes_ref_and_native_agree(data, changes):
 
 
 # --- a frozen view's records by key group, for snapshots ----------------------------------------------
-_BOTH = [_accel.reference("overlay")] + ([] if _accel.NO_EXTENSIONS else [_accel.native("overlay")])
+_BOTH = [twins.reference("overlay")] + ([] if twins.NO_EXTENSIONS else [twins.native("overlay")])
 
 
 def _kg_of(k: bytes) -> int:

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from statestore_async import errors
-from statestore_async import protocol as P
-from statestore_async.client import Client
+from statestore_async.wire import protocol as P
+from statestore_async.client.clients import Client
 
 NOBODY = 65534
 

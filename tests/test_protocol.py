@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
-from statestore_async import errors, framing
-from statestore_async import protocol as P
+from statestore_async import errors
+from statestore_async.codecs import framing
+from statestore_async.wire import protocol as P
 from statestore_async.ids import CheckpointRef, StoreId
 
 SID = StoreId("file:///tmp/root", "op", 3, "name")
@@ -34,7 +35,7 @@ def roundtrip(client, server, request):
 
 
 def test_protocol_does_not_import_asyncio():
-    code = "import sys, statestore_async.protocol; sys.exit('asyncio' in sys.modules)"
+    code = "import sys, statestore_async.wire.protocol; sys.exit('asyncio' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 

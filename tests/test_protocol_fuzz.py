@@ -22,10 +22,11 @@ from statestore_async.testing.daemon import start_daemon, stop_daemon
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statestore_async import errors, framing
-from statestore_async import protocol as P
-from statestore_async.client import Client
-from statestore_async.engine import VersionedStore
+from statestore_async import errors
+from statestore_async.codecs import framing
+from statestore_async.wire import protocol as P
+from statestore_async.client.clients import Client
+from statestore_async.engine.store import VersionedStore
 from statestore_async.ids import StoreId
 
 MAX_FRAME = 4096

@@ -9,10 +9,12 @@ import stat
 
 import pytest
 
-from statestore_async import errors, framing
-from statestore_async import protocol as P
-from statestore_async.client import AsyncClient, Client
-from statestore_async.ids import DELTA, CheckpointRef, StoreId, file_key
+from statestore_async import errors
+from statestore_async.codecs import framing
+from statestore_async.wire import protocol as P
+from statestore_async.client.clients import AsyncClient, Client
+from statestore_async.files.names import DELTA, file_key
+from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore import LocalObjectStore
 from statestore_async.testing.daemon import start_daemon
 

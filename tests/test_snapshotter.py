@@ -7,15 +7,17 @@ import os
 
 import pytest
 
-from statestore_async.checkpoint import read_checkpoint
-from statestore_async.engine import VersionedStore
+from statestore_async.files.checkpoint import read_checkpoint
+from statestore_async.engine.store import VersionedStore
 from statestore_async.errors import VersionNotFoundError
-from statestore_async.files import write_delta
-from statestore_async.ids import SNAPSHOT, CheckpointRef, StoreId, file_key, file_name
-from statestore_async.loader import load_store
+from statestore_async.files.transfer import write_delta
+from statestore_async.files.names import SNAPSHOT, file_key, file_name
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.files.loader import load_store
 from statestore_async.objectstore import open_object_store
+from statestore_async.files.names import is_checkpoint_file
 from statestore_async.objectstore.cache import CachingObjectStore
-from statestore_async.snapshotter import SnapshotWorker
+from statestore_async.daemon.snapshotter import SnapshotWorker
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 
@@ -66,7 +68,7 @@ def files_under(folder) -> dict:
 
 async def test_copies_the_worker_puts_in_the_node_cache_count_against_the_daemons_bound(tmp_path):
     objstore, store, refs = await committed_store(tmp_path)
-    cache = CachingObjectStore(objstore, tmp_path / "cache", 1 << 30)  # the daemon's, empty
+    cache = CachingObjectStore(objstore, tmp_path / "cache", 1 << 30, cacheable=is_checkpoint_file)  # the daemon's, empty
     worker = SnapshotWorker({"s3": {}, "cache_dir": str(tmp_path / "cache"), "cache_bytes": 1 << 30})
     try:
         assert await worker.snapshot(store.store_id, store.head, cache) > 0

@@ -14,18 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from spark_cluster import Daemon
-from statestore_async import errors, rowhash
-from statestore_async.client import Client
+from statestore_async import errors
+from statestore_async.codecs import sparkhash
+from statestore_async.client.clients import Client
 from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.spark import (
-    StatefulOperator,
-    StatefulProcessor,
-    VectorizedProcessor,
-    group_rows,
-    load_state,
-    open_partition_store,
-    placement,
-    route_values,
+    StatefulOperator, StatefulProcessor, VectorizedProcessor, group_rows, load_state, open_partition_store,
+    placement, route_values,
 )
 from statestore_async.spark.coordinator import Coordinator, location_of
 from statestore_async.spark.examples import CountSum
@@ -117,7 +112,7 @@ def test_value_list_map_state_and_ttl(spark, daemon, tmp_path):
 
 
 def test_run_partition_checks_routing_and_output_width(daemon, tmp_path):
-    kg = rowhash.key_groups(rowhash.hash_rows([("a",), ("b",), ("c",)], ["string"]), 64)
+    kg = sparkhash.key_groups(sparkhash.hash_rows([("a",), ("b",), ("c",)], ["string"]), 64)
     t = pa.table({"key": ["a", "b", "c"], "value": [1, 2, 3], KG_COLUMN: pa.array(kg.astype(np.int32))})
     spec = TaskSpec(f"file://{tmp_path}/s", "op", ("key",), ("value",), pa.schema([("key", pa.string())]), 2, 64, 0,
                     (EMPTY_STATE, EMPTY_STATE), 0, daemon.socket)
@@ -149,7 +144,7 @@ def test_tasks_ask_their_daemon_to_release_what_another_node_owns(tmp_path):
     ``run_partition``: partition 1 moves from A to B, and A's next task has A drop its copy."""
     root = f"file://{tmp_path}/s"
     keys = [f"k{i}" for i in range(200)]
-    kg = rowhash.key_groups(rowhash.hash_rows([(k,) for k in keys], ["string"]), 64)
+    kg = sparkhash.key_groups(sparkhash.hash_rows([(k,) for k in keys], ["string"]), 64)
     part = (kg * 2 // 64).tolist()
     rows = {p: pa.table({"key": [k for k, q in zip(keys, part) if q == p],
                          "value": [1] * part.count(p),
@@ -412,7 +407,7 @@ def test_vectorized_state_of_several_types_and_removal(daemon, tmp_path):
 
     def batch(version, refs, rows):
         keys = [k for k, _ in rows]
-        kg = rowhash.key_groups(rowhash.hash_rows([(k,) for k in keys], ["string"]), 64).astype(np.int32)
+        kg = sparkhash.key_groups(sparkhash.hash_rows([(k,) for k in keys], ["string"]), 64).astype(np.int32)
         t = pa.table({"key": keys, "value": pa.array([v for _, v in rows], pa.int64()), KG_COLUMN: pa.array(kg)})
         spec = TaskSpec(root, "streak", ("key",), ("value",), pa.schema([("key", pa.string()), ("n", pa.int64())]),
                         1, 64, version, refs, 0, daemon.socket)
@@ -421,12 +416,12 @@ def test_vectorized_state_of_several_types_and_removal(daemon, tmp_path):
         return dict(zip(out.column("key").to_pylist(), out.column("n").to_pylist())), got[0]
 
     def stored(ref):
-        from statestore_async import rowcodec
+        from statestore_async.codecs import valuecodec
 
         with Client(daemon.socket) as c:
             h = c.open(StoreId(root, "streak", 0), ref.version, ref.ckptid)
             try:
-                return {rowcodec.decode_row(k[2:])[1]: rowcodec.decode_row(v) for k, v in h.scan()}
+                return {valuecodec.decode_row(k[2:])[1]: valuecodec.decode_row(v) for k, v in h.scan()}
             finally:
                 h.abort()
 

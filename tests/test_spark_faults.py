@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from spark_cluster import Daemon, collector, dict_oracle, final_count_sum, run_stream, write_batches
-from statestore_async.manifest import list_manifest_versions
+from statestore_async.files.manifest import list_manifest_versions
 from statestore_async.spark import StatefulOperator, daemon_pid, load_state
 from statestore_async.spark.examples import CountSum
 from statestore_async.spark.placement import _zombie

@@ -40,8 +40,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from statestore_async.client import Client
-from statestore_async.ids import StoreId, file_key
+from statestore_async.client.clients import Client
+from statestore_async.ids import StoreId
+from statestore_async.files.names import file_key
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "statestore-async"

@@ -2,7 +2,7 @@
 
 This module *defines* the behaviour; ``_ext/blockcodec.pyx`` must produce the same bytes, the
 same records and the same errors. The format is documented for users in
-``statestore_async.blockcodec``.
+``statestore_async.codecs.blockcodec``.
 """
 from __future__ import annotations
 
@@ -14,19 +14,6 @@ import zstandard
 
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 
-__all__ = [
-    "HEADER_SIZE",
-    "CODEC_NONE",
-    "CODEC_ZSTD",
-    "MAGIC",
-    "MAX_RAW_LEN",
-    "encode_block",
-    "decode_block",
-    "read_block_header",
-    "encode_records_raw",
-    "decode_records_raw",
-    "key_group_range",
-]
 
 MAGIC = b"\xb1\x0c"
 HEADER_SIZE = 24

@@ -1,7 +1,7 @@
 """Protocol framing, pure-Python reference: byte stream <-> frames, byte-string lists <-> payloads.
 
 This module *defines* the behaviour; ``_ext/framing.pyx`` must produce the same bytes, the same
-values and the same errors. The format is documented in ``statestore_async.framing``.
+values and the same errors. The format is documented in ``statestore_async.codecs.framing``.
 """
 from __future__ import annotations
 
@@ -9,23 +9,6 @@ import struct
 
 from statestore_async.errors import DecodeError, EncodeError
 
-__all__ = [
-    "HEADER_SIZE",
-    "NONE_LEN",
-    "MAX_ITEM_LEN",
-    "encode_frame",
-    "split_frames",
-    "encode_list",
-    "decode_list",
-    "encode_optional_list",
-    "decode_optional_list",
-    "encode_pairs",
-    "decode_pairs",
-    "check_list",
-    "check_pairs",
-    "encode_frame_list",
-    "encode_frame_pairs",
-]
 
 HEADER_SIZE = 10
 NONE_LEN = 0xFFFFFFFF

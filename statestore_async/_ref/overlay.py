@@ -2,25 +2,14 @@
 
 This module *defines* the behaviour; ``_ext/overlay.pyx`` must give the same results, the same
 dict contents, the same bytes and the same errors. The contracts are documented in
-``statestore_async.overlay``.
+``statestore_async.engine.overlay``.
 """
 from __future__ import annotations
 
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError
 
-from . import framing as _fr
+from statestore_async._ref import framing as _fr
 
-__all__ = [
-    "put_items",
-    "remove_keys",
-    "get_list",
-    "put_packed",
-    "remove_packed",
-    "get_packed",
-    "apply_changes",
-    "group_records",
-    "gather_records",
-]
 
 KEY_GROUP_SLOTS = 1 << 16
 
@@ -121,19 +110,12 @@ def remove_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, 
     return len(keys), _apply(overlay, [(k, None) for k in keys], overhead)
 
 
-def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr.MAX_U32, frame=None) -> bytes:
-    """The values of keys encoded as in ``framing.encode_list``, encoded as ``framing.encode_optional_list``.
-
-    With ``frame=(opcode, flags, request_id)`` the result is that whole frame (header included).
-    """
+def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr.MAX_U32) -> bytes:
+    """The values of keys encoded as in ``framing.encode_list``, encoded as ``framing.encode_optional_list``."""
     keys, end = _fr.decode_list(buf, offset, max_count)
     if end != len(memoryview(buf)):
         raise DecodeError(f"list: {len(memoryview(buf)) - end} unexpected trailing bytes")
-    payload = _fr.encode_optional_list(get_list(overlay, base, keys))
-    if frame is None:
-        return payload
-    opcode, flags, request_id = frame
-    return _fr.encode_frame(opcode, flags, request_id, payload)
+    return _fr.encode_optional_list(get_list(overlay, base, keys))
 
 
 def apply_changes(data: dict, changes: dict, overhead: int):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlparse
 
-from ..errors import InterfaceError
-from .base import ObjectInfo, ObjectStore, check_key
-from .local import LocalObjectStore
+from statestore_async.errors import InterfaceError
+from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
+from statestore_async.objectstore.local import LocalObjectStore
 
 __all__ = ["ObjectInfo", "ObjectStore", "LocalObjectStore", "check_key", "open_object_store"]
 
@@ -30,7 +30,7 @@ def open_object_store(uri: str, *, s3_options: dict | None = None, **options) ->
         return LocalObjectStore(path, **options)
     if parsed.scheme == "s3":
         try:
-            from .s3 import S3ObjectStore
+            from statestore_async.objectstore.s3 import S3ObjectStore
         except ImportError as exc:
             raise InterfaceError(f"S3 support is not available: {exc}") from exc
         return S3ObjectStore.from_uri(uri, **{**(s3_options or {}), **options})

@@ -10,7 +10,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from ..errors import InterfaceError
+from statestore_async.errors import InterfaceError
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class ObjectStore(abc.ABC):
             await self.delete(key)
 
     async def exists(self, key: str) -> bool:
-        from ..errors import ObjectNotFoundError
+        from statestore_async.errors import ObjectNotFoundError
 
         try:
             await self.head(key)

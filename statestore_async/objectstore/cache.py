@@ -17,20 +17,25 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from ..ids import parse_file_name
-from .base import ObjectInfo, ObjectStore, check_key
+from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
 log = logging.getLogger(__name__)
 
 
 class CachingObjectStore(ObjectStore):
-    """``inner`` with a local cache of its checkpoint files in ``cache_dir`` (at most ``max_bytes``)."""
+    """``inner`` with a local cache of its immutable objects in ``cache_dir`` (at most ``max_bytes``).
 
-    def __init__(self, inner: ObjectStore, cache_dir: str | os.PathLike, max_bytes: int):
+    ``cacheable(key)`` tells which keys name immutable objects (the daemon passes
+    ``files.names.is_checkpoint_file``); only those are kept.
+    """
+
+    def __init__(self, inner: ObjectStore, cache_dir: str | os.PathLike, max_bytes: int, *,
+                 cacheable: Callable[[str], bool]):
         self.inner = inner
+        self.cacheable = cacheable
         self.uri = inner.uri
         self.max_bytes = max_bytes
         self.dir = Path(cache_dir) / hashlib.sha256(inner.uri.encode()).hexdigest()[:20]
@@ -55,10 +60,6 @@ class CachingObjectStore(ObjectStore):
         for _, key, size in sorted(found):
             self._lru[key] = size
             self.total += size
-
-    @staticmethod
-    def cacheable(key: str) -> bool:
-        return parse_file_name(key) is not None
 
     def _path(self, key: str) -> Path:
         return self.dir.joinpath(*check_key(key).split("/"))

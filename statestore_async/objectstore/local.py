@@ -16,14 +16,10 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ..errors import (
-    InterfaceError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    StorageFullError,
+from statestore_async.errors import (
+    InterfaceError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, StorageFullError,
 )
-from .base import ObjectInfo, ObjectStore, check_key
+from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 

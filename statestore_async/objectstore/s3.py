@@ -34,14 +34,10 @@ from botocore.exceptions import (
     NoCredentialsError,
 )
 
-from ..errors import (
-    InterfaceError,
-    ObjectExistsError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    ObjectStoreUnavailableError,
+from statestore_async.errors import (
+    InterfaceError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError,
 )
-from .base import ObjectInfo, ObjectStore, check_key
+from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
 _SESSION = None
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}

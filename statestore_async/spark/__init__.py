@@ -10,20 +10,20 @@
 Spark is imported only inside this package (and lazily: importing it does not start a JVM).
 See ``docs/SPARK.md``.
 """
-from .operator import BatchProgress, DuplicateReportError, FenceTimeoutError, OperatorConfigError, StatefulOperator
-from .placement import DaemonUnavailableError, connect, daemon_pid, start_daemon, stop_daemon
-from .processor import (
-    KeyState,
-    ListState,
-    MapState,
-    StatefulProcessor,
-    StateHandle,
-    ValueState,
-    VectorizedProcessor,
+from statestore_async.spark.operator import (
+    BatchProgress, DuplicateReportError, FenceTimeoutError, OperatorConfigError, StatefulOperator,
 )
-from .reader import decode_record, load_state, read_state
-from .routing import murmur3_int, route_values, with_routing
-from .runtime import Fault, InjectedFault, RoutingError, group_rows, open_partition_store, store_keys
+from statestore_async.spark.placement import (
+    DaemonUnavailableError, connect, daemon_pid, start_daemon, stop_daemon,
+)
+from statestore_async.spark.processor import (
+    KeyState, ListState, MapState, StatefulProcessor, StateHandle, ValueState, VectorizedProcessor,
+)
+from statestore_async.spark.reader import decode_record, load_state, read_state
+from statestore_async.spark.routing import murmur3_int, route_values, with_routing
+from statestore_async.spark.runtime import (
+    Fault, InjectedFault, RoutingError, group_rows, open_partition_store, store_keys,
+)
 
 __all__ = [
     "StatefulOperator", "BatchProgress", "OperatorConfigError", "FenceTimeoutError", "DuplicateReportError",

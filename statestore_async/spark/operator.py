@@ -41,15 +41,16 @@ import uuid
 import weakref
 from dataclasses import dataclass, field
 
-from ..errors import InterfaceError, VersionError, VersionNotFoundError
-from ..ids import DELTA, EMPTY_STATE, DEFAULT_STORE_NAME, CheckpointRef, StoreId, _check_name, file_key
-from ..keys import DEFAULT_KEY_GROUPS, check_num_key_groups
-from ..manifest import Manifest, read_manifest, write_manifest
-from ..objectstore import open_object_store
-from .coordinator import Coordinator
-from .processor import StatefulProcessor, VectorizedProcessor
-from .routing import KG_COLUMN, ROUTE_COLUMN, with_routing
-from .runtime import Fault, TaskSpec, fire, run_partition
+from statestore_async.errors import InterfaceError, VersionError, VersionNotFoundError
+from statestore_async.files.names import DELTA, file_key
+from statestore_async.ids import EMPTY_STATE, DEFAULT_STORE_NAME, CheckpointRef, StoreId, _check_name
+from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups
+from statestore_async.files.manifest import Manifest, read_manifest, write_manifest
+from statestore_async.objectstore import open_object_store
+from statestore_async.spark.coordinator import Coordinator
+from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor
+from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
+from statestore_async.spark.runtime import Fault, TaskSpec, fire, run_partition
 
 log = logging.getLogger(__name__)
 LAYOUT = "statestore_async.spark/1"
@@ -96,7 +97,7 @@ def _arrow_schema(output_schema):
 
 def s3_options_from_env() -> dict | None:
     """S3 settings for the driver's object store from ``STATESTORE_S3_*`` (credentials: the AWS chain)."""
-    from ..config import load_config
+    from statestore_async.config import load_config
 
     return load_config(env=os.environ).s3_options()
 

@@ -22,9 +22,9 @@ import subprocess
 import sys
 import time
 
-from ..client import Client
-from ..config import default_socket_path
-from ..errors import ConnectionLostError, StateStoreError
+from statestore_async.client.clients import Client
+from statestore_async.config import default_socket_path
+from statestore_async.errors import ConnectionLostError, StateStoreError
 
 AUTOSTART_EXIT_WHEN_IDLE = 600  # seconds
 _STARTED: list[subprocess.Popen] = []  # keep Popen objects alive (no ResourceWarning, reaped lazily)

@@ -15,13 +15,13 @@ batch, its rows and its state::
 
 State variables are bound to the key being handled: inside ``handle_rows`` they read and write that
 key's state (``state`` is the same set of variables by name: ``state.total`` / ``state["total"]``).
-Values are plain Python values encoded with ``statestore_async.rowcodec`` (None, bool, int, float,
+Values are plain Python values encoded with ``statestore_async.codecs.valuecodec`` (None, bool, int, float,
 str, bytes, tuples, lists, dicts, dates, datetimes, Decimals); never a pandas object per key.
 
 Storage of one state variable of one grouping key — one store record, so any access is O(1):
 
-* key: ``key group (2 bytes) + rowcodec.encode_key((state_name, *grouping_key))``;
-* value: ``rowcodec.encode_row(value)``; a ``ListState`` stores one list, a ``MapState`` one dict;
+* key: ``key group (2 bytes) + valuecodec.encode_key((state_name, *grouping_key))``;
+* value: ``valuecodec.encode_row(value)``; a ``ListState`` stores one list, a ``MapState`` one dict;
 * with a TTL the value is ``encode_row((expires_at_ms, value))``: past its expiry it reads as absent
   and is removed when a batch touches its key. An update refreshes the expiry. The clock is the
   driver's wall clock at the start of the batch (``batch_time_ms``), the same for every task of it.
@@ -33,9 +33,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .. import rowcodec
-from ..errors import InterfaceError
-from ..ids import _check_name
+from statestore_async.codecs import valuecodec
+from statestore_async.errors import InterfaceError
+from statestore_async.ids import _check_name
 
 VALUE, LIST, MAP = "value", "list", "map"
 _DELETE = object()  # a pending removal
@@ -64,7 +64,7 @@ class _StateVar:
         data = self._raw[i]
         if data is None:
             return None
-        v = rowcodec.decode_row(data)
+        v = valuecodec.decode_row(data)
         if self.ttl_ms is not None:
             expires, v = v
             if expires <= self._now:
@@ -110,7 +110,7 @@ class _StateVar:
         if self.ttl_ms is not None:
             expires = self._now + self.ttl_ms
             values = [(expires, v) for v in values]
-        puts = list(zip(put_keys, rowcodec.encode_rows(values)))
+        puts = list(zip(put_keys, valuecodec.encode_rows(values)))
         for i in self._expired:
             if i not in self._writes:
                 removes.append(keys[i])

@@ -8,13 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from .. import rowcodec
-from ..errors import VersionNotFoundError
-from ..ids import DEFAULT_STORE_NAME, StoreId
-from ..keys import key_group_of
-from ..loader import load_store
-from ..manifest import list_manifest_versions, read_manifest
-from ..objectstore import open_object_store
+from statestore_async.codecs import valuecodec
+from statestore_async.errors import VersionNotFoundError
+from statestore_async.ids import DEFAULT_STORE_NAME, StoreId
+from statestore_async.codecs.keylayout import key_group_of
+from statestore_async.files.loader import load_store
+from statestore_async.files.manifest import list_manifest_versions, read_manifest
+from statestore_async.objectstore import open_object_store
 
 
 def _open(root: str, s3_options: dict | None):
@@ -24,7 +24,7 @@ def _open(root: str, s3_options: dict | None):
         root = "file://" + os.path.abspath(root)
     if root.startswith("s3://"):
         if s3_options is None:
-            from .operator import s3_options_from_env
+            from statestore_async.spark.operator import s3_options_from_env
 
             s3_options = s3_options_from_env()
         return root, open_object_store(root, s3_options=s3_options)
@@ -45,14 +45,14 @@ def decode_record(key: bytes, value: bytes) -> tuple[int, str, tuple, object]:
 
     A state declared with a TTL keeps ``(expires_at_ms, value)`` as its value.
     """
-    name, *grouping = rowcodec.decode_row(key[2:])
-    return key_group_of(key), name, tuple(grouping), rowcodec.decode_row(value)
+    name, *grouping = valuecodec.decode_row(key[2:])
+    return key_group_of(key), name, tuple(grouping), valuecodec.decode_row(value)
 
 
 def load_partition(root: str, operator_id: str, partition: int, ckpt_version: int, ckptid: str,
                    s3_options: dict | None = None) -> list[tuple[bytes, bytes]]:
     """Every (key, value) record of one partition's committed checkpoint, loaded from files."""
-    from ..ids import CheckpointRef
+    from statestore_async.ids import CheckpointRef
 
     ref = CheckpointRef(ckpt_version, ckptid)
     if ref.is_empty_state:

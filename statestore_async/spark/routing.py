@@ -1,8 +1,8 @@
 """Routing rows to state partitions inside the JVM (no Python pass over the batch).
 
 A row's key group is ``kg = pmod(xxhash64(key columns), G)`` (Spark's built-in ``xxhash64``, the
-same value ``statestore_async.rowhash`` computes in Python); key group ``kg`` belongs to state
-partition ``kg * N div G`` (Flink's contiguous ranges, ``rowhash.partition_of_key_group``).
+same value ``statestore_async.codecs.sparkhash`` computes in Python); key group ``kg`` belongs to state
+partition ``kg * N div G`` (Flink's contiguous ranges, ``sparkhash.partition_of_key_group``).
 
 ``repartition(N, col)`` sends a row to shuffle partition ``pmod(murmur3(col, seed 42), N)``. The
 route column therefore holds, for state partition ``p``, a precomputed int ``route_values(N)[p]``

@@ -20,13 +20,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .. import rowarrow, rowcodec
-from ..errors import InterfaceError, StateStoreError
-from ..ids import CheckpointRef, StoreId
-from . import placement
-from .coordinator import location_of
-from .processor import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
-from .routing import KG_COLUMN
+from statestore_async.codecs import arrowcodec, valuecodec
+from statestore_async.errors import InterfaceError, StateStoreError
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.spark import placement
+from statestore_async.spark.coordinator import location_of
+from statestore_async.spark.processor import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
+from statestore_async.spark.routing import KG_COLUMN
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def _kg_prefixes(num_key_groups: int) -> tuple[bytes, ...]:
 def store_keys(state_name: str, keys: list[tuple], kgs: list[int], num_key_groups: int) -> list[bytes]:
     """Store keys ``kg (2 bytes) + encode_key((state_name, *key))`` of one state variable."""
     pre = _kg_prefixes(num_key_groups)
-    enc = rowcodec.encode_keys([(state_name, *k) for k in keys])
+    enc = valuecodec.encode_keys([(state_name, *k) for k in keys])
     return [pre[g] + e for g, e in zip(kgs, enc)]
 
 
@@ -267,7 +267,7 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
         raise InterfaceError(f"{type(processor).__name__}.init declared no state")
     keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
     n = len(keys)
-    skeys = [rowarrow.encode_tuples(keys_table.columns, key_groups=kgs, head=(v.name,), key=True).to_pylist()
+    skeys = [arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(v.name,), key=True).to_pylist()
              for v in variables]
     t = time.perf_counter()
     raw = get_all(handle, [k for ks in skeys for k in ks])
@@ -303,24 +303,24 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
 
 def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table, offsets,
                     kgs, handle, timings: dict):
-    """Keys, state and changes stay Arrow columns end to end (``rowarrow``): no Python object per key."""
+    """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
         raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
     n = keys_table.num_rows
-    skeys = rowarrow.encode_tuples(keys_table.columns, key_groups=kgs, head=(processor.state_name,), key=True)
+    skeys = arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(processor.state_name,), key=True)
     t = time.perf_counter()
     raw = handle.get_many_arrow(skeys)
     timings["read"] = time.perf_counter() - t
     exists = raw.is_valid().to_numpy(zero_copy_only=False)
-    state = rowarrow.decode_tuples(raw, schema)
+    state = arrowcodec.decode_tuples(raw, schema)
     t = time.perf_counter()
     result = processor.process(keys_table, rows, offsets, state, exists)
     new_state, output = result[0], result[1]
     valid = result[2] if len(result) > 2 else None
     if new_state.num_rows != n:
         raise InterfaceError(f"process returned {new_state.num_rows} state rows for {n} keys")
-    enc = rowarrow.encode_tuples(new_state.select(schema.names).columns)
+    enc = arrowcodec.encode_tuples(new_state.select(schema.names).columns)
     if valid is None:
         puts, removes = (skeys, enc), None
     else:
@@ -341,7 +341,7 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
     """A store handle of one partition at ``version``: committed on success, aborted on an exception.
 
     For mapPartitions / mapInArrow / pandas UDF code that manages its own keys (see
-    ``statestore_async.keys`` for the 2-byte key-group prefix). The committed ``CheckpointRef`` is
+    ``statestore_async.codecs.keylayout`` for the 2-byte key-group prefix). The committed ``CheckpointRef`` is
     appended to ``result`` when given; report it to the driver, which must check the file exists
     before it records the version (``StatefulOperator`` does all of this for you).
     """

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from ..client import Client
-from ..errors import StateStoreError
+from statestore_async.client.clients import Client
+from statestore_async.errors import StateStoreError
 
 
 def start_daemon(socket_path: str, *args: str, log_path: str, env: dict | None = None, cwd: str | None = None,

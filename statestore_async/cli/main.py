@@ -1,0 +1,238 @@
+"""``statestore-async`` command line: ``serve``, ``health``, ``selftest``, ``inspect``, ``verify``, ``gc``.
+
+Settings come from flags > ``STATESTORE_*`` environment > ``--config`` TOML file > defaults
+(``config.load_config``); every ``DaemonConfig`` setting has a flag (``--memory-budget 2GiB``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import click
+
+from statestore_async.config import FIELDS, load_config
+from statestore_async.errors import StateStoreError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """statestore_async: a versioned key-value state store daemon for PySpark Structured Streaming."""
+
+
+def _setting_options(fn):
+    for name in reversed(list(FIELDS)):
+        f = FIELDS[name]
+        help_text = f.metadata.get("help", "")
+        choices = f.metadata.get("choices")
+        if choices:
+            shown = "|".join(c or "''" for c in choices)
+            help_text += f" [{shown}]"
+        fn = click.option(f"--{name.replace('_', '-')}", name, default=None, metavar="VALUE", help=help_text)(fn)
+    return fn
+
+
+@main.command()
+@click.option("--config", "config_path", default=None, type=click.Path(dir_okay=False),
+              help="TOML file with settings (also STATESTORE_CONFIG)")
+@click.option("--print-config", is_flag=True, help="print the effective settings as TOML and exit")
+@_setting_options
+def serve(config_path, print_config, **settings):
+    """Run the daemon until SIGTERM/SIGINT (then finish requests and drain uploads)."""
+    from statestore_async.daemon.server import run
+
+    try:
+        cfg = load_config(config_path, overrides=settings)
+    except StateStoreError as exc:
+        raise click.UsageError(str(exc)) from None
+    if print_config:
+        click.echo(cfg.to_toml(), nl=False)
+        return
+    try:
+        code = run(cfg)
+    except StateStoreError as exc:
+        click.echo(f"statestore-async: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(code)
+
+
+def _socket_option(fn):
+    return click.option("--socket", "socket_path", default=None,
+                        help="daemon socket (default: STATESTORE_SOCKET or the built-in default)")(fn)
+
+
+def _socket(path):
+    return path or load_config(env=os.environ).socket
+
+
+@main.command()
+@_socket_option
+@click.option("--timeout", default=5.0, show_default=True, help="seconds to wait for the daemon")
+def health(socket_path, timeout):
+    """Exit 0 when the daemon answers HELLO and PING, 1 otherwise (liveness/readiness probe)."""
+    from statestore_async.client.clients import Client
+
+    path = _socket(socket_path)
+    client = Client(path, timeout=timeout, connect_timeout=timeout)
+    try:
+        token = os.urandom(8)
+        if client.ping(token) != token:
+            raise StateStoreError("PING answered with other bytes")
+    except (StateStoreError, OSError) as exc:
+        click.echo(f"unhealthy: {path}: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        client.close()
+    click.echo(f"ok: {path}")
+
+
+@main.command()
+@_socket_option
+@click.option("--root", required=True, help="checkpoint root URI; the scratch store goes under <root>/_selftest")
+@click.option("--timeout", default=30.0, show_default=True, help="seconds to wait for durability")
+def selftest(socket_path, root, timeout):
+    """A put/commit/get round trip on a scratch store; exit 0 on success (the Helm test runs it)."""
+    from statestore_async.client.clients import Client
+    from statestore_async.ids import StoreId
+    from statestore_async.files.names import file_key
+
+    path = _socket(socket_path)
+    scratch = root.rstrip("/") + "/_selftest"
+    store_id = StoreId(scratch, f"selftest-{uuid.uuid4().hex[:12]}", os.getpid() % 100000)
+    key, value = b"\x00\x00selftest", f"ok {time.time()}".encode()
+    client = Client(path, timeout=timeout + 10)
+    written = []
+    try:
+        with client.open(store_id, 0) as h:
+            h.put_many([(key, value)])
+            ref = h.commit()
+        written.append(ref)
+        with client.open(store_id, ref.version, ref.ckptid) as h:
+            got = h.get_many([key, b"\x00\x00absent"])
+            h.abort()
+        if got != [value, None]:
+            raise StateStoreError(f"read back {got!r}, expected {[value, None]!r}")
+        if not client.await_durable(store_id, ref, timeout):
+            raise StateStoreError(f"checkpoint {ref} was not durable within {timeout}s")
+        click.echo(f"ok: {path} served a round trip on {store_id} ({ref})")
+    except (StateStoreError, OSError) as exc:
+        click.echo(f"selftest failed: {path}: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+    finally:
+        client.close()
+        _cleanup(store_id, written, file_key)
+
+
+def _cleanup(store_id, refs, file_key) -> None:
+    """Delete the scratch files when this process can reach the object store (best effort)."""
+    if not refs:
+        return
+    import asyncio
+
+    from statestore_async.config import load_config
+    from statestore_async.objectstore import open_object_store
+
+    async def go():
+        try:
+            s3 = load_config().s3_options()
+        except Exception:  # no readable daemon config here: the AWS chain's defaults
+            s3 = None
+        store = open_object_store(store_id.root, s3_options=s3)
+        try:
+            for ref in refs:
+                for kind in ("delta", "snapshot"):
+                    await store.delete(file_key(store_id, ref, kind))
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(go())
+    except Exception as exc:  # the daemon's node may see a root this pod cannot
+        click.echo(f"note: could not remove the scratch files of {store_id}: {exc}", err=True)
+
+
+def _open_root(root: str):
+    """The object store of a checkpoint root, with the S3 settings of the daemon config if readable."""
+    from statestore_async.objectstore import open_object_store
+
+    try:
+        s3 = load_config().s3_options()
+    except StateStoreError:
+        s3 = None
+    return open_object_store(root, s3_options=s3)
+
+
+def _run_tool(coro_fn):
+    import asyncio
+
+    try:
+        return asyncio.run(coro_fn())
+    except StateStoreError as exc:
+        click.echo(f"statestore-async: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("root")
+@click.argument("key")
+def inspect(root, key):
+    """Show and check one checkpoint file: ROOT is the checkpoint root URI, KEY the file's key under it."""
+    from statestore_async.cli.offline import inspect_file
+
+    async def go():
+        async with _open_root(root) as objstore:
+            return await inspect_file(objstore, key)
+
+    r = _run_tool(go)
+    click.echo(f"{r.name}: {r.kind} of {r.store} at version {r.version} ({r.ckptid}), {r.size} bytes, codec {r.codec}")
+    click.echo(f"  lineage: {' <- '.join(r.lineage) or '(none)'}")
+    click.echo(f"  records: {r.records} ({r.tombstones} tombstones) in {len(r.blocks)} blocks; checksums OK")
+    for off, length, count, first, last in r.blocks:
+        click.echo(f"  block @{off}: {length} bytes, {count} records, key groups {first}..{last}")
+
+
+@main.command()
+@click.argument("root")
+@click.option("--operator", "operator_id", required=True, help="operator id")
+@click.option("--version", type=int, default=None, help="manifest version (default: the latest)")
+def verify(root, operator_id, version):
+    """Load every partition a manifest names from files alone, checking every checksum (exit 1 on error)."""
+    from statestore_async.cli.offline import verify_operator
+
+    async def go():
+        async with _open_root(root) as objstore:
+            return await verify_operator(objstore, root, operator_id, version)
+
+    r = _run_tool(go)
+    for (store, p), info in sorted(r.partitions.items()):
+        click.echo(f"  {store}/{p}: {info['ref']} OK, {info['records']} records from {info['files']} files ({info['bytes']} bytes)")
+    for (store, p), msg in sorted(r.errors.items()):
+        click.echo(f"  {store}/{p}: FAILED {msg}", err=True)
+    click.echo(f"version {r.version}: {len(r.partitions)} partitions OK, {len(r.errors)} failed")
+    sys.exit(0 if r.ok else 1)
+
+
+@main.command()
+@click.argument("root")
+@click.option("--operator", "operator_id", required=True, help="operator id")
+@click.option("--keep", type=int, default=100, show_default=True, help="manifests (versions) to keep loadable")
+@click.option("--dry-run", is_flag=True, help="list what would be deleted, delete nothing")
+def gc(root, operator_id, keep, dry_run):
+    """Delete checkpoint files and manifests that none of the last KEEP versions needs."""
+    from statestore_async.cli.offline import gc_operator
+
+    async def go():
+        async with _open_root(root) as objstore:
+            return await gc_operator(objstore, root, operator_id, keep, dry_run=dry_run)
+
+    r = _run_tool(go)
+    verb = "would delete" if dry_run else "deleted"
+    for k in r.deleted_files + r.deleted_manifests:
+        click.echo(f"  {verb} {k}")
+    click.echo(f"kept versions {r.kept_manifests[:1]}..{r.kept_manifests[-1:]}; {verb} {len(r.deleted_files)} files and "
+               f"{len(r.deleted_manifests)} manifests")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,429 @@
+"""Checkpoint files: deltas and snapshots of one store (DESIGN §4). Pure bytes in, bytes out.
+
+File layout (every integer little-endian)::
+
+    header   magic b"SSCK" | u16 format version | u8 kind (1 delta, 2 snapshot) | u8 0
+             u32 n | u64 xxh3 of the JSON | n bytes of JSON:
+             {"store": {operator_id, partition_id, store_name}, "version", "ckptid",
+              "lineage": [[version, ckptid], ...]  (newest first, back to the base),
+              "codec": "zstd" | "none", "created": unix seconds, "writer": "statestore_async x.y"}
+    blocks   record blocks (statestore_async.codecs.blockcodec: magic, lengths, xxh3 checksum, zstd body)
+    footer   b"\\xf0\\x07" | u32 n | n bytes of JSON:
+             {"records": total, "blocks": [[offset, length, count, first_kg, last_kg], ...]}
+    trailer  u64 footer offset | u32 footer length | u64 xxh3(footer) | b"SSCE"   (24 bytes)
+
+Snapshot records are ordered by key group (the first two key bytes), so the footer's block index
+tells which byte ranges hold a range of key groups (for a rescale). Delta records are in
+commit order; a tombstone (value None) marks a removed key. A reader checks every checksum, every
+length and that the header names the file it was asked for; any failure raises
+``CorruptFileError`` naming the file — never a wrong value.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import xxhash
+
+from statestore_async import __version__
+from statestore_async.codecs import blockcodec
+from statestore_async.engine import overlay
+from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
+from statestore_async.files.names import DELTA, SNAPSHOT, file_name
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
+
+MAGIC = b"SSCK"
+END_MAGIC = b"SSCE"
+FORMAT_VERSION = 1
+KIND_CODES = {DELTA: 1, SNAPSHOT: 2}
+KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
+CODECS = {"none": blockcodec.CODEC_NONE, "zstd": blockcodec.CODEC_ZSTD}
+FOOTER_MARK = b"\xf0\x07"
+
+_HEAD = struct.Struct("<4sHBBIQ")  # magic, format, kind, reserved, json length, json checksum
+_FOOT = struct.Struct("<2sI")  # mark, json length
+_TRAIL = struct.Struct("<QIQ4s")  # footer offset, footer length, footer checksum, magic
+HEADER_FIXED = _HEAD.size
+TRAILER_SIZE = _TRAIL.size
+MAX_JSON = 64 << 20
+DEFAULT_BLOCK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """What a checkpoint file says about itself."""
+
+    kind: str
+    store: dict
+    ref: CheckpointRef
+    lineage: tuple[CheckpointRef, ...]
+    codec: str
+    created: float
+    writer: str = ""
+
+    def matches(self, store_id: StoreId) -> bool:
+        return self.store == store_id.to_json()
+
+
+@dataclass(frozen=True)
+class BlockIndexEntry:
+    offset: int
+    length: int
+    count: int
+    first_kg: int
+    last_kg: int
+
+
+@dataclass
+class Footer:
+    records: int
+    blocks: list[BlockIndexEntry] = field(default_factory=list)
+
+
+def _kg(key: bytes) -> int:
+    return (key[0] << 8) | key[1] if len(key) >= KEY_GROUP_BYTES else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+# ------------------------------------------------------------------------------------------------
+def _encode_header(kind: str, store_id: StoreId, ref: CheckpointRef, lineage, codec: str) -> bytes:
+    if codec not in CODECS:
+        raise InterfaceError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
+    body = json.dumps(
+        {
+            "store": store_id.to_json(),
+            "version": ref.version,
+            "ckptid": ref.ckptid,
+            "lineage": [r.to_json() for r in lineage],
+            "codec": codec,
+            "created": round(time.time(), 3),
+            "writer": f"statestore_async {__version__}",
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    return _HEAD.pack(MAGIC, FORMAT_VERSION, KIND_CODES[kind], 0, len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+class CheckpointWriter:
+    """Builds one checkpoint file block by block: ``add_block_records`` then ``finish``."""
+
+    def __init__(
+        self,
+        kind: str,
+        store_id: StoreId,
+        ref: CheckpointRef,
+        lineage: Iterable[CheckpointRef],
+        *,
+        codec: str = "zstd",
+        level: int = 3,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ):
+        if kind not in KIND_CODES:
+            raise InterfaceError(f"kind must be 'delta' or 'snapshot', got {kind!r}")
+        self.kind = kind
+        self.name = file_name(ref, kind)
+        self._codec = CODECS[codec] if codec in CODECS else None
+        self._level = level
+        self._block_bytes = block_bytes
+        head = _encode_header(kind, store_id, ref, tuple(lineage), codec)
+        self._parts: list[bytes] = [head]
+        self._offset = len(head)
+        self._index: list[BlockIndexEntry] = []
+        self._records = 0
+
+    def add_records(self, records: list) -> Iterator[None]:
+        """Encode ``records`` (a list of (key, value|None)) into blocks; yields after each block."""
+        start = 0
+        n = len(records)
+        while start < n:
+            block, nxt = blockcodec.encode_block(records, start, self._block_bytes, self._codec, self._level)
+            if self.kind == SNAPSHOT:  # sorted by key
+                kgs_first, kgs_last = _kg(records[start][0]), _kg(records[nxt - 1][0])
+            else:
+                kgs_first, kgs_last = blockcodec.key_group_range(records, start, nxt)
+            self._index.append(BlockIndexEntry(self._offset, len(block), nxt - start, kgs_first, kgs_last))
+            self._parts.append(block)
+            self._offset += len(block)
+            self._records += nxt - start
+            start = nxt
+            yield
+
+    def finish(self) -> bytes:
+        """The whole file."""
+        return b"".join(self.finish_parts())
+
+    def finish_parts(self) -> list[bytes]:
+        """The whole file, as a list of parts in order."""
+        body = json.dumps(
+            {
+                "records": self._records,
+                "blocks": [[b.offset, b.length, b.count, b.first_kg, b.last_kg] for b in self._index],
+            },
+            separators=(",", ":"),
+        ).encode()
+        footer = _FOOT.pack(FOOTER_MARK, len(body)) + body
+        trailer = _TRAIL.pack(self._offset, len(footer), xxhash.xxh3_64_intdigest(footer), END_MAGIC)
+        parts = self._parts + [footer, trailer]
+        self._parts = []
+        return parts
+
+
+def encode_delta(delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES) -> bytes:
+    """The delta file of an engine ``Delta``."""
+    w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
+    for _ in w.add_records(list(delta.records.items())):
+        pass
+    return w.finish()
+
+
+def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                   chunk: int = 65536) -> Iterator[list[bytes] | None]:
+    """Write the snapshot of a frozen engine view in small steps.
+
+    Yields ``None`` after each bounded piece of work — sorting ``chunk`` records by key group, or
+    gathering and encoding one block — so an event loop can serve requests between pieces; then,
+    as the last item, the file as a list of parts (``b"".join`` them; a large join releases the
+    GIL, so it can run in a thread). Records are sorted in the map's order (its memory walked in
+    order) into per-group lists, and each group's list is let go once encoded, so neither a step
+    nor the end (freeing) holds the caller for long.
+    """
+    w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
+                         block_bytes=block_bytes)
+    groups: list = [None] * overlay.KEY_GROUP_SLOTS
+    for start in range(0, len(view), chunk):
+        view.group(start, start + chunk, groups)
+        yield None
+    cursor = (0, 0)
+    while True:
+        # an upper bound of each record's encoded size (tag + two varints + bytes) is counted, so
+        # the gathered records always fit one block
+        block, cursor = overlay.gather_records(groups, cursor, block_bytes)
+        if not block:
+            break
+        yield from w.add_records(block)
+    yield w.finish_parts()
+
+
+def encode_snapshot(view, **kwargs) -> bytes:
+    """The snapshot file of a frozen engine view, in one call."""
+    parts: list[bytes] = []
+    for item in snapshot_steps(view, **kwargs):
+        if item is not None:
+            parts = item
+    return b"".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# reading
+# ------------------------------------------------------------------------------------------------
+def _parse_header_json(name: str, kind_code: int, body: bytes) -> FileHeader:
+    try:
+        h = json.loads(body)
+        store = h["store"]
+        ref = CheckpointRef(h["version"], h["ckptid"])
+        lineage = tuple(CheckpointRef.from_json(x) for x in h["lineage"])
+        codec = h["codec"]
+        if codec not in CODECS or not isinstance(store, dict):
+            raise ValueError(f"codec {codec!r}")
+        return FileHeader(KIND_NAMES[kind_code], store, ref, lineage, codec, float(h.get("created", 0)), h.get("writer", ""))
+    except (ValueError, KeyError, TypeError, InterfaceError) as exc:
+        raise CorruptFileError(name, f"bad header: {exc}", HEADER_FIXED) from None
+
+
+def header_length(data: bytes, name: str) -> int:
+    """Bytes the header takes, from its first ``HEADER_FIXED`` bytes."""
+    if len(data) < HEADER_FIXED:
+        raise CorruptFileError(name, f"truncated: {len(data)} bytes, a header needs {HEADER_FIXED}", 0)
+    magic, fmt, kind, reserved, n, _ = _HEAD.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise CorruptFileError(name, f"not a checkpoint file (magic {magic!r})", 0)
+    if fmt != FORMAT_VERSION:
+        raise CorruptFileError(name, f"unsupported format version {fmt} (this build reads {FORMAT_VERSION})", 4)
+    if kind not in KIND_NAMES or reserved != 0:
+        raise CorruptFileError(name, f"bad kind byte {kind} / reserved byte {reserved}", 6)
+    if n > MAX_JSON:
+        raise CorruptFileError(name, f"header length {n} is not plausible", 8)
+    return HEADER_FIXED + n
+
+
+def parse_header(data: bytes, name: str) -> FileHeader:
+    """The header at the start of ``data`` (which must hold at least the whole header)."""
+    end = header_length(data, name)
+    if len(data) < end:
+        raise CorruptFileError(name, f"truncated header: {len(data)} of {end} bytes", 0)
+    _, _, kind, _, n, checksum = _HEAD.unpack_from(data, 0)
+    body = bytes(data[HEADER_FIXED:end])
+    if xxhash.xxh3_64_intdigest(body) != checksum:
+        raise CorruptFileError(name, "header checksum mismatch", HEADER_FIXED)
+    return _parse_header_json(name, kind, body)
+
+
+def _parse_footer(name: str, data, offset: int, length: int, checksum: int) -> Footer:
+    footer = bytes(data[offset : offset + length])
+    if len(footer) != length or xxhash.xxh3_64_intdigest(footer) != checksum:
+        raise CorruptFileError(name, "footer checksum mismatch", offset)
+    mark, n = _FOOT.unpack_from(footer, 0)
+    if mark != FOOTER_MARK or n != length - _FOOT.size:
+        raise CorruptFileError(name, "bad footer mark or length", offset)
+    try:
+        f = json.loads(footer[_FOOT.size :])
+        blocks = [BlockIndexEntry(*map(int, b)) for b in f["blocks"]]
+        return Footer(int(f["records"]), blocks)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptFileError(name, f"bad footer: {exc}", offset) from None
+
+
+def read_trailer(data, name: str) -> tuple[int, int, int]:
+    """(footer offset, footer length, footer checksum) from the file's last 24 bytes."""
+    if len(data) < TRAILER_SIZE:
+        raise CorruptFileError(name, "truncated: no trailer", len(data))
+    off, n, checksum, magic = _TRAIL.unpack_from(data, len(data) - TRAILER_SIZE)
+    if magic != END_MAGIC:
+        raise CorruptFileError(name, "truncated or damaged: bad trailer magic", len(data) - TRAILER_SIZE)
+    return off, n, checksum
+
+
+@dataclass
+class CheckpointFile:
+    """A fully checked checkpoint file: its header, index and records."""
+
+    name: str
+    header: FileHeader
+    footer: Footer
+    records: list
+
+
+class CheckpointParser:
+    """Sans-IO reader: ``feed`` chunks as they arrive, get records as each block completes.
+
+    ``feed`` returns the records decoded from the blocks completed by that chunk; ``header`` is set
+    once known; ``finish`` checks the footer and trailer and returns the ``Footer``.
+    """
+
+    def __init__(self, name: str, *, expect: tuple[StoreId, CheckpointRef, str] | None = None):
+        self.name = name
+        self._expect = expect
+        self._buf = bytearray()
+        self._pos = 0  # absolute offset of self._buf[0]
+        self.header: FileHeader | None = None
+        self._blocks: list[BlockIndexEntry] = []
+        self._records = 0
+        self._footer_at: int | None = None
+        self._done = False
+
+    def _fail(self, reason: str, offset: int | None = None):
+        raise CorruptFileError(self.name, reason, offset)
+
+    def feed(self, chunk: bytes) -> list:
+        if self._done:
+            self._fail("data after the end of the file")
+        self._buf += chunk
+        out: list = []
+        buf = self._buf
+        consumed = 0
+        if self.header is None:
+            if len(buf) < HEADER_FIXED:
+                return out
+            end = header_length(buf, self.name)
+            if len(buf) < end:
+                return out
+            self.header = parse_header(buf, self.name)
+            self._check_expected()
+            consumed = end
+        while self._footer_at is None:
+            avail = len(buf) - consumed
+            if avail < 2:
+                break
+            if bytes(buf[consumed : consumed + 2]) == FOOTER_MARK:
+                self._footer_at = self._pos + consumed
+                break
+            if avail < blockcodec.HEADER_SIZE:
+                break
+            try:
+                _, count, _, _, total = blockcodec.read_block_header(buf, consumed)
+                if avail < total:
+                    break
+                records, nxt = blockcodec.decode_block(buf, consumed)
+            except CorruptBlockError as exc:
+                self._fail(f"block {len(self._blocks)}: {exc}", self._pos + consumed)
+            first, last = (_kg(records[0][0]), _kg(records[-1][0])) if records else (0, 0)
+            self._blocks.append(BlockIndexEntry(self._pos + consumed, total, count, first, last))
+            self._records += count
+            out.extend(records)
+            consumed = nxt
+        if consumed:
+            del buf[:consumed]
+            self._pos += consumed
+        return out
+
+    def _check_expected(self):
+        if self._expect is None:
+            return
+        store_id, ref, kind = self._expect
+        h = self.header
+        if h.kind != kind or h.ref != ref or not h.matches(store_id):
+            self._fail(
+                f"the file says it is the {h.kind} of {h.store} at {h.ref}, expected the {kind} of "
+                f"{store_id.to_json()} at {ref}",
+                HEADER_FIXED,
+            )
+
+    def finish(self) -> Footer:
+        if self.header is None:
+            self._fail(f"truncated: {len(self._buf)} bytes, no complete header", 0)
+        if self._footer_at is None:
+            self._fail("truncated: the file ends inside a block (no footer)", self._pos)
+        buf = bytes(self._buf)
+        base = self._footer_at - self._pos
+        off, n, checksum = read_trailer(buf, self.name)
+        if off != self._footer_at or base + n + TRAILER_SIZE != len(buf):
+            self._fail("footer and trailer do not line up (truncated or extended file)", self._footer_at)
+        footer = _parse_footer(self.name, buf, base, n, checksum)
+        if footer.records != self._records or len(footer.blocks) != len(self._blocks):
+            self._fail(f"the footer counts {footer.records} records in {len(footer.blocks)} blocks, "
+                       f"the file holds {self._records} in {len(self._blocks)}", self._footer_at)
+        for i, (a, b) in enumerate(zip(footer.blocks, self._blocks)):
+            if a.offset != b.offset or a.length != b.length or a.count != b.count:
+                self._fail(f"footer entry {i} does not match block {i}", self._footer_at)
+        self._done = True
+        return footer
+
+
+def read_checkpoint(data: bytes, name: str, *, expect: tuple[StoreId, CheckpointRef, str] | None = None) -> CheckpointFile:
+    """Parse and check a whole checkpoint file held in memory."""
+    p = CheckpointParser(name, expect=expect)
+    records = p.feed(data)
+    footer = p.finish()
+    return CheckpointFile(name, p.header, footer, records)
+
+
+def read_index(data: bytes, name: str) -> Footer:
+    """The block index of a file from its tail (``data`` holds at least footer + trailer)."""
+    off, n, checksum = read_trailer(data, name)
+    start = len(data) - TRAILER_SIZE - n
+    if start < 0:
+        raise CorruptFileError(name, "the tail given does not hold the whole footer")
+    return _parse_footer(name, data, start, n, checksum)
+
+
+def blocks_for_key_groups(footer: Footer, first_kg: int, last_kg: int) -> list[BlockIndexEntry]:
+    """The blocks of a snapshot that may hold records of key groups ``first_kg..last_kg``."""
+    return [b for b in footer.blocks if b.last_kg >= first_kg and b.first_kg <= last_kg]
+
+
+def decode_blocks(data: bytes, name: str, entries: list[BlockIndexEntry], base_offset: int = 0) -> list:
+    """Decode the given blocks out of ``data`` (which starts at file offset ``base_offset``)."""
+    out = []
+    for e in entries:
+        try:
+            records, _ = blockcodec.decode_block(data, e.offset - base_offset)
+        except CorruptBlockError as exc:
+            raise CorruptFileError(name, f"block at {e.offset}: {exc}", e.offset) from None
+        out.extend(records)
+    return out

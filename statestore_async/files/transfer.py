@@ -1,0 +1,91 @@
+"""Checkpoint files on an object store: write a delta or snapshot once, read one back checked.
+
+The only IO of the checkpoint layer; ``checkpoint`` does the bytes, this does the GETs and PUTs.
+Data files are created with ``put_if_absent``: a name is never written twice.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from statestore_async.files.checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
+from statestore_async.errors import CorruptFileError, ObjectNotFoundError
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
+from statestore_async.ids import CheckpointRef, StoreId
+
+
+@dataclass
+class ReadStats:
+    """What reads did: for logs, metrics and tests (e.g. 'no LIST on the hot path')."""
+
+    files_read: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    bytes_read: int = 0
+
+
+async def write_delta(objstore, delta, **codec_options) -> tuple[str, int]:
+    """Create the delta file of an engine ``Delta``. Returns (key, size)."""
+    key = file_key(delta.store_id, delta.ref, DELTA)
+    data = encode_delta(delta, **codec_options)
+    await objstore.put_if_absent(key, data)
+    return key, len(data)
+
+
+async def snapshot_bytes(view, *, give_way=None, **codec_options) -> bytes:
+    """The snapshot file of a frozen engine view, encoded in bounded steps.
+
+    ``give_way`` (an async callable, e.g. ``asyncio.sleep(0)``-like) is awaited between the steps,
+    so an event loop keeps serving requests while a large snapshot is encoded; the parts are
+    joined in a thread (a large join releases the GIL).
+    """
+    parts: list[bytes] = []
+    for item in snapshot_steps(view, **codec_options):
+        if item is None:
+            if give_way is not None:
+                await give_way()
+        else:
+            parts = item
+    return await asyncio.to_thread(b"".join, parts)
+
+
+async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> tuple[str, int]:
+    """Create the snapshot file of a frozen engine view (see ``snapshot_bytes``). Returns (key, size)."""
+    data = await snapshot_bytes(view, give_way=give_way, **codec_options)
+    key = file_key(view.store_id, view.ref, SNAPSHOT)
+    await objstore.put_if_absent(key, data)
+    return key, len(data)
+
+
+async def read_checkpoint_file(
+    objstore, store_id: StoreId, ref: CheckpointRef, kind: str, stats: ReadStats | None = None
+) -> tuple[FileHeader, list]:
+    """GET one checkpoint file, decoding blocks as they stream in; checks that it is the file asked for.
+
+    Returns (header, records). ``ObjectNotFoundError`` if it does not exist, ``CorruptFileError`` if
+    it fails any check.
+    """
+    stats = stats if stats is not None else ReadStats()
+    key = file_key(store_id, ref, kind)
+    try:
+        return await _read(objstore, key, store_id, ref, kind, stats)
+    except CorruptFileError:
+        # a damaged local copy (see objectstore.cache): drop it and read the origin once
+        forget = getattr(objstore, "forget", None)
+        if forget is None or not forget(key):
+            raise
+        return await _read(objstore, key, store_id, ref, kind, stats)
+
+
+async def _read(objstore, key, store_id, ref, kind, stats):
+    parser = CheckpointParser(key, expect=(store_id, ref, kind))
+    records: list = []
+    try:
+        async for chunk in objstore.get_stream(key):
+            stats.bytes_read += len(chunk)
+            records.extend(parser.feed(chunk))
+    except ObjectNotFoundError:
+        stats.missing.append(key)
+        raise
+    parser.finish()
+    stats.files_read.append(key)
+    return parser.header, records
