@@ -151,6 +151,16 @@ class ObjectExistsError(ObjectStoreError):
     code = 42
 
 
+class CheckpointConflictError(ObjectExistsError):
+    """A checkpoint file's name is taken by a file with other content: nothing was written.
+
+    A retried upload whose first answer was lost finds its own bytes there and succeeds; this is
+    raised only when the bytes differ, which means two writers used one checkpoint id.
+    """
+
+    code = 47
+
+
 class StorageFullError(ObjectStoreError):
     """The storage has no room (ENOSPC/EDQUOT): nothing was written."""
 

@@ -25,7 +25,7 @@ import time
 
 from statestore_async.files.checkpoint import FileHeader
 from statestore_async.errors import ObjectExistsError, StateStoreError
-from statestore_async.files.transfer import snapshot_bytes
+from statestore_async.files.transfer import create_checkpoint_file, snapshot_bytes
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.files.retention import cleanup_store
@@ -196,11 +196,7 @@ class Maintenance:
                 data = await snapshot_bytes(view, give_way=_Pacer(served=self._served), chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
             finally:
                 view.release()
-        try:
-            await objstore.put_if_absent(file_key(view.store_id, view.ref, SNAPSHOT), data)
-        except ObjectExistsError:
-            return 0  # the same state, snapshotted by another holder of it: same records
-        return len(data)
+        return await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)
 
     async def _cleanup(self, objstore, store_id: StoreId, ref: CheckpointRef) -> None:
         min_version = ref.version - self.retention_versions + 1

@@ -142,6 +142,7 @@ def _requests(objstore) -> dict:
 async def _build(objstores: dict, settings: dict, message: dict) -> dict:
     from statestore_async.files.checkpoint import encode_snapshot
     from statestore_async.files.loader import load_store
+    from statestore_async.files.transfer import create_checkpoint_file
     from statestore_async.daemon.objectstores import open_root
 
     root = message["root"]
@@ -160,11 +161,7 @@ async def _build(objstores: dict, settings: dict, message: dict) -> dict:
         with store.freeze() as view:
             data = encode_snapshot(view)
         del store
-        try:
-            await objstore.put_if_absent(file_key(store_id, ref, SNAPSHOT), data)
-            answer = {"ok": True, "bytes": len(data)}
-        except ObjectExistsError:
-            answer = {"ok": True, "bytes": 0}  # the same state, snapshotted by another holder of it
+        answer = {"ok": True, "bytes": await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)}
     except StateStoreError as exc:
         answer = {"ok": False, "code": exc.code, "message": str(exc)}
     except Exception as exc:  # a bug: tell the daemon, keep serving

@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from statestore_async.files import checkpoint
+from statestore_async.files.transfer import create_checkpoint_file
 from statestore_async.errors import ObjectExistsError, ObjectStoreError
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import CheckpointRef, StoreId
@@ -182,7 +183,7 @@ class Uploader:
                 async with self._sem:
                     up.state = UploadState.UPLOADING
                     store = self._objstore_for(up.store_id.root)
-                    await store.put_if_absent(key, data)
+                    await create_checkpoint_file(store, up.store_id, up.ref, DELTA, data)
             except ObjectExistsError as exc:
                 self._fail(up, exc, key)
                 return

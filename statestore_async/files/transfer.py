@@ -1,7 +1,9 @@
-"""Checkpoint files on an object store: write a delta or snapshot once, read one back checked.
+"""Checkpoint files on an object store: create a delta or snapshot once, read one back checked.
 
-The only IO of the checkpoint layer; ``checkpoint`` does the bytes, this does the GETs and PUTs.
-Data files are created with ``put_if_absent``: a name is never written twice.
+The only writer of checkpoint files (the daemon's uploader, its snapshots and the snapshot worker
+all call ``create_checkpoint_file``) and the reader of one file for the loader; ``checkpoint``
+does the bytes, this does the GETs and PUTs. Files are created with ``put_if_absent``: a name is
+never written twice.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from statestore_async.files.checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
-from statestore_async.errors import CorruptFileError, ObjectNotFoundError
+from statestore_async.errors import CheckpointConflictError, CorruptFileError, ObjectExistsError, ObjectNotFoundError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 
@@ -23,12 +25,34 @@ class ReadStats:
     bytes_read: int = 0
 
 
+async def create_checkpoint_file(objstore, store_id: StoreId, ref: CheckpointRef, kind: str, data: bytes) -> int:
+    """Create the ``kind`` file of ``ref`` with ``data``. Returns the bytes written.
+
+    When the name is taken: a snapshot there is the same state (whoever wrote it: the state a
+    lineage defines is unique), so 0 is returned; a delta there with the very same bytes is this
+    upload's own earlier attempt whose answer was lost, so 0 is returned; a delta with other
+    bytes raises ``CheckpointConflictError`` naming the file (two writers used one checkpoint id).
+    """
+    key = file_key(store_id, ref, kind)
+    try:
+        await objstore.put_if_absent(key, data)
+        return len(data)
+    except ObjectExistsError:
+        if kind == SNAPSHOT:
+            return 0
+        there = await objstore.get(key)
+        if bytes(there) == bytes(data):
+            return 0
+        raise CheckpointConflictError(
+            f"{key} exists with other content ({len(there)} bytes, {len(data)} meant): two writers used "
+            f"checkpoint id {ref.ckptid}; nothing was overwritten") from None
+
+
 async def write_delta(objstore, delta, **codec_options) -> tuple[str, int]:
-    """Create the delta file of an engine ``Delta``. Returns (key, size)."""
-    key = file_key(delta.store_id, delta.ref, DELTA)
+    """Create the delta file of an engine ``Delta`` (encoded here). Returns (key, size)."""
     data = encode_delta(delta, **codec_options)
-    await objstore.put_if_absent(key, data)
-    return key, len(data)
+    await create_checkpoint_file(objstore, delta.store_id, delta.ref, DELTA, data)
+    return file_key(delta.store_id, delta.ref, DELTA), len(data)
 
 
 async def snapshot_bytes(view, *, give_way=None, **codec_options) -> bytes:
@@ -51,9 +75,8 @@ async def snapshot_bytes(view, *, give_way=None, **codec_options) -> bytes:
 async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> tuple[str, int]:
     """Create the snapshot file of a frozen engine view (see ``snapshot_bytes``). Returns (key, size)."""
     data = await snapshot_bytes(view, give_way=give_way, **codec_options)
-    key = file_key(view.store_id, view.ref, SNAPSHOT)
-    await objstore.put_if_absent(key, data)
-    return key, len(data)
+    await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)
+    return file_key(view.store_id, view.ref, SNAPSHOT), len(data)
 
 
 async def read_checkpoint_file(
