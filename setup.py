@@ -48,7 +48,7 @@ class build_ext(_build_ext):
                 "Install it first:  pip install -r requirements/build.txt\n"
                 "then:              pip install --no-build-isolation -e .\n\n"
             )
-            raise SystemExit(1)
+            raise SystemExit(1) from None
         directives = {
             "language_level": "3",
             "boundscheck": DEBUG,

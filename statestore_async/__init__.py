@@ -6,7 +6,7 @@ docs/ARCHITECTURE.md.
 """
 __version__ = "0.1.0"
 
-from statestore_async.errors import StateStoreError  # noqa: E402
-from statestore_async.ids import CheckpointRef, StoreId  # noqa: E402
+from statestore_async.errors import StateStoreError
+from statestore_async.ids import CheckpointRef, StoreId
 
-__all__ = ["__version__", "CheckpointRef", "StoreId", "StateStoreError"]
+__all__ = ["CheckpointRef", "StateStoreError", "StoreId", "__version__"]

@@ -71,21 +71,27 @@ class DaemonConfig:
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error",
                                                      "choices": ("debug", "info", "warning", "error")})
     log_format: str = field(default="text", metadata={"help": "text or json", "choices": ("text", "json")})
-    memory_budget: int = field(default=2 << 30, metadata={"help": "bytes of state kept in memory before idle stores are evicted", "parse": parse_size})
+    memory_budget: int = field(default=2 << 30, metadata={
+        "help": "bytes of state kept in memory before idle stores are evicted", "parse": parse_size})
     max_frame_bytes: int = field(default=64 << 20, metadata={"help": "largest protocol frame accepted", "parse": parse_size})
     max_batch: int = field(default=100_000, metadata={"help": "most keys in one batched request", "parse": int})
     max_inflight: int = field(default=64, metadata={"help": "pipelined requests in flight per connection", "parse": int})
     cache_dir: str = field(default="", metadata={"help": "local cache of uploaded files ('' = off)"})
     cache_bytes: int = field(default=10 << 30, metadata={"help": "local cache size bound", "parse": parse_size})
     snapshot_interval: int = field(default=10, metadata={"help": "snapshot a store every N deltas", "parse": int})
-    snapshot_delta_bytes: int = field(default=256 << 20, metadata={"help": "…or when its delta chain exceeds this", "parse": parse_size})
+    snapshot_delta_bytes: int = field(default=256 << 20, metadata={
+        "help": "…or when its delta chain exceeds this", "parse": parse_size})
     snapshot_builder: str = field(default="inline", metadata={
-        "help": "process: a worker process rebuilds snapshots from durable files; inline: the daemon encodes them between requests",
+        "help": "process: a worker process rebuilds snapshots from durable files; "
+                "inline: the daemon encodes them between requests",
         "choices": ("process", "inline")})
-    retention_versions: int = field(default=100, metadata={"help": "keep at least the last N versions loadable (>= 2)", "parse": int})
+    retention_versions: int = field(default=100, metadata={
+        "help": "keep at least the last N versions loadable (>= 2)", "parse": int})
     upload_concurrency: int = field(default=8, metadata={"help": "parallel uploads", "parse": int})
-    upload_queue_bytes: int = field(default=256 << 20, metadata={"help": "bytes queued for upload before commits wait", "parse": parse_size})
-    drain_timeout: float = field(default=60.0, metadata={"help": "seconds SIGTERM waits for queued uploads", "parse": float})
+    upload_queue_bytes: int = field(default=256 << 20, metadata={
+        "help": "bytes queued for upload before commits wait", "parse": parse_size})
+    drain_timeout: float = field(default=60.0, metadata={
+        "help": "seconds SIGTERM waits for queued uploads", "parse": float})
     exit_when_idle: float = field(default=0.0, metadata={
         "help": "exit (as on SIGTERM) after this many seconds with no client connected and no upload pending; 0 = never",
         "parse": float})

@@ -15,7 +15,7 @@ can raise the same class again (see ``error_for_code``).
 """
 from __future__ import annotations
 
-_BY_CODE: dict[int, type["StateStoreError"]] = {}
+_BY_CODE: dict[int, type[StateStoreError]] = {}
 
 
 class StateStoreError(Exception):

@@ -103,7 +103,7 @@ class CheckpointRef:
         return [self.version, self.ckptid]
 
     @classmethod
-    def from_json(cls, value) -> "CheckpointRef":
+    def from_json(cls, value) -> CheckpointRef:
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise InterfaceError(f"a checkpoint reference is [version, ckptid], got {value!r}")
         return cls(value[0], value[1])

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import struct
 
-from statestore_async.errors import DecodeError, EncodeError
 from statestore_async._ref import valuecodec
-
+from statestore_async.errors import DecodeError, EncodeError
 
 _INT = {1: "<b", 2: "<h", 4: "<i", 8: "<q"}
 _UINT = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import struct
 
-from statestore_async.errors import DecodeError, EncodeError
-
 from statestore_async._ref import framing as _fr
-
+from statestore_async.errors import EncodeError
 
 _LARGE = 0x7FFFFFFF  # past this many data bytes, offsets are 64-bit
 

@@ -14,7 +14,6 @@ import zstandard
 
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 
-
 MAGIC = b"\xb1\x0c"
 HEADER_SIZE = 24
 CODEC_NONE = 0
@@ -315,7 +314,7 @@ def decode_block(buf, offset=0):
     """Decode and verify the block at ``buf[offset:]``: ``(records, offset past the block)``."""
     buf = _as_bytes(buf)
     offset = _check_offset(offset)
-    codec, count, raw_len, stored_len, total = _header(buf, offset)
+    codec, count, raw_len, _stored_len, total = _header(buf, offset)
     have = len(buf) - offset
     if have < total:
         raise CorruptBlockError(f"truncated: need {total} bytes, have {have}")

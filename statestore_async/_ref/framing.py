@@ -9,7 +9,6 @@ import struct
 
 from statestore_async.errors import DecodeError, EncodeError
 
-
 HEADER_SIZE = 10
 NONE_LEN = 0xFFFFFFFF
 MAX_ITEM_LEN = 0xFFFFFFFE

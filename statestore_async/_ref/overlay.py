@@ -6,10 +6,8 @@ dict contents, the same bytes and the same errors. The contracts are documented 
 """
 from __future__ import annotations
 
-from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError
-
 from statestore_async._ref import framing as _fr
-
+from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError
 
 KEY_GROUP_SLOTS = 1 << 16
 

@@ -31,7 +31,6 @@ import xxhash
 
 from statestore_async.errors import EncodeError, InterfaceError
 
-
 SPARK_SEED = 42
 
 _U64 = (1 << 64) - 1
@@ -40,7 +39,7 @@ _I64_MAX = (1 << 63) - 1
 _I32_MIN = -(1 << 31)
 _I32_MAX = (1 << 31) - 1
 _EPOCH_ORDINAL = _dt.date(1970, 1, 1).toordinal()
-_EPOCH_UTC = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_EPOCH_UTC = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
 _EPOCH_NAIVE = _dt.datetime(1970, 1, 1)
 _ONE_US = _dt.timedelta(microseconds=1)
 

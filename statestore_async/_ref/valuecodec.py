@@ -12,7 +12,6 @@ from decimal import Decimal
 
 from statestore_async.errors import DecodeError, EncodeError
 
-
 T_NONE = 0x00
 T_FALSE = 0x01
 T_TRUE = 0x02
@@ -46,7 +45,7 @@ _ZERO = struct.pack("<d", 0.0)
 _EXP_MASK = 0x7FF0000000000000
 _MANT_MASK = 0x000FFFFFFFFFFFFF
 _NEG_ZERO_BITS = 0x8000000000000000
-_UTC = _dt.timezone.utc
+_UTC = _dt.UTC
 _DATETIME_MIN_US = (_MIN_ORDINAL - _EPOCH_ORDINAL) * _US_PER_DAY
 _DATETIME_MAX_US = (_MAX_ORDINAL - _EPOCH_ORDINAL + 1) * _US_PER_DAY - 1
 _pack_d = struct.Struct("<d").pack
@@ -260,7 +259,7 @@ def _as_bytes(data) -> bytes:
 
 
 class _Reader:
-    __slots__ = ("buf", "pos", "end")
+    __slots__ = ("buf", "end", "pos")
 
     def __init__(self, buf: bytes):
         self.buf = buf
@@ -356,7 +355,7 @@ def _decode(r: _Reader, depth: int):
         v = r.buf[r.pos : r.pos + n]
         r.pos += n
         return v
-    if tag == T_TUPLE or tag == T_LIST:
+    if tag in (T_TUPLE, T_LIST):
         if depth >= MAX_DEPTH:
             raise DecodeError(f"value nested deeper than {MAX_DEPTH} levels at offset {pos}")
         n = r.count("tuple" if tag == T_TUPLE else "list", 1)
@@ -391,7 +390,7 @@ def _decode(r: _Reader, depth: int):
         if not _MIN_ORDINAL <= ordinal <= _MAX_ORDINAL:
             raise DecodeError(f"date out of range at offset {pos}")
         return _dt.date.fromordinal(ordinal)
-    if tag == T_DATETIME or tag == T_DATETIME_UTC:
+    if tag in (T_DATETIME, T_DATETIME_UTC):
         us = _unzigzag(r.varint())
         if not _DATETIME_MIN_US <= us <= _DATETIME_MAX_US:
             raise DecodeError(f"datetime out of range at offset {pos}")
@@ -410,7 +409,7 @@ def _decode(r: _Reader, depth: int):
             text = raw.decode("ascii")
             v = Decimal(text)
             ok = _decimal_text(v) == text
-        except Exception:  # noqa: BLE001 - any failure of the text is a decode error
+        except Exception:
             ok = False
         if not ok:
             raise DecodeError(f"invalid decimal text at offset {start}")

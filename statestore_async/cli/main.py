@@ -94,8 +94,8 @@ def health(socket_path, timeout):
 def selftest(socket_path, root, timeout):
     """A put/commit/get round trip on a scratch store; exit 0 on success (the Helm test runs it)."""
     from statestore_async.client.clients import Client
-    from statestore_async.ids import StoreId
     from statestore_async.files.names import file_key
+    from statestore_async.ids import StoreId
 
     path = _socket(socket_path)
     scratch = root.rstrip("/") + "/_selftest"
@@ -206,7 +206,8 @@ def verify(root, operator_id, version):
 
     r = _run_tool(go)
     for (store, p), info in sorted(r.partitions.items()):
-        click.echo(f"  {store}/{p}: {info['ref']} OK, {info['records']} records from {info['files']} files ({info['bytes']} bytes)")
+        click.echo(f"  {store}/{p}: {info['ref']} OK, {info['records']} records "
+                   f"from {info['files']} files ({info['bytes']} bytes)")
     for (store, p), msg in sorted(r.errors.items()):
         click.echo(f"  {store}/{p}: FAILED {msg}", err=True)
     click.echo(f"version {r.version}: {len(r.partitions)} partitions OK, {len(r.errors)} failed")

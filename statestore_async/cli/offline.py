@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from statestore_async.files.checkpoint import read_checkpoint
 from statestore_async.errors import InterfaceError, StateStoreError
-from statestore_async.ids import StoreId
-from statestore_async.files.names import parse_file_name
+from statestore_async.files.checkpoint import read_checkpoint
 from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import Manifest, list_manifest_versions, manifest_key, read_manifest
+from statestore_async.files.names import parse_file_name
 from statestore_async.files.retention import cleanup_store
+from statestore_async.ids import StoreId
 
 
 @dataclass
@@ -126,4 +126,4 @@ async def gc_operator(objstore, root: str, operator_id: str, keep: int, *, dry_r
     return report
 
 
-__all__ = ["inspect_file", "verify_operator", "gc_operator", "latest_manifest"]
+__all__ = ["gc_operator", "inspect_file", "latest_manifest", "verify_operator"]

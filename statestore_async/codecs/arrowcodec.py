@@ -25,19 +25,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from statestore_async.codecs import valuecodec
+from statestore_async.codecs import twins, valuecodec
 from statestore_async.codecs.arrowframes import to_array
 
-from statestore_async.codecs import twins
-
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.arrowcodec import *  # noqa: F403
+    from statestore_async._ref.arrowcodec import *
 else:
     try:
-        from statestore_async._native.arrowcodec import *  # noqa: F403
+        from statestore_async._native.arrowcodec import *
     except ImportError as _exc:
         twins.missing('arrowcodec', _exc)
-        from statestore_async._ref.arrowcodec import *  # noqa: F403
+        from statestore_async._ref.arrowcodec import *
 
 
 def kind_of(typ: pa.DataType) -> tuple[str, int] | None:

@@ -20,18 +20,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from statestore_async.codecs import twins
 from statestore_async.errors import InterfaceError
 
-from statestore_async.codecs import twins
-
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.arrowframes import *  # noqa: F403
+    from statestore_async._ref.arrowframes import *
 else:
     try:
-        from statestore_async._native.arrowframes import *  # noqa: F403
+        from statestore_async._native.arrowframes import *
     except ImportError as _exc:
         twins.missing('arrowframes', _exc)
-        from statestore_async._ref.arrowframes import *  # noqa: F403
+        from statestore_async._ref.arrowframes import *
 
 
 def column(array, what: str = "keys") -> tuple[int, tuple]:

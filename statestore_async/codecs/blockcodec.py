@@ -54,16 +54,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 from statestore_async.codecs import twins
 
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.blockcodec import *  # noqa: F403
+    from statestore_async._ref.blockcodec import *
 else:
     try:
-        from statestore_async._native.blockcodec import *  # noqa: F403
+        from statestore_async._native.blockcodec import *
     except ImportError as _exc:
         twins.missing('blockcodec', _exc)
-        from statestore_async._ref.blockcodec import *  # noqa: F403
+        from statestore_async._ref.blockcodec import *
 
 

@@ -27,16 +27,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 from statestore_async.codecs import twins
 
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.framing import *  # noqa: F403
+    from statestore_async._ref.framing import *
 else:
     try:
-        from statestore_async._native.framing import *  # noqa: F403
+        from statestore_async._native.framing import *
     except ImportError as _exc:
         twins.missing('framing', _exc)
-        from statestore_async._ref.framing import *  # noqa: F403
+        from statestore_async._ref.framing import *
 
 

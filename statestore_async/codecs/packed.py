@@ -16,7 +16,7 @@ class _Packed:
     ``len()`` is free; the items are decoded on first use only. Equal to a list of the same items.
     """
 
-    __slots__ = ("buf", "offset", "count", "_items")
+    __slots__ = ("_items", "buf", "count", "offset")
     _decode = None
 
     def __init__(self, buf, offset: int, count: int):

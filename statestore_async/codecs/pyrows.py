@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from statestore_async.codecs import valuecodec, sparkhash
+from statestore_async.codecs import sparkhash, valuecodec
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, KEY_GROUP_BYTES, check_num_key_groups
 
 

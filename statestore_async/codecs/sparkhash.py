@@ -63,16 +63,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 from statestore_async.codecs import twins
 
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.sparkhash import *  # noqa: F403
+    from statestore_async._ref.sparkhash import *
 else:
     try:
-        from statestore_async._native.sparkhash import *  # noqa: F403
+        from statestore_async._native.sparkhash import *
     except ImportError as _exc:
         twins.missing('sparkhash', _exc)
-        from statestore_async._ref.sparkhash import *  # noqa: F403
+        from statestore_async._ref.sparkhash import *
 
 

@@ -74,16 +74,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 from statestore_async.codecs import twins
 
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.valuecodec import *  # noqa: F403
+    from statestore_async._ref.valuecodec import *
 else:
     try:
-        from statestore_async._native.valuecodec import *  # noqa: F403
+        from statestore_async._native.valuecodec import *
     except ImportError as _exc:
         twins.missing('valuecodec', _exc)
-        from statestore_async._ref.valuecodec import *  # noqa: F403
+        from statestore_async._ref.valuecodec import *
 
 

@@ -23,12 +23,12 @@ import gc
 import logging
 import time
 
+from statestore_async.errors import StateStoreError
 from statestore_async.files.checkpoint import FileHeader
-from statestore_async.errors import ObjectExistsError, StateStoreError
-from statestore_async.files.transfer import create_checkpoint_file, snapshot_bytes
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
-from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.files.retention import cleanup_store
+from statestore_async.files.transfer import create_checkpoint_file, snapshot_bytes
+from statestore_async.ids import CheckpointRef, StoreId
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,8 @@ class Maintenance:
         with _no_cyclic_gc():
             view = store.freeze()
             try:
-                data = await snapshot_bytes(view, give_way=_Pacer(served=self._served), chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
+                data = await snapshot_bytes(view, give_way=_Pacer(served=self._served), chunk=STEP_RECORDS,
+                                            block_bytes=STEP_BLOCK_BYTES)
             finally:
                 view.release()
         return await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)

@@ -19,11 +19,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
-from statestore_async.files import loader
+from statestore_async.daemon.objectstores import ObjectStores
 from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
 from statestore_async.errors import VersionNotFoundError, WriterConflictError
+from statestore_async.files import loader
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
-from statestore_async.daemon.objectstores import ObjectStores
 
 log = logging.getLogger(__name__)
 

@@ -29,23 +29,41 @@ import sys
 import time
 
 from statestore_async import __version__
+from statestore_async.codecs.packed import PackedList
 from statestore_async.config import DaemonConfig
+from statestore_async.daemon.maintenance import Maintenance
+from statestore_async.daemon.objectstores import ObjectStores, open_root
+from statestore_async.daemon.registry import StoreRegistry
+from statestore_async.daemon.snapshotter import SnapshotWorker
+from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader
+from statestore_async.engine.store import State
 from statestore_async.errors import InterfaceError, ObjectStoreError, StateStoreError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import StoreId
 from statestore_async.objectstore.s3 import warm_up as s3_warm_up
-from statestore_async.daemon.snapshotter import SnapshotWorker
-from statestore_async.engine.store import State
-from statestore_async.codecs.packed import PackedList
 from statestore_async.wire.protocol import (
-    CLOSED, NEED_DATA, Abort, AwaitDurable, BadRequest, Commit, ConnectionFailed, GetMany, Hello, Op, Open,
-    PermissionDeniedError, Ping, PutMany, Release, RemoveMany, Scan, ServerProtocol, ShuttingDownError,
-    Stats, UnknownHandleError,
+    CLOSED,
+    NEED_DATA,
+    Abort,
+    AwaitDurable,
+    BadRequest,
+    Commit,
+    ConnectionFailed,
+    GetMany,
+    Hello,
+    Op,
+    Open,
+    PermissionDeniedError,
+    Ping,
+    PutMany,
+    Release,
+    RemoveMany,
+    Scan,
+    ServerProtocol,
+    ShuttingDownError,
+    Stats,
+    UnknownHandleError,
 )
-from statestore_async.daemon.maintenance import Maintenance
-from statestore_async.daemon.objectstores import ObjectStores, open_root
-from statestore_async.daemon.registry import StoreRegistry
-from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader
 
 GIL_SWITCH_INTERVAL = 0.0005
 # The memory budget is checked this long after a commit, off the request's path: summing every
@@ -104,7 +122,7 @@ def prepare_socket_path(path: str, socket_mode: int) -> None:
 
 # --- one connection -------------------------------------------------------------------------------
 class _Connection(asyncio.Protocol):
-    def __init__(self, daemon: "Daemon"):
+    def __init__(self, daemon: Daemon):
         self.daemon = daemon
         cfg = daemon.config
         self.proto = ServerProtocol(max_frame_bytes=cfg.max_frame_bytes, max_batch=cfg.max_batch)
@@ -408,7 +426,7 @@ class _Connection(asyncio.Protocol):
         """Wait for in-flight tasks (bounded), then close."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         if not self.closed:
             self.transport.close()

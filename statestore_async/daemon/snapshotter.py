@@ -28,8 +28,8 @@ import select
 import sys
 import time
 
-from statestore_async.errors import ObjectExistsError, StateStoreError, error_for_code
-from statestore_async.files.names import SNAPSHOT, file_key
+from statestore_async.errors import StateStoreError, error_for_code
+from statestore_async.files.names import SNAPSHOT
 from statestore_async.ids import CheckpointRef, StoreId
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class SnapshotWorker:
         proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 
@@ -140,10 +140,10 @@ def _requests(objstore) -> dict:
 
 
 async def _build(objstores: dict, settings: dict, message: dict) -> dict:
+    from statestore_async.daemon.objectstores import open_root
     from statestore_async.files.checkpoint import encode_snapshot
     from statestore_async.files.loader import load_store
     from statestore_async.files.transfer import create_checkpoint_file
-    from statestore_async.daemon.objectstores import open_root
 
     root = message["root"]
     objstore = objstores.get(root)

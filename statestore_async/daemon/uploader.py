@@ -17,10 +17,10 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from statestore_async.files import checkpoint
-from statestore_async.files.transfer import create_checkpoint_file
 from statestore_async.errors import ObjectExistsError, ObjectStoreError
+from statestore_async.files import checkpoint
 from statestore_async.files.names import DELTA, file_key
+from statestore_async.files.transfer import create_checkpoint_file
 from statestore_async.ids import CheckpointRef, StoreId
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class UploadState(enum.Enum):
 
 
 class _Upload:
-    __slots__ = ("store_id", "ref", "delta", "size", "state", "error", "attempts", "admitted", "done")
+    __slots__ = ("admitted", "attempts", "delta", "done", "error", "ref", "size", "state", "store_id")
 
     def __init__(self, delta, size: int):
         self.store_id: StoreId = delta.store_id
@@ -103,7 +103,7 @@ class Uploader:
         if not up.admitted.is_set():
             await asyncio.shield(up.admitted.wait())
 
-    def enqueue(self, delta) -> "_Upload":
+    def enqueue(self, delta) -> _Upload:
         """Register ``delta`` now (ordered after earlier commits of its store); admission may wait."""
         up = _Upload(delta, delta_size(delta))
         key = (up.store_id, up.ref)
@@ -261,7 +261,7 @@ class Uploader:
         if not up.done.is_set():
             try:
                 await asyncio.wait_for(asyncio.shield(up.done.wait()), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return False
         if up.state is UploadState.FAILED:
             raise up.error
@@ -271,7 +271,7 @@ class Uploader:
         """Wait until every queued upload has finished (or ``timeout``); True if all did."""
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         return True
 

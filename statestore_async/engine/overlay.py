@@ -48,16 +48,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 from statestore_async.codecs import twins
 
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
-    from statestore_async._ref.overlay import *  # noqa: F403
+    from statestore_async._ref.overlay import *
 else:
     try:
-        from statestore_async._native.overlay import *  # noqa: F403
+        from statestore_async._native.overlay import *
     except ImportError as _exc:
         twins.missing('overlay', _exc)
-        from statestore_async._ref.overlay import *  # noqa: F403
+        from statestore_async._ref.overlay import *
 
 

@@ -19,13 +19,17 @@ import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
+from statestore_async.codecs.packed import PackedList, PackedPairs
 from statestore_async.engine import overlay as _overlay
 from statestore_async.errors import (
-    InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError,
+    InterfaceError,
+    KeyFormatError,
+    StoreStateError,
+    VersionNotFoundError,
+    WriterConflictError,
 )
-from statestore_async.codecs.packed import PackedList, PackedPairs
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
-from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
 
 # Approximate bytes a dict entry with two bytes objects costs beyond the payload lengths
 # (two object headers of 33 bytes plus a dict slot), for memory accounting.
@@ -61,7 +65,7 @@ class Delta:
     # bytes of the records' keys and values (+ 8 each): what the upload queue counts (for a deferred
     # commit, counted from the changes before they were applied: an upper bound)
     nbytes: int = 0
-    _store: "VersionedStore | None" = field(default=None, repr=False)
+    _store: VersionedStore | None = field(default=None, repr=False)
 
     @property
     def records(self) -> dict:
@@ -138,7 +142,7 @@ class FrozenView:
     view, so reading the view stays exact while puts and commits go on. ``release()`` it when done.
     """
 
-    def __init__(self, store: "VersionedStore"):
+    def __init__(self, store: VersionedStore):
         self._store = store
         self.store_id = store.store_id
         self.ref = store.head
@@ -228,7 +232,7 @@ class VersionedStore:
         return self._lineage
 
     @property
-    def writer(self) -> "StoreVersion | None":
+    def writer(self) -> StoreVersion | None:
         """The version being updated now, if any."""
         return self._writer
 
@@ -291,7 +295,7 @@ class VersionedStore:
         return view
 
     # --- opening a version for update ------------------------------------------------------------
-    def open(self, version: int, ckptid: str | None = None) -> "StoreVersion":
+    def open(self, version: int, ckptid: str | None = None) -> StoreVersion:
         """Open committed ``version`` (of attempt ``ckptid``; the head's when None) for update.
 
         Raises ``WriterConflictError`` if another version is being updated, and
@@ -428,7 +432,7 @@ class VersionedStore:
         records, record_bytes = self._apply(overlay, commit)
         return Delta(self.store_id, child, lineage, records, record_bytes)
 
-    def _apply(self, overlay: dict, commit: "_Commit") -> tuple[dict, int]:
+    def _apply(self, overlay: dict, commit: _Commit) -> tuple[dict, int]:
         # a tombstone for a key that did not exist changes nothing: apply_changes leaves it out
         undo, records, nbytes, record_bytes = self._mutate(overlay)
         commit.undo, commit.redo, commit.nbytes = undo, records, nbytes
@@ -451,7 +455,7 @@ class VersionedStore:
 class StoreVersion:
     """One writer's open version: reads see the overlay first, then the committed map."""
 
-    __slots__ = ("_store", "_base", "_overlay", "_overlay_bytes", "state", "parent", "_result")
+    __slots__ = ("_base", "_overlay", "_overlay_bytes", "_result", "_store", "parent", "state")
 
     def __init__(self, store: VersionedStore):
         self._store = store

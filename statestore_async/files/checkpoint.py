@@ -30,11 +30,11 @@ import xxhash
 
 from statestore_async import __version__
 from statestore_async.codecs import blockcodec
+from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
 from statestore_async.engine import overlay
 from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import CheckpointRef, StoreId
-from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
 
 MAGIC = b"SSCK"
 END_MAGIC = b"SSCE"
@@ -128,7 +128,7 @@ class CheckpointWriter:
             raise InterfaceError(f"kind must be 'delta' or 'snapshot', got {kind!r}")
         self.kind = kind
         self.name = file_name(ref, kind)
-        self._codec = CODECS[codec] if codec in CODECS else None
+        self._codec = CODECS.get(codec)
         self._level = level
         self._block_bytes = block_bytes
         head = _encode_header(kind, store_id, ref, tuple(lineage), codec)
@@ -257,7 +257,7 @@ def parse_header(data: bytes, name: str) -> FileHeader:
     end = header_length(data, name)
     if len(data) < end:
         raise CorruptFileError(name, f"truncated header: {len(data)} of {end} bytes", 0)
-    _, _, kind, _, n, checksum = _HEAD.unpack_from(data, 0)
+    _, _, kind, _, _n, checksum = _HEAD.unpack_from(data, 0)
     body = bytes(data[HEADER_FIXED:end])
     if xxhash.xxh3_64_intdigest(body) != checksum:
         raise CorruptFileError(name, "header checksum mismatch", HEADER_FIXED)
@@ -405,7 +405,7 @@ def read_checkpoint(data: bytes, name: str, *, expect: tuple[StoreId, Checkpoint
 
 def read_index(data: bytes, name: str) -> Footer:
     """The block index of a file from its tail (``data`` holds at least footer + trailer)."""
-    off, n, checksum = read_trailer(data, name)
+    _off, n, checksum = read_trailer(data, name)
     start = len(data) - TRAILER_SIZE - n
     if start < 0:
         raise CorruptFileError(name, "the tail given does not hold the whole footer")

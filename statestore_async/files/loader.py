@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
 from statestore_async.errors import LineageError, ObjectNotFoundError, VersionNotFoundError
-from statestore_async.files.transfer import ReadStats, read_checkpoint_file
 from statestore_async.files.names import DELTA, SNAPSHOT
+from statestore_async.files.transfer import ReadStats, read_checkpoint_file
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 import xxhash
 
 from statestore_async.errors import (
-    CorruptFileError, InterfaceError, ObjectNotFoundError, VersionNotFoundError,
+    CorruptFileError,
+    InterfaceError,
+    ObjectNotFoundError,
+    VersionNotFoundError,
 )
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, _check_name
 
@@ -84,7 +87,7 @@ class Manifest:
         return _canonical({"manifest": body, "xxh3": f"{xxhash.xxh3_64_intdigest(_canonical(body)):016x}"}) + b"\n"
 
     @classmethod
-    def from_bytes(cls, data: bytes, name: str) -> "Manifest":
+    def from_bytes(cls, data: bytes, name: str) -> Manifest:
         try:
             outer = json.loads(data)
             body = outer["manifest"]

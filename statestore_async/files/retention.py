@@ -14,8 +14,8 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from statestore_async.files.checkpoint import header_length, parse_header
 from statestore_async.errors import InterfaceError, LineageError
+from statestore_async.files.checkpoint import header_length, parse_header
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key, parse_file_name
 from statestore_async.ids import CheckpointRef, StoreId
 

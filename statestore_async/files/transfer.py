@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from statestore_async.files.checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
 from statestore_async.errors import CheckpointConflictError, CorruptFileError, ObjectExistsError, ObjectNotFoundError
+from statestore_async.files.checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 

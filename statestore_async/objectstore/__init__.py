@@ -11,7 +11,7 @@ from statestore_async.errors import InterfaceError
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 from statestore_async.objectstore.local import LocalObjectStore
 
-__all__ = ["ObjectInfo", "ObjectStore", "LocalObjectStore", "check_key", "open_object_store"]
+__all__ = ["LocalObjectStore", "ObjectInfo", "ObjectStore", "check_key", "open_object_store"]
 
 
 def open_object_store(uri: str, *, s3_options: dict | None = None, **options) -> ObjectStore:

@@ -84,7 +84,7 @@ class ObjectStore(abc.ABC):
             return False
         return True
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - a store with nothing to release need not override it
         """Release connections and threads."""
 
     async def __aenter__(self):

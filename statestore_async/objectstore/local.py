@@ -17,7 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from statestore_async.errors import (
-    InterfaceError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, StorageFullError,
+    InterfaceError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    StorageFullError,
 )
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 

@@ -19,23 +19,29 @@ import contextlib
 import io
 from collections import Counter
 from collections.abc import AsyncIterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from urllib.parse import urlparse
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
-from botocore.utils import parse_timestamp
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionError as BotoConnectionError,
     EndpointConnectionError,
     NoCredentialsError,
 )
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
+from botocore.utils import parse_timestamp
 
 from statestore_async.errors import (
-    InterfaceError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError,
+    InterfaceError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
 )
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
@@ -100,7 +106,7 @@ def _parse_timestamp(value):
     if isinstance(value, str):
         try:
             t = datetime.fromisoformat(value)
-            return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+            return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
         except ValueError:
             pass
         try:
@@ -201,7 +207,7 @@ class S3ObjectStore(ObjectStore):
         self._closed = False
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> "S3ObjectStore":
+    def from_uri(cls, uri: str, **options) -> S3ObjectStore:
         p = urlparse(uri)
         if p.scheme != "s3" or not p.netloc:
             raise InterfaceError(f"not an s3://bucket/prefix URI: {uri!r}")
@@ -266,7 +272,7 @@ class S3ObjectStore(ObjectStore):
                     await asyncio.sleep(0.05 * 2**attempt)
                     continue
                 raise self._error(exc, key, "write") from exc
-            except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, BotoCoreError, OSError) as exc:
                 raise self._error(exc, key, "write") from exc
 
     async def _multipart(self, client, key, full, data, extra) -> ObjectInfo:
@@ -319,7 +325,7 @@ class S3ObjectStore(ObjectStore):
             if _code(exc) in ("InvalidRange", "416"):
                 return None
             raise self._error(exc, key, "read") from exc
-        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "read") from exc
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -329,7 +335,7 @@ class S3ObjectStore(ObjectStore):
         try:
             async with resp["Body"] as body:
                 return await body.read()
-        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "read") from exc
 
     async def get_stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -340,7 +346,7 @@ class S3ObjectStore(ObjectStore):
             async with resp["Body"] as body:
                 async for chunk in body.iter_chunks(chunk_size):
                     yield chunk
-        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "read") from exc
 
     async def head(self, key: str) -> ObjectInfo:
@@ -348,7 +354,7 @@ class S3ObjectStore(ObjectStore):
         self.counts["HEAD"] += 1
         try:
             r = await client.head_object(Bucket=self.bucket, Key=self._full(key))
-        except (ClientError, BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ClientError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "stat") from exc
         mtime = r.get("LastModified")
         return ObjectInfo(key, r["ContentLength"], r.get("ETag", "").strip('"') or None,
@@ -364,7 +370,7 @@ class S3ObjectStore(ObjectStore):
                 for o in page.get("Contents", []):
                     yield ObjectInfo(self._rel(o["Key"]), o["Size"], o.get("ETag", "").strip('"') or None,
                                      o["LastModified"].timestamp() if o.get("LastModified") else None)
-        except (ClientError, BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ClientError, BotoCoreError, OSError) as exc:
             raise self._error(exc, prefix, "list") from exc
 
     async def delete(self, key: str) -> None:
@@ -376,7 +382,7 @@ class S3ObjectStore(ObjectStore):
             if _code(exc) in _NOT_FOUND:
                 return
             raise self._error(exc, key, "delete") from exc
-        except (BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "delete") from exc
 
     async def delete_many(self, keys) -> None:
@@ -392,7 +398,7 @@ class S3ObjectStore(ObjectStore):
             try:
                 r = await client.delete_objects(Bucket=self.bucket, Delete={
                     "Objects": [{"Key": self._full(k)} for k in chunk], "Quiet": True})
-            except (ClientError, BotoCoreError, OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, ClientError, BotoCoreError, OSError) as exc:
                 raise self._error(exc, chunk[0], "delete") from exc
             errors = [e for e in r.get("Errors", []) if e.get("Code") not in _NOT_FOUND]
             if errors:
