@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from statestore_async.errors import InterfaceError
@@ -14,7 +15,7 @@ from statestore_async.objectstore.local import LocalObjectStore
 __all__ = ["LocalObjectStore", "ObjectInfo", "ObjectStore", "check_key", "open_object_store"]
 
 
-def open_object_store(uri: str, *, s3_options: dict | None = None, **options) -> ObjectStore:
+def open_object_store(uri: str, *, s3_options: dict[str, Any] | None = None, **options: Any) -> ObjectStore:
     """Open the object store a URI names (``file:///…``, a plain path, or ``s3://bucket/prefix``).
 
     ``options`` go to whichever store the URI selects; ``s3_options`` only to an S3 store (so a

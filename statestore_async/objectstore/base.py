@@ -7,8 +7,9 @@ linked into place); manifests are replaced with ``put``. Nothing here knows abou
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
+from typing import Self
 
 from statestore_async.errors import InterfaceError
 
@@ -69,7 +70,7 @@ class ObjectStore(abc.ABC):
     async def delete(self, key: str) -> None:
         """Remove ``key``; removing a missing key is not an error."""
 
-    async def delete_many(self, keys) -> None:
+    async def delete_many(self, keys: Iterable[str]) -> None:
         """Remove every key of ``keys`` (missing ones are not an error). Stores with a batch delete
         override this."""
         for key in keys:
@@ -87,8 +88,8 @@ class ObjectStore(abc.ABC):
     async def close(self) -> None:  # noqa: B027 - a store with nothing to release need not override it
         """Release connections and threads."""
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()

@@ -16,9 +16,10 @@ import logging
 import os
 import threading
 import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
@@ -32,8 +33,8 @@ class CachingObjectStore(ObjectStore):
     ``files.names.is_checkpoint_file``); only those are kept.
     """
 
-    def __init__(self, inner: ObjectStore, cache_dir: str | os.PathLike, max_bytes: int, *,
-                 cacheable: Callable[[str], bool]):
+    def __init__(self, inner: ObjectStore, cache_dir: str | os.PathLike[str], max_bytes: int, *,
+                 cacheable: Callable[[str], bool]) -> None:
         self.inner = inner
         self.cacheable = cacheable
         self.uri = inner.uri
@@ -71,7 +72,7 @@ class CachingObjectStore(ObjectStore):
                 return True
             return False
 
-    def _store(self, key: str, data) -> None:
+    def _store(self, key: str, data: bytes) -> None:
         """Write a copy (in a worker thread) and evict to the bound."""
         if len(data) > self.max_bytes:
             return
@@ -123,7 +124,7 @@ class CachingObjectStore(ObjectStore):
             victims.append(k)
         return victims
 
-    def _unlink(self, keys) -> None:
+    def _unlink(self, keys: Iterable[str]) -> None:
         for k in keys:
             self._path(k).unlink(missing_ok=True)
 
@@ -137,7 +138,7 @@ class CachingObjectStore(ObjectStore):
         self._path(key).unlink(missing_ok=True)
         return True
 
-    def _read(self, key: str, start, end) -> bytes | None:
+    def _read(self, key: str, start: int | None, end: int | None) -> bytes | None:
         try:
             with open(self._path(key), "rb") as f:
                 if start:
@@ -196,7 +197,7 @@ class CachingObjectStore(ObjectStore):
         self.forget(key)
         await self.inner.delete(key)
 
-    async def delete_many(self, keys) -> None:
+    async def delete_many(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         for key in keys:
             self.forget(key)
@@ -206,5 +207,5 @@ class CachingObjectStore(ObjectStore):
         await self.inner.close()
 
     @property
-    def counts(self):
-        return getattr(self.inner, "counts", None)
+    def counts(self) -> Counter[str] | None:
+        return cast("Counter[str] | None", getattr(self.inner, "counts", None))

@@ -12,9 +12,10 @@ import errno
 import os
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar, TypeVarTuple
 
 from statestore_async.errors import (
     InterfaceError,
@@ -26,6 +27,9 @@ from statestore_async.errors import (
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+
+_T = TypeVar("_T")
+_Ts = TypeVarTuple("_Ts")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -45,25 +49,25 @@ def _os_error(exc: OSError, key: str, what: str) -> ObjectStoreError:
 class LocalObjectStore(ObjectStore):
     """An object store over the directory ``root`` (created if missing)."""
 
-    def __init__(self, root: str | os.PathLike, *, threads: int = 4, fsync: bool = True):
+    def __init__(self, root: str | os.PathLike[str], *, threads: int = 4, fsync: bool = True) -> None:
         self.root = Path(root).absolute()
         self.uri = self.root.as_uri()
         self.fsync = fsync
         self.root.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="localstore")
         self._closed = False
-        self.counts: Counter = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE
+        self.counts: Counter[str] = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE
 
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*check_key(key).split("/"))
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn: Callable[[*_Ts], _T], *args: *_Ts) -> _T:
         if self._closed:
             raise InterfaceError("the object store is closed")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # --- writes ----------------------------------------------------------------------------------
-    def _write_temp(self, path: Path, key: str, data) -> Path:
+    def _write_temp(self, path: Path, key: str, data: bytes) -> Path:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except NotADirectoryError as exc:
@@ -90,7 +94,7 @@ class LocalObjectStore(ObjectStore):
             raise _os_error(exc, key, "write") from exc
         return tmp
 
-    def _put_if_absent(self, key: str, data) -> ObjectInfo:
+    def _put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
         path = self._path(key)
         tmp = self._write_temp(path, key, data)
         try:
@@ -105,7 +109,7 @@ class LocalObjectStore(ObjectStore):
             _fsync_dir(path.parent)
         return self._stat(key, path)
 
-    def _put(self, key: str, data) -> ObjectInfo:
+    def _put(self, key: str, data: bytes) -> ObjectInfo:
         path = self._path(key)
         tmp = self._write_temp(path, key, data)
         try:
@@ -176,7 +180,7 @@ class LocalObjectStore(ObjectStore):
     def _list(self, prefix: str) -> list[ObjectInfo]:
         folder, _, _ = prefix.rpartition("/")
         base = self.root.joinpath(*folder.split("/")) if folder else self.root
-        out = []
+        out: list[ObjectInfo] = []
         if not base.is_dir():
             return out
         for dirpath, dirnames, filenames in os.walk(base):

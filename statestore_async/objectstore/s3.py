@@ -18,9 +18,10 @@ import asyncio
 import contextlib
 import io
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from typing import Any
 from urllib.parse import urlparse
 
 from aiobotocore.config import AioConfig
@@ -45,7 +46,7 @@ from statestore_async.errors import (
 )
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
-_SESSION = None
+_SESSION: Any = None  # an aiobotocore AioSession (untyped)
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
@@ -67,7 +68,7 @@ class _MemoryReader(io.RawIOBase):
 
     READ_CHUNK = 256 << 10
 
-    def __init__(self, data):
+    def __init__(self, data: bytes | memoryview) -> None:
         self._view = memoryview(data).cast("B")
         self._pos = 0
 
@@ -77,7 +78,7 @@ class _MemoryReader(io.RawIOBase):
     def seekable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: Any) -> int:  # a bytearray or writable memoryview
         n = max(0, min(len(buffer), self.READ_CHUNK, len(self._view) - self._pos))
         buffer[:n] = self._view[self._pos : self._pos + n]
         self._pos += n
@@ -95,11 +96,11 @@ class _MemoryReader(io.RawIOBase):
         return len(self._view)
 
 
-def _body(data):
+def _body(data: bytes | memoryview) -> _MemoryReader | bytes:
     return _MemoryReader(data) if len(data) >= STREAM_BODY_BYTES else bytes(data)
 
 
-def _parse_timestamp(value):
+def _parse_timestamp(value: Any) -> datetime:
     """S3 timestamps (ISO 8601 in XML bodies, RFC 1123 in headers) with the standard library's C
     parsers. botocore's default goes through dateutil at ~70 µs each: a LIST page of a hundred
     objects held the daemon's event loop for ~10 ms on timestamps alone."""
@@ -113,10 +114,11 @@ def _parse_timestamp(value):
             return parsedate_to_datetime(value)
         except (TypeError, ValueError):
             pass
-    return parse_timestamp(value)
+    parsed: datetime = parse_timestamp(value)
+    return parsed
 
 
-def _session():
+def _session() -> Any:
     global _SESSION
     if _SESSION is None:
         _SESSION = get_session()
@@ -172,7 +174,7 @@ class S3ObjectStore(ObjectStore):
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self._client_args = {
+        self._client_args: dict[str, Any] = {
             "endpoint_url": endpoint_url or None,
             "region_name": region or None,
             "aws_access_key_id": aws_access_key_id,
@@ -192,7 +194,7 @@ class S3ObjectStore(ObjectStore):
                 response_checksum_validation="when_required",
             ),
         }
-        self._sse = {}
+        self._sse: dict[str, str] = {}
         if sse:
             self._sse["ServerSideEncryption"] = sse
             if sse == "aws:kms" and kms_key_id:
@@ -200,20 +202,20 @@ class S3ObjectStore(ObjectStore):
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
         self.conflict_retries = conflict_retries
-        self.counts: Counter = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE, MPU
+        self.counts: Counter[str] = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE, MPU
         self._stack: contextlib.AsyncExitStack | None = None
-        self._client = None
+        self._client: Any = None  # an aiobotocore S3 client, opened on first use
         self._lock = asyncio.Lock()
         self._closed = False
 
     @classmethod
-    def from_uri(cls, uri: str, **options) -> S3ObjectStore:
+    def from_uri(cls, uri: str, **options: Any) -> S3ObjectStore:
         p = urlparse(uri)
         if p.scheme != "s3" or not p.netloc:
             raise InterfaceError(f"not an s3://bucket/prefix URI: {uri!r}")
         return cls(p.netloc, p.path, **options)
 
-    async def _get_client(self):
+    async def _get_client(self) -> Any:
         if self._closed:
             raise InterfaceError("the object store is closed")
         if self._client is None:
@@ -249,7 +251,7 @@ class S3ObjectStore(ObjectStore):
         return ObjectStoreError(f"cannot {what} {key!r}: {exc}", key)
 
     # --- writes ----------------------------------------------------------------------------------
-    async def _put_object(self, key: str, data, conditional: bool) -> ObjectInfo:
+    async def _put_object(self, key: str, data: bytes, conditional: bool) -> ObjectInfo:
         client = await self._get_client()
         full = self._full(key)
         extra = dict(self._sse)
@@ -275,7 +277,7 @@ class S3ObjectStore(ObjectStore):
             except (TimeoutError, BotoCoreError, OSError) as exc:
                 raise self._error(exc, key, "write") from exc
 
-    async def _multipart(self, client, key, full, data, extra) -> ObjectInfo:
+    async def _multipart(self, client: Any, key: str, full: str, data: bytes, extra: dict[str, str]) -> ObjectInfo:
         create_extra = {k: v for k, v in extra.items() if k != "IfNoneMatch"}
         try:
             self.counts["MPU"] += 1
@@ -311,7 +313,7 @@ class S3ObjectStore(ObjectStore):
         return await self._put_object(key, data, conditional=False)
 
     # --- reads -----------------------------------------------------------------------------------
-    async def _get_response(self, key: str, start, end):
+    async def _get_response(self, key: str, start: int | None, end: int | None) -> Any:
         client = await self._get_client()
         args = {"Bucket": self.bucket, "Key": self._full(key)}
         if start is not None or end is not None:
@@ -334,7 +336,8 @@ class S3ObjectStore(ObjectStore):
             return b""
         try:
             async with resp["Body"] as body:
-                return await body.read()
+                data: bytes = await body.read()
+                return data
         except (TimeoutError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "read") from exc
 
@@ -385,7 +388,7 @@ class S3ObjectStore(ObjectStore):
         except (TimeoutError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "delete") from exc
 
-    async def delete_many(self, keys) -> None:
+    async def delete_many(self, keys: Iterable[str]) -> None:
         """One DeleteObjects request per 1000 keys (each S3 request costs the event loop ~1 ms of
         botocore; retention deletes ten files at a time)."""
         keys = list(keys)
