@@ -12,7 +12,9 @@ import dataclasses
 import os
 import re
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 from statestore_async.errors import InterfaceError
 
@@ -22,7 +24,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
 
 
-def parse_size(value) -> int:
+def parse_size(value: object) -> int:
     """Bytes from ``123``, ``"64MiB"``, ``"2GiB"``, ``"1.5G"``."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
@@ -42,7 +44,7 @@ def default_socket_path() -> str:
     return f"{base}/statestore-async/daemon.sock"
 
 
-def _uids(value) -> tuple[int, ...]:
+def _uids(value: str | Iterable[str | int]) -> tuple[int, ...]:
     if isinstance(value, str):
         value = [v for v in re.split(r"[,\s]+", value.strip()) if v]
     try:
@@ -51,7 +53,7 @@ def _uids(value) -> tuple[int, ...]:
         raise InterfaceError(f"allowed_uids is a list of integers, got {value!r}") from None
 
 
-def _mode(value) -> int:
+def _mode(value: int | str) -> int:
     if isinstance(value, int):
         return value
     try:
@@ -66,7 +68,8 @@ class DaemonConfig:
 
     socket: str = field(default_factory=default_socket_path, metadata={"help": "Unix socket path"})
     socket_mode: int = field(default=0o660, metadata={"help": "socket file mode (octal)", "parse": _mode})
-    allowed_uids: tuple = field(default=(), metadata={"help": "peer uids allowed (empty: the daemon's own uid)", "parse": _uids})
+    allowed_uids: tuple[int, ...] = field(default=(), metadata={
+        "help": "peer uids allowed (empty: the daemon's own uid)", "parse": _uids})
     loop: str = field(default="uvloop", metadata={"help": "event loop: uvloop or asyncio", "choices": ("uvloop", "asyncio")})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error",
                                                      "choices": ("debug", "info", "warning", "error")})
@@ -105,7 +108,7 @@ class DaemonConfig:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus metrics port (0 = off)", "parse": int})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics port binds"})
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.retention_versions < 2:
             raise InterfaceError("retention_versions must be at least 2")
         if self.exit_when_idle < 0:
@@ -118,7 +121,7 @@ class DaemonConfig:
             if choices and getattr(self, f.name) not in choices:
                 raise InterfaceError(f"{f.name} must be one of {choices}, got {getattr(self, f.name)!r}")
 
-    def s3_options(self) -> dict:
+    def s3_options(self) -> dict[str, str | None]:
         """Options for ``S3ObjectStore`` from the s3_* settings (credentials: the AWS chain)."""
         return {
             "endpoint_url": self.s3_endpoint_url or None,
@@ -155,7 +158,7 @@ def _toml_str(s: str) -> str:
 FIELDS = {f.name: f for f in fields(DaemonConfig)}
 
 
-def _convert(name: str, value):
+def _convert(name: str, value: object) -> object:
     f = FIELDS[name]
     parse = f.metadata.get("parse")
     try:
@@ -170,10 +173,11 @@ def _convert(name: str, value):
         raise InterfaceError(f"bad value for {name}: {value!r} ({exc})") from None
 
 
-def load_config(path: str | None = None, env: dict | None = None, overrides: dict | None = None) -> DaemonConfig:
+def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, object] | None = None) -> DaemonConfig:
     """Build the config: defaults, then the TOML file, then ``STATESTORE_*`` env, then overrides."""
     env = os.environ if env is None else env
-    values: dict = {}
+    values: dict[str, Any] = {}  # setting -> its parsed value, of the type of its field
     path = path or env.get("STATESTORE_CONFIG") or None
     if path:
         try:

@@ -22,8 +22,10 @@ class StateStoreError(Exception):
     """Root of every statestore_async error."""
 
     code = 1
+    # set on an error decoded from a peer's answer (``wire.protocol.decode_error``): the wire code
+    remote_code: int
 
-    def __init_subclass__(cls, **kwargs):
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         if "code" in cls.__dict__:
             other = _BY_CODE.get(cls.code)
@@ -102,7 +104,7 @@ class CorruptFileError(DecodeError):
         where = f" at byte {offset}" if offset is not None else ""
         super().__init__(f"corrupt checkpoint file {name!r}{where}: {reason}")
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[CorruptFileError], tuple[str, str, int | None]]:
         return (type(self), (self.name, self.reason, self.offset))
 
 
@@ -135,7 +137,7 @@ class ObjectStoreError(StateStoreError):
         self.key = key
         super().__init__(message)
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[ObjectStoreError], tuple[str, str | None]]:
         return (type(self), (self.args[0] if self.args else "", self.key))
 
 

@@ -39,7 +39,7 @@ class StoreId:
     partition_id: int
     store_name: str = DEFAULT_STORE_NAME
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not isinstance(self.root, str):
             raise InterfaceError(f"root must be a string URI, got {self.root!r}")
         if isinstance(self.operator_id, int) and not isinstance(self.operator_id, bool):
@@ -54,7 +54,7 @@ class StoreId:
         """The store's folder, relative to the checkpoint root (no trailing slash)."""
         return f"{self.operator_id}/{self.partition_id}/{self.store_name}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, str | int]:
         return {
             "operator_id": self.operator_id,
             "partition_id": self.partition_id,
@@ -86,7 +86,7 @@ class CheckpointRef:
     version: int
     ckptid: str
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
             raise InterfaceError(f"version must be an int >= 0, got {self.version!r}")
         if self.version == 0:
@@ -99,11 +99,11 @@ class CheckpointRef:
     def is_empty_state(self) -> bool:
         return self.version == 0
 
-    def to_json(self) -> list:
+    def to_json(self) -> list[int | str]:
         return [self.version, self.ckptid]
 
     @classmethod
-    def from_json(cls, value) -> CheckpointRef:
+    def from_json(cls, value: object) -> CheckpointRef:
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise InterfaceError(f"a checkpoint reference is [version, ckptid], got {value!r}")
         return cls(value[0], value[1])
