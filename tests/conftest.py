@@ -1,4 +1,5 @@
-"""Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene."""
+"""Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene; the
+``spark`` marker on every test that uses that session."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,15 @@ from statestore_async.codecs import twins
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs twice: under plain asyncio and under uvloop (the daemon's default)."""
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A test that asks for the ``spark`` fixture starts a Spark session: it carries the ``spark``
+    marker whether or not its module says so, so that ``-m "not spark"`` never starts the JVM."""
+    for item in items:
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("spark") is None:
+            item.add_marker(pytest.mark.spark)
 
 
 def implementations(name: str):
