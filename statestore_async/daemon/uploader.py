@@ -16,12 +16,15 @@ import enum
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import Any
 
+from statestore_async.engine.store import Delta
 from statestore_async.errors import ObjectExistsError, ObjectStoreError
 from statestore_async.files import checkpoint
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.files.transfer import create_checkpoint_file
 from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +39,10 @@ class UploadState(enum.Enum):
 class _Upload:
     __slots__ = ("admitted", "attempts", "delta", "done", "error", "ref", "size", "state", "store_id")
 
-    def __init__(self, delta, size: int):
+    def __init__(self, delta: Delta, size: int) -> None:
         self.store_id: StoreId = delta.store_id
         self.ref: CheckpointRef = delta.ref
-        self.delta = delta
+        self.delta: Delta | None = delta  # None once the upload is finished
         self.size = size
         self.state = UploadState.QUEUED
         self.error: BaseException | None = None
@@ -54,7 +57,7 @@ class _Upload:
 DEFERRED_APPLY_DELAY = 0.001
 
 
-def delta_size(delta) -> int:
+def delta_size(delta: Delta) -> int:
     """Bytes a delta is accounted for in the upload queue (its keys and values)."""
     if delta.nbytes:  # counted by the engine while it applied the commit
         return delta.nbytes + 256
@@ -66,15 +69,15 @@ class Uploader:
 
     def __init__(
         self,
-        objstore_for: Callable[[str], object],
+        objstore_for: Callable[[str], ObjectStore],
         *,
         concurrency: int = 8,
         queue_bytes: int = 256 << 20,
         retry_base: float = 0.05,
         retry_max: float = 5.0,
         keep_done: int = 100_000,
-        encode=checkpoint.encode_delta,
-    ):
+        encode: Callable[[Delta], bytes] = checkpoint.encode_delta,
+    ) -> None:
         self._objstore_for = objstore_for
         self._sem = asyncio.Semaphore(concurrency)
         self.queue_limit = queue_bytes
@@ -85,16 +88,16 @@ class Uploader:
         self.queued_bytes = 0
         self._waiting: deque[_Upload] = deque()  # not yet admitted, FIFO
         self._by_store: dict[StoreId, deque[_Upload]] = {}
-        self._workers: dict[StoreId, asyncio.Task] = {}
+        self._workers: dict[StoreId, asyncio.Task[None]] = {}
         self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
         #: called as ``on_durable(store_id, ref, nbytes, lineage)`` after each delta is in the object store
-        self.on_durable: Callable | None = None
+        self.on_durable: Callable[[StoreId, CheckpointRef, int, tuple[CheckpointRef, ...]], None] | None = None
         self.counters = {"submitted": 0, "durable": 0, "failed": 0, "retries": 0, "bytes_uploaded": 0}
 
     # --- submitting -----------------------------------------------------------------------------
-    async def submit(self, delta) -> None:
+    async def submit(self, delta: Delta) -> None:
         """Queue ``delta`` for upload; returns once the queue has room for it (never drops it).
 
         Cancelling the caller does not cancel the upload.
@@ -103,7 +106,7 @@ class Uploader:
         if not up.admitted.is_set():
             await asyncio.shield(up.admitted.wait())
 
-    def enqueue(self, delta) -> _Upload:
+    def enqueue(self, delta: Delta) -> _Upload:
         """Register ``delta`` now (ordered after earlier commits of its store); admission may wait."""
         up = _Upload(delta, delta_size(delta))
         key = (up.store_id, up.ref)
@@ -166,14 +169,16 @@ class Uploader:
     async def _upload(self, up: _Upload) -> None:
         key = file_key(up.store_id, up.ref, DELTA)
         delay = self.retry_base
-        if not getattr(up.delta, "applied", True):
+        delta = up.delta  # set to None by _run_store only once this returns
+        assert delta is not None
+        if not getattr(delta, "applied", True):
             # a deferred commit (the daemon answered it before applying its changes to the map):
             # give the loop the time to sleep first, as the daemon does, then apply it here on the
             # loop if that has not happened yet — never in the encoding thread
             await asyncio.sleep(DEFERRED_APPLY_DELAY)
-            up.delta.apply()
+            delta.apply()
         try:
-            data = await asyncio.to_thread(self._encode, up.delta)
+            data = await asyncio.to_thread(self._encode, delta)
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
             self._fail(up, exc, key)
             return
@@ -205,7 +210,7 @@ class Uploader:
             log.debug("uploaded %s (%d bytes)", key, len(data))
             if self.on_durable is not None:
                 try:
-                    self.on_durable(up.store_id, up.ref, len(data), up.delta.lineage)
+                    self.on_durable(up.store_id, up.ref, len(data), delta.lineage)
                 except Exception:  # a listener must never break uploads
                     log.exception("on_durable listener failed for %s", key)
             return
@@ -264,6 +269,7 @@ class Uploader:
             except TimeoutError:
                 return False
         if up.state is UploadState.FAILED:
+            assert up.error is not None  # _fail always sets it
             raise up.error
         return up.state is UploadState.DURABLE
 
@@ -282,7 +288,7 @@ class Uploader:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         states = {s.value: 0 for s in UploadState}
         for up in self._status.values():
             states[up.state.value] += 1
