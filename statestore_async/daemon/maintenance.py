@@ -22,13 +22,21 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
+from statestore_async.engine.store import VersionedStore
 from statestore_async.errors import StateStoreError
 from statestore_async.files.checkpoint import FileHeader
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.retention import cleanup_store
 from statestore_async.files.transfer import create_checkpoint_file, snapshot_bytes
 from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore.base import ObjectStore
+
+if TYPE_CHECKING:
+    from statestore_async.daemon.registry import StoreRegistry
+    from statestore_async.daemon.snapshotter import SnapshotWorker
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +64,7 @@ class _Pacer:
     does yield right after answering a COMMIT, when the client is the task waiting.)
     """
 
-    def __init__(self, busy: float = 0.001, rest: float = 0.001, served=None):
+    def __init__(self, busy: float = 0.001, rest: float = 0.001, served: Callable[[], int] | None = None) -> None:
         self.busy = busy
         self.rest = rest
         self._served = served
@@ -81,7 +89,7 @@ class _Pacer:
 
 
 @contextlib.contextmanager
-def _no_cyclic_gc():
+def _no_cyclic_gc() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a snapshot is encoded.
 
     A frozen view lists every key of the store, and the snapshot sorts its records into per-group
@@ -101,8 +109,9 @@ def _no_cyclic_gc():
 class Maintenance:
     """Snapshots and retention for the stores of one daemon's registry."""
 
-    def __init__(self, registry, objstores, *, snapshot_interval: int = 10, snapshot_delta_bytes: int = 256 << 20,
-                 retention_versions: int = 100, concurrency: int = 1, worker=None, served=None):
+    def __init__(self, registry: StoreRegistry, objstores: Callable[[str], ObjectStore], *, snapshot_interval: int = 10,
+                 snapshot_delta_bytes: int = 256 << 20, retention_versions: int = 100, concurrency: int = 1,
+                 worker: SnapshotWorker | None = None, served: Callable[[], int] | None = None) -> None:
         self._registry = registry
         self._served = served  # a count of the requests the daemon has served, for the snapshot's pacer
         self._worker = worker  # a snapshotter.SnapshotWorker, or None to snapshot in this process
@@ -111,10 +120,10 @@ class Maintenance:
         self.snapshot_delta_bytes = snapshot_delta_bytes
         self.retention_versions = retention_versions
         self._chain_bytes: dict[StoreId, int] = {}
-        self._headers: dict[StoreId, dict] = {}  # per store: file key -> parsed header (files never change)
+        self._headers: dict[StoreId, dict[str, FileHeader]] = {}  # per store: file key -> parsed header (files never change)
         self._cleaned_below: dict[StoreId, int] = {}  # per store: min_version of its last cleanup
         self._busy: set[StoreId] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(concurrency)
         self._closed = False
         self.counters = {"snapshots": 0, "snapshot_bytes": 0, "snapshot_errors": 0, "cleanups": 0,
@@ -131,7 +140,8 @@ class Maintenance:
         self._chain_bytes.pop(store_id, None)
         self._cleaned_below.pop(store_id, None)
 
-    def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int, lineage=None) -> None:
+    def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int,
+                     lineage: Iterable[CheckpointRef] | None = None) -> None:
         """The uploader made the delta of ``ref`` durable (``nbytes`` bytes): snapshot if due.
 
         ``lineage`` (the delta's own) seeds retention's header cache: this daemon wrote that file,
@@ -188,7 +198,7 @@ class Maintenance:
         finally:
             self._busy.discard(store_id)
 
-    async def _snapshot_here(self, store, objstore) -> int:
+    async def _snapshot_here(self, store: VersionedStore, objstore: ObjectStore) -> int:
         """Encode the head's snapshot in this process, in bounded steps between requests."""
         with _no_cyclic_gc():
             view = store.freeze()
@@ -199,7 +209,7 @@ class Maintenance:
                 view.release()
         return await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)
 
-    async def _cleanup(self, objstore, store_id: StoreId, ref: CheckpointRef) -> None:
+    async def _cleanup(self, objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef) -> None:
         min_version = ref.version - self.retention_versions + 1
         if min_version <= 1:
             return
@@ -231,7 +241,7 @@ class Maintenance:
         if self._worker is not None:
             await self._worker.close()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         out = {"in_progress": len(self._busy), "builder": "process" if self._worker else "inline", **self.counters}
         if self._worker is not None:
             out.update(self._worker.stats())

@@ -7,6 +7,7 @@ local cache of checkpoint files in front of it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from statestore_async.files.names import is_checkpoint_file
 from statestore_async.objectstore import open_object_store
@@ -14,7 +15,7 @@ from statestore_async.objectstore.base import ObjectStore
 from statestore_async.objectstore.cache import CachingObjectStore
 
 
-def open_root(uri: str, *, s3_options: dict | None = None, cache_dir: str | None = None,
+def open_root(uri: str, *, s3_options: dict[str, Any] | None = None, cache_dir: str | None = None,
               cache_bytes: int = 0) -> ObjectStore:
     """The object store of checkpoint root ``uri``, with the node's file cache when ``cache_dir`` is set."""
     store = open_object_store(uri, s3_options=s3_options or {})
@@ -26,17 +27,17 @@ def open_root(uri: str, *, s3_options: dict | None = None, cache_dir: str | None
 class ObjectStores:
     """One open ``ObjectStore`` per checkpoint root, opened on first use."""
 
-    def __init__(self, open_store: Callable[[str], ObjectStore] = open_root):
+    def __init__(self, open_store: Callable[[str], ObjectStore] = open_root) -> None:
         self._open = open_store
         self._stores: dict[str, ObjectStore] = {}
 
-    def __call__(self, root: str):
+    def __call__(self, root: str) -> ObjectStore:
         store = self._stores.get(root)
         if store is None:
             store = self._stores[root] = self._open(root)
         return store
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, dict[str, int]]:
         """Requests sent to each root's object store, by kind (PUT, GET, HEAD, LIST, DELETE)."""
         return {root: dict(getattr(s, "counts", None) or {}) for root, s in self._stores.items()}
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from statestore_async.daemon.objectstores import ObjectStores
+from statestore_async.daemon.uploader import Uploader
 from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
 from statestore_async.errors import VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader
@@ -31,14 +32,14 @@ log = logging.getLogger(__name__)
 class StoreRegistry:
     """StoreId → ``VersionedStore``, with hot reopen, single loads and a memory budget."""
 
-    def __init__(self, objstores: ObjectStores, uploader, *, memory_budget: int = 2 << 30,
-                 history: int = DEFAULT_HISTORY):
+    def __init__(self, objstores: ObjectStores, uploader: Uploader, *, memory_budget: int = 2 << 30,
+                 history: int = DEFAULT_HISTORY) -> None:
         self._objstores = objstores
         self._uploader = uploader
         self.memory_budget = memory_budget
         self._history = history
         self._stores: OrderedDict[StoreId, VersionedStore] = OrderedDict()  # least recently used first
-        self._loading: dict[StoreId, asyncio.Future] = {}
+        self._loading: dict[StoreId, asyncio.Future[None]] = {}
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "evictions": 0,
                          "writer_conflicts": 0, "released": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
@@ -156,7 +157,8 @@ class StoreRegistry:
         for listener in self.evict_listeners:
             listener(store_id)
 
-    def release(self, root: str, operator_id: str, store_name: str, partitions) -> dict:
+    def release(self, root: str, operator_id: str, store_name: str,
+                partitions: Iterable[tuple[int, int]]) -> dict[str, list[int]]:
         """Drop the copies of ``partitions`` (``(partition id, below version)`` pairs) of one
         operator's store that are idle and durable and whose head version is lower than ``below``:
         a copy newer than the state the asker knows of (its partition back on this node, committed
@@ -167,7 +169,8 @@ class StoreRegistry:
         operator's store still in this daemon's memory). A partition this daemon does not hold is
         neither released nor kept. Nothing is lost either way: a dropped store reloads when opened.
         """
-        released, kept = [], []
+        released: list[int] = []
+        kept: list[int] = []
         for p, below in sorted(set(partitions)):
             store_id = StoreId(root, operator_id, p, store_name)
             store = self._stores.get(store_id)
@@ -184,6 +187,6 @@ class StoreRegistry:
                       if s.root == root and s.operator_id == operator_id and s.store_name == store_name)
         return {"released": released, "kept": kept, "held": held}
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         return {"stores": len(self._stores), "memory_bytes": self.memory_bytes,
                 "memory_budget": self.memory_budget, "loading": len(self._loading), **self.counters}

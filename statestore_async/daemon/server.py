@@ -27,6 +27,8 @@ import stat
 import struct
 import sys
 import time
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from statestore_async import __version__
 from statestore_async.codecs.packed import PackedList
@@ -35,11 +37,12 @@ from statestore_async.daemon.maintenance import Maintenance
 from statestore_async.daemon.objectstores import ObjectStores, open_root
 from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.snapshotter import SnapshotWorker
-from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader
-from statestore_async.engine.store import State
+from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader, _Upload
+from statestore_async.engine.store import State, StoreVersion
 from statestore_async.errors import InterfaceError, ObjectStoreError, StateStoreError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
-from statestore_async.ids import StoreId
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore.base import ObjectStore
 from statestore_async.objectstore.s3 import warm_up as s3_warm_up
 from statestore_async.wire.protocol import (
     CLOSED,
@@ -64,6 +67,9 @@ from statestore_async.wire.protocol import (
     Stats,
     UnknownHandleError,
 )
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 GIL_SWITCH_INTERVAL = 0.0005
 # The memory budget is checked this long after a commit, off the request's path: summing every
@@ -122,18 +128,20 @@ def prepare_socket_path(path: str, socket_mode: int) -> None:
 
 # --- one connection -------------------------------------------------------------------------------
 class _Connection(asyncio.Protocol):
-    def __init__(self, daemon: Daemon):
+    #: set by ``connection_made``, which asyncio calls before any other callback
+    transport: asyncio.Transport
+
+    def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         cfg = daemon.config
         self.proto = ServerProtocol(max_frame_bytes=cfg.max_frame_bytes, max_batch=cfg.max_batch)
         self.max_inflight = cfg.max_inflight
-        self.transport = None
-        self.peer = None
+        self.peer: tuple[int, int, int] | None = None
         self.closed = False
-        self.handles: dict = {}
+        self.handles: dict[int, StoreVersion] = {}
         self._next_handle = 0
         self._finished: list[int] = []
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._reading_paused = False
         self._write_ok = asyncio.Event()
         self._write_ok.set()
@@ -141,7 +149,8 @@ class _Connection(asyncio.Protocol):
         self._idle.set()
 
     # -- transport callbacks --
-    def connection_made(self, transport):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # a Unix stream socket's
         self.transport = transport
         d = self.daemon
         try:
@@ -169,16 +178,16 @@ class _Connection(asyncio.Protocol):
         d.watch_idle()
         log.debug("connection from pid %s uid %s", pid, uid)
 
-    def data_received(self, data):
+    def data_received(self, data: bytes) -> None:
         if self.closed:
             return
         self.proto.receive_data(data)
         self._process()
 
-    def eof_received(self):
+    def eof_received(self) -> bool:
         return False  # close our side too
 
-    def connection_lost(self, exc):
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.daemon.connections.discard(self)
         self.daemon.watch_idle()
@@ -193,15 +202,15 @@ class _Connection(asyncio.Protocol):
                 t.cancel()
         self._write_ok.set()
 
-    def pause_writing(self):
+    def pause_writing(self) -> None:
         self._write_ok.clear()
 
-    def resume_writing(self):
+    def resume_writing(self) -> None:
         self._write_ok.set()
         self._process()
 
     # -- request flow --
-    def _process(self):
+    def _process(self) -> None:
         proto = self.proto
         tasks = self._tasks
         while not self.closed:
@@ -218,23 +227,23 @@ class _Connection(asyncio.Protocol):
             self._reading_paused = False
             self.transport.resume_reading()
 
-    def _write(self, data: bytes):
+    def _write(self, data: bytes) -> None:
         if not self.closed:
             self.transport.write(data)
 
-    def _writelines(self, parts):
+    def _writelines(self, parts: Iterable[bytes]) -> None:
         if not self.closed:
             self.transport.writelines(parts)
 
-    def _spawn(self, coro, *, keep_on_close: bool = False):
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, keep_on_close: bool = False) -> None:
         t = asyncio.get_running_loop().create_task(coro)
-        t.keep_on_close = keep_on_close
+        t.keep_on_close = keep_on_close  # type: ignore[attr-defined]  # read back by connection_lost
         self._tasks.add(t)
         self._idle.clear()
         self.daemon.note_inflight(len(self._tasks))
         t.add_done_callback(self._task_done)
 
-    def _task_done(self, t):
+    def _task_done(self, t: asyncio.Task[None]) -> None:
         self._tasks.discard(t)
         if not self._tasks:
             self._idle.set()
@@ -243,18 +252,18 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self._process()
 
-    def _writer(self, handle: int):
+    def _writer(self, handle: int) -> StoreVersion:
         w = self.handles.get(handle)
         if w is None:
             raise UnknownHandleError(f"handle {handle} was not opened on this connection")
         return w
 
-    def _finish(self, handle: int):
+    def _finish(self, handle: int) -> None:
         self._finished.append(handle)
         if len(self._finished) > MAX_FINISHED_HANDLES:
             self.handles.pop(self._finished.pop(0), None)
 
-    def _handle(self, ev):
+    def _handle(self, ev: Any) -> None:  # a request event, dispatched on its exact class (not narrowed)
         d = self.daemon
         proto = self.proto
         cls = ev.__class__
@@ -282,7 +291,9 @@ class _Connection(asyncio.Protocol):
             elif cls is Open:
                 if d.stopping:
                     raise ShuttingDownError("the daemon is stopping; open the store elsewhere or later")
-                w = d.registry.try_open(ev.store_id, ev.version, ev.ckptid)
+                registry = d.registry
+                assert registry is not None  # set by start(), before any connection
+                w = registry.try_open(ev.store_id, ev.version, ev.ckptid)
                 if w is not None:
                     self._opened(rid, w)
                 else:
@@ -296,8 +307,10 @@ class _Connection(asyncio.Protocol):
             elif cls is Stats:
                 self._write(proto.send_stats(rid, d.stats()))
             elif cls is Release:
-                self._write(proto.send_released(rid, d.registry.release(ev.root, ev.operator_id, ev.store_name,
-                                                                        ev.partitions)))
+                registry = d.registry
+                assert registry is not None
+                self._write(proto.send_released(rid, registry.release(ev.root, ev.operator_id, ev.store_name,
+                                                                      ev.partitions)))
             elif cls is Hello:
                 self._write(proto.send_hello(rid, d.limits()))
             elif cls is BadRequest:
@@ -317,7 +330,7 @@ class _Connection(asyncio.Protocol):
             log.exception("request %s failed", cls.__name__)
             self._write(proto.send_error(rid, _OPCODE.get(cls, 0), exc))
 
-    def _opened(self, rid: int, w):
+    def _opened(self, rid: int, w: StoreVersion) -> None:
         if self.closed:
             w.abort()
             return
@@ -325,9 +338,11 @@ class _Connection(asyncio.Protocol):
         self.handles[self._next_handle] = w
         self._write(self.proto.send_opened(rid, self._next_handle, w.parent))
 
-    async def _open_async(self, ev: Open):
+    async def _open_async(self, ev: Open) -> None:
+        registry = self.daemon.registry
+        assert registry is not None
         try:
-            w = await self.daemon.registry.open(ev.store_id, ev.version, ev.ckptid)
+            w = await registry.open(ev.store_id, ev.version, ev.ckptid)
         except StateStoreError as exc:
             self.daemon.counters["errors"] += 1
             self._write(self.proto.send_error(ev.request_id, Op.OPEN, exc))
@@ -340,11 +355,13 @@ class _Connection(asyncio.Protocol):
             return
         self._opened(ev.request_id, w)
 
-    def _commit(self, ev: Commit):
+    def _commit(self, ev: Commit) -> None:
         d = self.daemon
+        uploader = d.uploader
+        assert uploader is not None  # set by start(), before any connection
         w = self._writer(ev.handle)
         ref = w.prepare_commit(ev.ckptid)  # every check a commit makes; raises before anything is done
-        answered = d.uploader.would_admit(w.upload_bound())
+        answered = uploader.would_admit(w.upload_bound())
         if answered:
             # The answer goes first and the work after: applying the changes to the store's map
             # costs O(changed keys) (~0.4 ms for 1000 keys of a 200k-key map, cache misses) that
@@ -364,7 +381,7 @@ class _Connection(asyncio.Protocol):
         try:
             delta = w.commit(ref.ckptid, defer=answered)
             self._finish(ev.handle)
-            up = d.uploader.enqueue(delta)
+            up = uploader.enqueue(delta)
             if answered:
                 asyncio.get_running_loop().call_later(DEFERRED_APPLY_DELAY, delta.apply)
         except BaseException:
@@ -386,11 +403,11 @@ class _Connection(asyncio.Protocol):
             d.counters["commits_waited"] += 1
             self._spawn(self._commit_wait(ev.request_id, up, delta.ref), keep_on_close=True)
 
-    async def _commit_wait(self, rid, up, ref):
+    async def _commit_wait(self, rid: int, up: _Upload, ref: CheckpointRef) -> None:
         await up.admitted.wait()
         self._write(self.proto.send_committed(rid, ref))
 
-    def _scan(self, ev: Scan):
+    def _scan(self, ev: Scan) -> None:
         pairs = list(self._writer(ev.handle).scan(ev.prefix))
         if ev.limit is not None:
             del pairs[ev.limit:]
@@ -399,7 +416,7 @@ class _Connection(asyncio.Protocol):
         else:
             self._spawn(self._scan_stream(ev.request_id, pairs))
 
-    async def _scan_stream(self, rid: int, pairs: list):
+    async def _scan_stream(self, rid: int, pairs: list[tuple[bytes, bytes]]) -> None:
         proto = self.proto
         i, n = 0, len(pairs)
         while i < n:
@@ -414,7 +431,7 @@ class _Connection(asyncio.Protocol):
             i = j
             await asyncio.sleep(0)
 
-    async def _await_durable(self, ev: AwaitDurable):
+    async def _await_durable(self, ev: AwaitDurable) -> None:
         try:
             durable = await self.daemon.await_durable(ev.store_id, ev.ref, ev.timeout)
         except StateStoreError as exc:
@@ -436,14 +453,14 @@ class _Connection(asyncio.Protocol):
 class Daemon:
     """One node's daemon: ``await start()``, serve, ``await stop()``."""
 
-    def __init__(self, config: DaemonConfig, *, open_objstore=None):
+    def __init__(self, config: DaemonConfig, *, open_objstore: Callable[[str], ObjectStore] | None = None) -> None:
         self.config = config
         self.allowed_uids = tuple(config.effective_allowed_uids)
         self._default_objstores = open_objstore is None
         if open_objstore is None:
             s3 = config.s3_options()
 
-            def open_objstore(uri: str):
+            def open_objstore(uri: str) -> ObjectStore:
                 return open_root(uri, s3_options=s3, cache_dir=config.cache_dir, cache_bytes=config.cache_bytes)
 
         self.objstores = ObjectStores(open_objstore)
@@ -452,8 +469,8 @@ class Daemon:
         self.maintenance: Maintenance | None = None
         self.connections: set[_Connection] = set()
         self.stopping = False
-        self._server = None
-        self._metrics_server = None
+        self._server: asyncio.AbstractServer | None = None
+        self._metrics_server: WSGIServer | None = None
         self._budget_check: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         #: set when ``exit_when_idle`` seconds passed with no client and no upload: ``serve`` then stops
@@ -464,12 +481,12 @@ class Daemon:
                          "commits_waited": 0, "max_inflight_seen": 0}
         self.requests_by_op: dict[str, int] = {}
 
-    def limits(self) -> dict:
+    def limits(self) -> dict[str, Any]:
         c = self.config
         return {"max_frame_bytes": c.max_frame_bytes, "max_batch": c.max_batch, "max_inflight": c.max_inflight,
                 "daemon": f"statestore_async {__version__}"}
 
-    def count_request(self, cls) -> None:
+    def count_request(self, cls: type) -> None:
         self.counters["requests"] += 1
         name = cls.__name__
         self.requests_by_op[name] = self.requests_by_op.get(name, 0) + 1
@@ -530,7 +547,9 @@ class Daemon:
         log.info("no client for %.0fs and no upload pending: exiting", self.config.exit_when_idle)
         self.idle_exit.set()
 
-    def _on_durable(self, store_id, ref, nbytes, lineage) -> None:
+    def _on_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int,
+                    lineage: tuple[CheckpointRef, ...]) -> None:
+        assert self.maintenance is not None  # set by start(), with the uploader that calls this
         self.maintenance.note_durable(store_id, ref, nbytes, lineage)
         self.check_budget_soon()  # a store whose uploads settled may be evictable now
 
@@ -544,12 +563,14 @@ class Daemon:
         if self.registry is not None:
             self.registry.enforce_budget()
 
-    async def await_durable(self, store_id: StoreId, ref, timeout: float) -> bool:
+    async def await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float) -> bool:
         """True once ``ref``'s file is in the object store (asking the store when the uploader never saw it)."""
         if ref.is_empty_state:
             return True
-        if self.uploader.state(store_id, ref) is not None:
-            return await self.uploader.wait_durable(store_id, ref, timeout)
+        uploader = self.uploader
+        assert uploader is not None  # set by start()
+        if uploader.state(store_id, ref) is not None:
+            return await uploader.wait_durable(store_id, ref, timeout)
         objstore = self.objstores(store_id.root)
         for kind in (DELTA, SNAPSHOT):
             try:
@@ -559,7 +580,7 @@ class Daemon:
                 raise
         return False
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {
             "daemon": {"version": __version__, "pid": os.getpid(), "uptime": round(time.monotonic() - self._started, 3),
                        "open_connections": len(self.connections), "stopping": self.stopping, **self.counters,
@@ -609,22 +630,22 @@ class Daemon:
         log.info("stopped (uploads drained: %s)", drained)
         return drained
 
-    async def __aenter__(self):
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc):
+    async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
 
 # --- metrics and logs -----------------------------------------------------------------------------
-def start_metrics(daemon: Daemon, host: str, port: int):
+def start_metrics(daemon: Daemon, host: str, port: int) -> WSGIServer:
     """Serve Prometheus metrics read from ``daemon.stats()`` at scrape time (nothing on the hot path)."""
     from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
     class _Collector:
-        def collect(self):
+        def collect(self) -> Iterator[Metric]:
             s = daemon.stats()
             g = GaugeMetricFamily
             yield g("statestore_connections", "open client connections", value=s["daemon"]["open_connections"])
@@ -648,7 +669,7 @@ def start_metrics(daemon: Daemon, host: str, port: int):
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg (+ exc)."""
 
-    def format(self, record):
+    def format(self, record: logging.LogRecord) -> str:
         out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
                "msg": record.getMessage(), "pid": record.process}
         if record.exc_info:
@@ -669,7 +690,7 @@ def configure_logging(config: DaemonConfig) -> None:
 
 
 # --- running it -----------------------------------------------------------------------------------
-async def serve(config: DaemonConfig, *, open_objstore=None) -> int:
+async def serve(config: DaemonConfig, *, open_objstore: Callable[[str], ObjectStore] | None = None) -> int:
     """Run the daemon until SIGTERM or SIGINT (or, with ``exit_when_idle``, until it is idle that long);
     then stop gracefully. Returns the exit code (0)."""
     daemon = Daemon(config, open_objstore=open_objstore)

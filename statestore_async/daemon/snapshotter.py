@@ -27,10 +27,12 @@ import os
 import select
 import sys
 import time
+from typing import Any
 
 from statestore_async.errors import StateStoreError, error_for_code
 from statestore_async.files.names import SNAPSHOT
 from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ class SnapshotWorkerError(StateStoreError):
 class SnapshotWorker:
     """A handle on the worker process: ``await snapshot(store_id, ref)``; ``await close()``."""
 
-    def __init__(self, settings: dict, *, idle_seconds: float = IDLE_SECONDS):
+    def __init__(self, settings: dict[str, Any], *, idle_seconds: float = IDLE_SECONDS) -> None:
         self._settings = dict(settings, idle_seconds=idle_seconds)
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
@@ -59,6 +61,7 @@ class SnapshotWorker:
             sys.executable, "-m", "statestore_async.daemon.snapshotter",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=None,
             limit=1 << 20)
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.write(json.dumps(self._settings).encode() + b"\n")
         self.starts += 1
         log.info("snapshot worker started (pid %d)", proc.pid)
@@ -72,11 +75,12 @@ class SnapshotWorker:
             proc.kill()
         await proc.wait()
 
-    async def _ask(self, message: dict) -> dict | None:
+    async def _ask(self, message: dict[str, Any]) -> dict[str, Any] | None:
         if self._proc is None or self._proc.returncode is not None:
             await self._reap()
             self._proc = await self._start()
         proc = self._proc
+        assert proc.stdin is not None and proc.stdout is not None  # PIPEs
         try:
             proc.stdin.write(json.dumps(message).encode() + b"\n")
             await proc.stdin.drain()
@@ -88,7 +92,7 @@ class SnapshotWorker:
             return None
         return json.loads(line)
 
-    async def snapshot(self, store_id: StoreId, ref: CheckpointRef, objstore=None) -> int:
+    async def snapshot(self, store_id: StoreId, ref: CheckpointRef, objstore: ObjectStore | None = None) -> int:
         """Have the worker create the snapshot of ``ref``; returns its size in bytes (0: it existed).
 
         ``objstore``: the daemon's own store of that root; when it is a local cache
@@ -121,6 +125,7 @@ class SnapshotWorker:
         proc, self._proc = self._proc, None
         if proc is None or proc.returncode is not None:
             return
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 5)
@@ -128,18 +133,18 @@ class SnapshotWorker:
             proc.kill()
             await proc.wait()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"worker_running": int(self._proc is not None and self._proc.returncode is None),
                 "worker_starts": self.starts, "worker_requests": dict(self.requests)}
 
 
 # --- the worker process --------------------------------------------------------------------------------
-def _requests(objstore) -> dict:
+def _requests(objstore: ObjectStore) -> dict[str, int]:
     inner = getattr(objstore, "inner", objstore)  # behind a local cache, count what reached the origin
     return dict(getattr(inner, "counts", None) or {})
 
 
-async def _build(objstores: dict, settings: dict, message: dict) -> dict:
+async def _build(objstores: dict[str, ObjectStore], settings: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
     from statestore_async.daemon.objectstores import open_root
     from statestore_async.files.checkpoint import encode_snapshot
     from statestore_async.files.loader import load_store
@@ -161,7 +166,7 @@ async def _build(objstores: dict, settings: dict, message: dict) -> dict:
         with store.freeze() as view:
             data = encode_snapshot(view)
         del store
-        answer = {"ok": True, "bytes": await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)}
+        answer: dict[str, Any] = {"ok": True, "bytes": await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)}
     except StateStoreError as exc:
         answer = {"ok": False, "code": exc.code, "message": str(exc)}
     except Exception as exc:  # a bug: tell the daemon, keep serving
@@ -191,7 +196,7 @@ def main() -> int:
     settings = json.loads(first)
     idle = float(settings.get("idle_seconds", IDLE_SECONDS))
     loop = asyncio.new_event_loop()
-    objstores: dict = {}
+    objstores: dict[str, ObjectStore] = {}
     try:
         while True:
             ready, _, _ = select.select([stdin], [], [], idle)
