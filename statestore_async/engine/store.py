@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
 from statestore_async.codecs.packed import PackedList, PackedPairs
@@ -37,6 +38,9 @@ ENTRY_OVERHEAD = 2 * 33 + 40
 DEFAULT_HISTORY = 4
 # Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
 MAX_LINEAGE = 1000
+
+# key -> value, or None for a removed key (a tombstone): an overlay, a commit's changes or records
+Changes: TypeAlias = dict[bytes, bytes | None]
 
 
 class State(enum.Enum):
@@ -61,16 +65,18 @@ class Delta:
     store_id: StoreId
     ref: CheckpointRef
     lineage: tuple[CheckpointRef, ...]
-    _records: dict | None
+    _records: Changes | None
     # bytes of the records' keys and values (+ 8 each): what the upload queue counts (for a deferred
     # commit, counted from the changes before they were applied: an upper bound)
     nbytes: int = 0
     _store: VersionedStore | None = field(default=None, repr=False)
 
     @property
-    def records(self) -> dict:
+    def records(self) -> Changes:
         self.apply()
-        return self._records
+        records = self._records
+        assert records is not None  # apply() set them
+        return records
 
     @property
     def applied(self) -> bool:
@@ -79,6 +85,7 @@ class Delta:
     def apply(self) -> None:
         """Apply a deferred commit's changes now (nothing if they are applied already)."""
         if self._records is None:
+            assert self._store is not None  # a deferred commit's delta names its store
             self._store.apply_pending()
 
     @property
@@ -102,20 +109,22 @@ class _Commit:
     parent: CheckpointRef
     child: CheckpointRef
     child_lineage: tuple[CheckpointRef, ...]
-    undo: list  # the value before the commit of each key of ``redo``, in its order (None: absent)
-    redo: dict  # key -> value after the commit (None: removed)
+    # both None until the commit's changes are applied (a deferred commit: VersionedStore.apply_pending)
+    undo: list[bytes | None] | None  # the value before the commit of each key of ``redo``, in its order (None: absent)
+    redo: Changes | None  # key -> value after the commit (None: removed)
     nbytes: int = 0
 
-    def undo_changes(self) -> dict:
+    def undo_changes(self) -> Changes:
         """key -> value before the commit: the changes that roll it back."""
+        assert self.redo is not None and self.undo is not None  # applied: see apply_pending
         return dict(zip(self.redo, self.undo))
 
 
-def _entry_bytes(key: bytes, value) -> int:
+def _entry_bytes(key: bytes, value: bytes | None) -> int:
     return len(key) + (len(value) if value is not None else 0) + ENTRY_OVERHEAD
 
 
-def _check_key(key) -> bytes:
+def _check_key(key: object) -> bytes:
     if type(key) is not bytes:
         if isinstance(key, (bytearray, memoryview)):
             key = bytes(key)
@@ -126,7 +135,7 @@ def _check_key(key) -> bytes:
     return key
 
 
-def _check_value(value) -> bytes:
+def _check_value(value: object) -> bytes:
     if type(value) is not bytes:
         if isinstance(value, (bytearray, memoryview)):
             return bytes(value)
@@ -148,13 +157,13 @@ class FrozenView:
         self.ref = store.head
         self.lineage = store.lineage
         self._keys = list(store._data)
-        self._shadow: dict = {}
+        self._shadow: Changes = {}  # key -> its frozen value where a later change saved it (None: absent)
         self._released = False
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _preserve(self, keys: dict, pre_images: list) -> None:
+    def _preserve(self, keys: Iterable[bytes], pre_images: Iterable[bytes | None]) -> None:
         shadow = self._shadow
         for k, old in zip(keys, pre_images):
             if k not in shadow:
@@ -165,13 +174,13 @@ class FrozenView:
         commit changed or removed it). The list belongs to the view: do not change it."""
         return self._keys
 
-    def get(self, key: bytes):
+    def get(self, key: bytes) -> bytes | None:
         """The frozen value of ``key`` (None if it was not in the frozen state)."""
         if key in self._shadow:
             return self._shadow[key]
         return self._store._data.get(key)
 
-    def group(self, start: int, stop: int, groups: list) -> None:
+    def group(self, start: int, stop: int, groups: list[list[bytes] | None]) -> None:
         """Sort the frozen records of ``keys()[start:stop]`` into ``groups`` by key group
         (``overlay.group_records``; ``overlay.gather_records`` hands them out in order)."""
         _overlay.group_records(self._keys, start, stop, self._shadow, self._store._data, groups)
@@ -183,10 +192,10 @@ class FrozenView:
             self._shadow = {}
             self._keys = []
 
-    def __enter__(self):
+    def __enter__(self) -> FrozenView:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -196,7 +205,7 @@ class VersionedStore:
     def __init__(
         self,
         store_id: StoreId,
-        data: dict | None = None,
+        data: dict[bytes, bytes] | None = None,
         head: CheckpointRef = EMPTY_STATE,
         lineage: Sequence[CheckpointRef] = (),
         *,
@@ -208,7 +217,7 @@ class VersionedStore:
         if head.version > 0 and not lineage and not head_has_snapshot:
             raise InterfaceError("a non-empty state needs its lineage or a snapshot")
         self.store_id = store_id
-        self._data: dict = data if data is not None else {}
+        self._data: dict[bytes, bytes] = data if data is not None else {}
         self._head = head
         self._lineage = tuple(lineage)
         self._history_limit = history
@@ -218,7 +227,7 @@ class VersionedStore:
         self._views: list[FrozenView] = []
         self._data_bytes = sum(_entry_bytes(k, v) for k, v in self._data.items())
         # a deferred commit whose changes are not in the map yet: (changes, its _Commit, its Delta)
-        self._pending: tuple[dict, _Commit, Delta] | None = None
+        self._pending: tuple[Changes, _Commit, Delta] | None = None
 
     # --- what is committed ----------------------------------------------------------------------
     @property
@@ -277,7 +286,7 @@ class VersionedStore:
         return n
 
     # --- reading the committed state --------------------------------------------------------------
-    def get(self, key: bytes):
+    def get(self, key: bytes) -> bytes | None:
         """The committed value of ``key`` at the head (None if absent)."""
         self.apply_pending()
         return self._data.get(key)
@@ -325,7 +334,7 @@ class VersionedStore:
             )
         return CheckpointRef(version, ckptid)
 
-    def _path_to(self, target: CheckpointRef):
+    def _path_to(self, target: CheckpointRef) -> tuple[list[_Commit], list[_Commit]] | None:
         """(commits to undo, commits to redo) to move the map from head to target, or None."""
         if target == self._head:
             return [], []
@@ -343,11 +352,11 @@ class VersionedStore:
         forward: list[_Commit] = []
         ref = target
         while ref not in pos:
-            c = by_child.get(ref)
-            if c is None:
+            step = by_child.get(ref)
+            if step is None:
                 return None
-            forward.append(c)
-            ref = c.parent
+            forward.append(step)
+            ref = step.parent
         return back[: pos[ref]], list(reversed(forward))
 
     def _switch_to(self, target: CheckpointRef) -> None:
@@ -361,6 +370,7 @@ class VersionedStore:
             self._mutate(c.undo_changes())
             self._head, self._lineage = c.parent, self._lineage_of(c.parent)
         for c in redo:
+            assert c.redo is not None  # applied: open() applies a pending commit first
             self._mutate(c.redo)
             self._head, self._lineage = c.child, c.child_lineage
 
@@ -387,7 +397,7 @@ class VersionedStore:
         """
         if self._head in self._snapshots or self._head.version == 0:
             return ()
-        tail = []
+        tail: list[CheckpointRef] = []
         for r in self._lineage:
             if len(tail) >= MAX_LINEAGE - 1:
                 break
@@ -396,7 +406,7 @@ class VersionedStore:
                 break
         return tuple(tail)
 
-    def _mutate(self, changes: dict):
+    def _mutate(self, changes: Changes) -> tuple[list[bytes | None], Changes, int, int]:
         """Apply key → value|None to the map in one pass (``overlay.apply_changes``).
 
         Returns (pre-images in the records' order, effective records, accounted bytes of the
@@ -415,7 +425,7 @@ class VersionedStore:
             raise InterfaceError(f"checkpoint {child} was committed already")
         return child
 
-    def _commit(self, overlay: dict, ckptid: str | None, defer: bool = False, bound: int = 0) -> Delta:
+    def _commit(self, overlay: Changes, ckptid: str | None, defer: bool = False, bound: int = 0) -> Delta:
         self.apply_pending()
         parent = self._head
         child = self._child(ckptid)
@@ -432,7 +442,7 @@ class VersionedStore:
         records, record_bytes = self._apply(overlay, commit)
         return Delta(self.store_id, child, lineage, records, record_bytes)
 
-    def _apply(self, overlay: dict, commit: _Commit) -> tuple[dict, int]:
+    def _apply(self, overlay: Changes, commit: _Commit) -> tuple[Changes, int]:
         # a tombstone for a key that did not exist changes nothing: apply_changes leaves it out
         undo, records, nbytes, record_bytes = self._mutate(overlay)
         commit.undo, commit.redo, commit.nbytes = undo, records, nbytes
@@ -460,7 +470,7 @@ class StoreVersion:
     def __init__(self, store: VersionedStore):
         self._store = store
         self._base = store._data
-        self._overlay: dict = {}
+        self._overlay: Changes = {}
         self._overlay_bytes = 0
         self.state = State.UPDATING
         self.parent = store.head
@@ -486,14 +496,14 @@ class StoreVersion:
             )
 
     # --- reads --------------------------------------------------------------------------------------
-    def get(self, key: bytes):
+    def get(self, key: bytes) -> bytes | None:
         self._check_updating("get from")
         overlay = self._overlay
         if key in overlay:
             return overlay[key]
         return self._base.get(key)
 
-    def get_many(self, keys: Iterable[bytes]) -> list:
+    def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         self._check_updating("get from")
         return _overlay.get_list(self._overlay, self._base, keys)
 
@@ -530,7 +540,7 @@ class StoreVersion:
         return n
 
     # --- writes -------------------------------------------------------------------------------------
-    def _set(self, key: bytes, value) -> None:
+    def _set(self, key: bytes, value: bytes | None) -> None:
         overlay = self._overlay
         old = overlay.get(key, ...)
         if old is not ...:
