@@ -23,8 +23,9 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NoReturn, TypeAlias, TypedDict, Unpack
 
 import xxhash
 
@@ -35,6 +36,12 @@ from statestore_async.engine import overlay
 from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import CheckpointRef, StoreId
+
+if TYPE_CHECKING:
+    from statestore_async.engine.store import Delta, FrozenView
+
+# (key, value), or (key, None) for a tombstone (delta files only)
+Record: TypeAlias = tuple[bytes, bytes | None]
 
 MAGIC = b"SSCK"
 END_MAGIC = b"SSCE"
@@ -53,12 +60,26 @@ MAX_JSON = 64 << 20
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
+class CodecOptions(TypedDict, total=False):
+    """How a file's blocks are encoded (``encode_delta`` and ``snapshot_steps`` keywords)."""
+
+    codec: str
+    level: int
+    block_bytes: int
+
+
+class SnapshotOptions(CodecOptions, total=False):
+    """``snapshot_steps`` keywords: the codec options and the records sorted per step."""
+
+    chunk: int
+
+
 @dataclass(frozen=True)
 class FileHeader:
     """What a checkpoint file says about itself."""
 
     kind: str
-    store: dict
+    store: dict[str, str | int]  # StoreId.to_json() of the store it belongs to
     ref: CheckpointRef
     lineage: tuple[CheckpointRef, ...]
     codec: str
@@ -91,7 +112,7 @@ def _kg(key: bytes) -> int:
 # ------------------------------------------------------------------------------------------------
 # writing
 # ------------------------------------------------------------------------------------------------
-def _encode_header(kind: str, store_id: StoreId, ref: CheckpointRef, lineage, codec: str) -> bytes:
+def _encode_header(kind: str, store_id: StoreId, ref: CheckpointRef, lineage: Iterable[CheckpointRef], codec: str) -> bytes:
     if codec not in CODECS:
         raise InterfaceError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
     body = json.dumps(
@@ -128,16 +149,16 @@ class CheckpointWriter:
             raise InterfaceError(f"kind must be 'delta' or 'snapshot', got {kind!r}")
         self.kind = kind
         self.name = file_name(ref, kind)
-        self._codec = CODECS.get(codec)
         self._level = level
         self._block_bytes = block_bytes
         head = _encode_header(kind, store_id, ref, tuple(lineage), codec)
+        self._codec = CODECS[codec]  # a known codec: _encode_header checked it
         self._parts: list[bytes] = [head]
         self._offset = len(head)
         self._index: list[BlockIndexEntry] = []
         self._records = 0
 
-    def add_records(self, records: list) -> Iterator[None]:
+    def add_records(self, records: Sequence[Record]) -> Iterator[None]:
         """Encode ``records`` (a list of (key, value|None)) into blocks; yields after each block."""
         start = 0
         n = len(records)
@@ -174,7 +195,7 @@ class CheckpointWriter:
         return parts
 
 
-def encode_delta(delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES) -> bytes:
+def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES) -> bytes:
     """The delta file of an engine ``Delta``."""
     w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
     for _ in w.add_records(list(delta.records.items())):
@@ -182,7 +203,7 @@ def encode_delta(delta, *, codec: str = "zstd", level: int = 3, block_bytes: int
     return w.finish()
 
 
-def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
+def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
                    chunk: int = 65536) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
@@ -195,11 +216,11 @@ def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: in
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
                          block_bytes=block_bytes)
-    groups: list = [None] * overlay.KEY_GROUP_SLOTS
+    groups: list[list[bytes] | None] = [None] * overlay.KEY_GROUP_SLOTS
     for start in range(0, len(view), chunk):
         view.group(start, start + chunk, groups)
         yield None
-    cursor = (0, 0)
+    cursor: tuple[int, int] = (0, 0)
     while True:
         # an upper bound of each record's encoded size (tag + two varints + bytes) is counted, so
         # the gathered records always fit one block
@@ -210,7 +231,7 @@ def snapshot_steps(view, *, codec: str = "zstd", level: int = 3, block_bytes: in
     yield w.finish_parts()
 
 
-def encode_snapshot(view, **kwargs) -> bytes:
+def encode_snapshot(view: FrozenView, **kwargs: Unpack[SnapshotOptions]) -> bytes:
     """The snapshot file of a frozen engine view, in one call."""
     parts: list[bytes] = []
     for item in snapshot_steps(view, **kwargs):
@@ -240,6 +261,7 @@ def header_length(data: bytes, name: str) -> int:
     """Bytes the header takes, from its first ``HEADER_FIXED`` bytes."""
     if len(data) < HEADER_FIXED:
         raise CorruptFileError(name, f"truncated: {len(data)} bytes, a header needs {HEADER_FIXED}", 0)
+    n: int
     magic, fmt, kind, reserved, n, _ = _HEAD.unpack_from(data, 0)
     if magic != MAGIC:
         raise CorruptFileError(name, f"not a checkpoint file (magic {magic!r})", 0)
@@ -264,7 +286,7 @@ def parse_header(data: bytes, name: str) -> FileHeader:
     return _parse_header_json(name, kind, body)
 
 
-def _parse_footer(name: str, data, offset: int, length: int, checksum: int) -> Footer:
+def _parse_footer(name: str, data: bytes, offset: int, length: int, checksum: int) -> Footer:
     footer = bytes(data[offset : offset + length])
     if len(footer) != length or xxhash.xxh3_64_intdigest(footer) != checksum:
         raise CorruptFileError(name, "footer checksum mismatch", offset)
@@ -279,7 +301,7 @@ def _parse_footer(name: str, data, offset: int, length: int, checksum: int) -> F
         raise CorruptFileError(name, f"bad footer: {exc}", offset) from None
 
 
-def read_trailer(data, name: str) -> tuple[int, int, int]:
+def read_trailer(data: bytes, name: str) -> tuple[int, int, int]:
     """(footer offset, footer length, footer checksum) from the file's last 24 bytes."""
     if len(data) < TRAILER_SIZE:
         raise CorruptFileError(name, "truncated: no trailer", len(data))
@@ -296,7 +318,7 @@ class CheckpointFile:
     name: str
     header: FileHeader
     footer: Footer
-    records: list
+    records: list[Record]
 
 
 class CheckpointParser:
@@ -317,14 +339,14 @@ class CheckpointParser:
         self._footer_at: int | None = None
         self._done = False
 
-    def _fail(self, reason: str, offset: int | None = None):
+    def _fail(self, reason: str, offset: int | None = None) -> NoReturn:
         raise CorruptFileError(self.name, reason, offset)
 
-    def feed(self, chunk: bytes) -> list:
+    def feed(self, chunk: bytes) -> list[Record]:
         if self._done:
             self._fail("data after the end of the file")
         self._buf += chunk
-        out: list = []
+        out: list[Record] = []
         buf = self._buf
         consumed = 0
         if self.header is None:
@@ -333,8 +355,8 @@ class CheckpointParser:
             end = header_length(buf, self.name)
             if len(buf) < end:
                 return out
-            self.header = parse_header(buf, self.name)
-            self._check_expected()
+            self.header = header = parse_header(buf, self.name)
+            self._check_expected(header)
             consumed = end
         while self._footer_at is None:
             avail = len(buf) - consumed
@@ -362,11 +384,10 @@ class CheckpointParser:
             self._pos += consumed
         return out
 
-    def _check_expected(self):
+    def _check_expected(self, h: FileHeader) -> None:
         if self._expect is None:
             return
         store_id, ref, kind = self._expect
-        h = self.header
         if h.kind != kind or h.ref != ref or not h.matches(store_id):
             self._fail(
                 f"the file says it is the {h.kind} of {h.store} at {h.ref}, expected the {kind} of "
@@ -400,6 +421,7 @@ def read_checkpoint(data: bytes, name: str, *, expect: tuple[StoreId, Checkpoint
     p = CheckpointParser(name, expect=expect)
     records = p.feed(data)
     footer = p.finish()
+    assert p.header is not None  # finish() checked it
     return CheckpointFile(name, p.header, footer, records)
 
 
@@ -417,9 +439,9 @@ def blocks_for_key_groups(footer: Footer, first_kg: int, last_kg: int) -> list[B
     return [b for b in footer.blocks if b.last_kg >= first_kg and b.first_kg <= last_kg]
 
 
-def decode_blocks(data: bytes, name: str, entries: list[BlockIndexEntry], base_offset: int = 0) -> list:
+def decode_blocks(data: bytes, name: str, entries: list[BlockIndexEntry], base_offset: int = 0) -> list[Record]:
     """Decode the given blocks out of ``data`` (which starts at file offset ``base_offset``)."""
-    out = []
+    out: list[Record] = []
     for e in entries:
         try:
             records, _ = blockcodec.decode_block(data, e.offset - base_offset)

@@ -11,12 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
 from statestore_async.errors import LineageError, ObjectNotFoundError, VersionNotFoundError
+from statestore_async.files.checkpoint import FileHeader, Record
 from statestore_async.files.names import DELTA, SNAPSHOT
 from statestore_async.files.transfer import ReadStats, read_checkpoint_file
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
+
+if TYPE_CHECKING:
+    from statestore_async.objectstore.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +39,8 @@ class LoadReport:
     records: int = 0
 
 
-async def read_file(objstore, store_id: StoreId, ref: CheckpointRef, kind: str, report: LoadReport):
+async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str,
+                    report: LoadReport) -> tuple[FileHeader, list[Record]]:
     stats = ReadStats(report.files_read, report.missing)
     try:
         return await read_checkpoint_file(objstore, store_id, ref, kind, stats)
@@ -42,9 +48,11 @@ async def read_file(objstore, store_id: StoreId, ref: CheckpointRef, kind: str, 
         report.bytes_read += stats.bytes_read
 
 
-async def _chain(objstore, store_id, ref, report, max_depth):
+async def _chain(
+    objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, report: LoadReport, max_depth: int
+) -> tuple[CheckpointRef, list[Record], list[tuple[CheckpointRef, list[Record]]]]:
     """(base snapshot ref or EMPTY, its records, [(delta ref, records)] oldest first)."""
-    pending: list[tuple[CheckpointRef, list]] = []
+    pending: list[tuple[CheckpointRef, list[Record]]] = []
     current = ref
     depth = 0
     while True:
@@ -91,7 +99,7 @@ async def _chain(objstore, store_id, ref, report, max_depth):
 
 
 async def load_store(
-    objstore,
+    objstore: ObjectStore,
     store_id: StoreId,
     ref: CheckpointRef,
     *,
@@ -103,7 +111,7 @@ async def load_store(
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
     base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth)
-    data = dict(base_records)
+    data = cast("dict[bytes, bytes]", dict(base_records))  # a snapshot's records: no tombstones
     if base.version:
         report.snapshot = base
     expect_version = base.version

@@ -14,6 +14,7 @@ import json
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
@@ -25,6 +26,9 @@ from statestore_async.errors import (
 )
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, _check_name
 
+if TYPE_CHECKING:
+    from statestore_async.objectstore.base import ObjectStore
+
 FORMAT_VERSION = 1
 COMMITS_DIR = "_commits"
 _NAME_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\.json$")
@@ -35,7 +39,7 @@ def manifest_key(operator_id: str, version: int) -> str:
     return f"{_check_name('operator_id', str(operator_id))}/{COMMITS_DIR}/{int(version)}.json"
 
 
-def _canonical(obj) -> bytes:
+def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -47,11 +51,11 @@ class Manifest:
     version: int
     num_partitions: int
     num_key_groups: int
-    stores: dict  # store name -> tuple of CheckpointRef, one per partition
+    stores: dict[str, tuple[CheckpointRef, ...]]  # store name -> one CheckpointRef per partition
     created: float = field(default_factory=lambda: round(time.time(), 3))
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # JSON values, the writer's own
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.num_partitions < 1 or self.num_key_groups < self.num_partitions:
             raise InterfaceError(
                 f"need 1 <= partitions <= key groups, got {self.num_partitions} partitions, {self.num_key_groups} key groups"
@@ -110,14 +114,14 @@ class Manifest:
             raise CorruptFileError(name, f"not a valid manifest: {exc}") from None
 
 
-async def write_manifest(objstore, manifest: Manifest) -> str:
+async def write_manifest(objstore: ObjectStore, manifest: Manifest) -> str:
     """Write (or replace, for a replayed batch) the manifest; returns its key."""
     key = manifest_key(manifest.operator_id, manifest.version)
     await objstore.put(key, manifest.to_bytes())
     return key
 
 
-async def read_manifest(objstore, operator_id: str, version: int) -> Manifest:
+async def read_manifest(objstore: ObjectStore, operator_id: str, version: int) -> Manifest:
     """The manifest of ``version``; ``VersionNotFoundError`` if there is none."""
     key = manifest_key(operator_id, version)
     try:
@@ -130,7 +134,7 @@ async def read_manifest(objstore, operator_id: str, version: int) -> Manifest:
     return m
 
 
-async def list_manifest_versions(objstore, operator_id: str) -> list[int]:
+async def list_manifest_versions(objstore: ObjectStore, operator_id: str) -> list[int]:
     """Every version with a manifest (a LIST: for tools and cleanup, not the hot path)."""
     prefix = f"{_check_name('operator_id', str(operator_id))}/{COMMITS_DIR}/"
     out = []

@@ -13,11 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from statestore_async.errors import InterfaceError, LineageError
-from statestore_async.files.checkpoint import header_length, parse_header
+from statestore_async.files.checkpoint import FileHeader, header_length, parse_header
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key, parse_file_name
 from statestore_async.ids import CheckpointRef, StoreId
+
+if TYPE_CHECKING:
+    from statestore_async.objectstore.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +29,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class CleanupReport:
     listed: int = 0
-    needed: set = field(default_factory=set)
-    deleted: list = field(default_factory=list)
+    needed: set[str] = field(default_factory=set)
+    deleted: list[str] = field(default_factory=list)
     kept_recent: int = 0
 
 
-async def _read_header(objstore, key: str, cache: dict | None = None):
+async def _read_header(objstore: ObjectStore, key: str, cache: dict[str, FileHeader] | None = None) -> FileHeader:
     if cache is not None and key in cache:
         return cache[key]
     head = await objstore.get(key, 0, 65536)
@@ -43,8 +47,8 @@ async def _read_header(objstore, key: str, cache: dict | None = None):
     return header
 
 
-async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef], existing: set[str],
-                       *, skip_broken: bool = False, header_cache: dict | None = None) -> set[str]:
+async def needed_files(objstore: ObjectStore, store_id: StoreId, keep: Iterable[CheckpointRef], existing: set[str],
+                       *, skip_broken: bool = False, header_cache: dict[str, FileHeader] | None = None) -> set[str]:
     """Every file the loads of ``keep`` read, given the set of existing keys.
 
     A kept state that cannot load raises ``LineageError`` — or, with ``skip_broken``, is left out
@@ -53,7 +57,7 @@ async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef
     needed: set[str] = set()
     done: set[CheckpointRef] = set()
 
-    async def walk(ref: CheckpointRef, wanted_by: CheckpointRef):
+    async def walk(ref: CheckpointRef, wanted_by: CheckpointRef) -> None:
         while not ref.is_empty_state and ref not in done:
             done.add(ref)
             snap = file_key(store_id, ref, SNAPSHOT)
@@ -89,13 +93,13 @@ async def needed_files(objstore, store_id: StoreId, keep: Iterable[CheckpointRef
 
 
 async def cleanup_store(
-    objstore,
+    objstore: ObjectStore,
     store_id: StoreId,
     keep: Iterable[CheckpointRef] | None,
     *,
     min_version: int,
     dry_run: bool = False,
-    header_cache: dict | None = None,
+    header_cache: dict[str, FileHeader] | None = None,
 ) -> CleanupReport:
     """Delete the files of ``store_id`` older than ``min_version`` that no kept state needs.
 
@@ -117,7 +121,7 @@ async def cleanup_store(
             files[info.key] = parsed[0]
     report.listed = len(files)
     window = keep is None
-    if window:
+    if keep is None:
         keep = sorted({ref for ref in files.values() if ref.version >= min_version}, reverse=True)
         if not keep:
             return report

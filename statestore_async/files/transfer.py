@@ -8,12 +8,26 @@ never written twice.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Unpack
 
 from statestore_async.errors import CheckpointConflictError, CorruptFileError, ObjectExistsError, ObjectNotFoundError
-from statestore_async.files.checkpoint import CheckpointParser, FileHeader, encode_delta, snapshot_steps
+from statestore_async.files.checkpoint import (
+    CheckpointParser,
+    CodecOptions,
+    FileHeader,
+    Record,
+    SnapshotOptions,
+    encode_delta,
+    snapshot_steps,
+)
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
+
+if TYPE_CHECKING:
+    from statestore_async.engine.store import Delta, FrozenView
+    from statestore_async.objectstore.base import ObjectStore
 
 
 @dataclass
@@ -25,7 +39,7 @@ class ReadStats:
     bytes_read: int = 0
 
 
-async def create_checkpoint_file(objstore, store_id: StoreId, ref: CheckpointRef, kind: str, data: bytes) -> int:
+async def create_checkpoint_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str, data: bytes) -> int:
     """Create the ``kind`` file of ``ref`` with ``data``. Returns the bytes written.
 
     When the name is taken: a snapshot there is the same state (whoever wrote it: the state a
@@ -48,14 +62,15 @@ async def create_checkpoint_file(objstore, store_id: StoreId, ref: CheckpointRef
             f"checkpoint id {ref.ckptid}; nothing was overwritten") from None
 
 
-async def write_delta(objstore, delta, **codec_options) -> tuple[str, int]:
+async def write_delta(objstore: ObjectStore, delta: Delta, **codec_options: Unpack[CodecOptions]) -> tuple[str, int]:
     """Create the delta file of an engine ``Delta`` (encoded here). Returns (key, size)."""
     data = encode_delta(delta, **codec_options)
     await create_checkpoint_file(objstore, delta.store_id, delta.ref, DELTA, data)
     return file_key(delta.store_id, delta.ref, DELTA), len(data)
 
 
-async def snapshot_bytes(view, *, give_way=None, **codec_options) -> bytes:
+async def snapshot_bytes(view: FrozenView, *, give_way: Callable[[], Awaitable[object]] | None = None,
+                         **codec_options: Unpack[SnapshotOptions]) -> bytes:
     """The snapshot file of a frozen engine view, encoded in bounded steps.
 
     ``give_way`` (an async callable, e.g. ``asyncio.sleep(0)``-like) is awaited between the steps,
@@ -72,7 +87,8 @@ async def snapshot_bytes(view, *, give_way=None, **codec_options) -> bytes:
     return await asyncio.to_thread(b"".join, parts)
 
 
-async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> tuple[str, int]:
+async def write_snapshot(objstore: ObjectStore, view: FrozenView, *, give_way: Callable[[], Awaitable[object]] | None = None,
+                         **codec_options: Unpack[SnapshotOptions]) -> tuple[str, int]:
     """Create the snapshot file of a frozen engine view (see ``snapshot_bytes``). Returns (key, size)."""
     data = await snapshot_bytes(view, give_way=give_way, **codec_options)
     await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)
@@ -80,8 +96,8 @@ async def write_snapshot(objstore, view, *, give_way=None, **codec_options) -> t
 
 
 async def read_checkpoint_file(
-    objstore, store_id: StoreId, ref: CheckpointRef, kind: str, stats: ReadStats | None = None
-) -> tuple[FileHeader, list]:
+    objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str, stats: ReadStats | None = None
+) -> tuple[FileHeader, list[Record]]:
     """GET one checkpoint file, decoding blocks as they stream in; checks that it is the file asked for.
 
     Returns (header, records). ``ObjectNotFoundError`` if it does not exist, ``CorruptFileError`` if
@@ -99,9 +115,10 @@ async def read_checkpoint_file(
         return await _read(objstore, key, store_id, ref, kind, stats)
 
 
-async def _read(objstore, key, store_id, ref, kind, stats):
+async def _read(objstore: ObjectStore, key: str, store_id: StoreId, ref: CheckpointRef, kind: str,
+                stats: ReadStats) -> tuple[FileHeader, list[Record]]:
     parser = CheckpointParser(key, expect=(store_id, ref, kind))
-    records: list = []
+    records: list[Record] = []
     try:
         async for chunk in objstore.get_stream(key):
             stats.bytes_read += len(chunk)
@@ -111,4 +128,5 @@ async def _read(objstore, key, store_id, ref, kind, stats):
         raise
     parser.finish()
     stats.files_read.append(key)
+    assert parser.header is not None  # finish() checked it
     return parser.header, records
