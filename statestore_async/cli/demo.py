@@ -20,6 +20,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import click
 from rich.console import Console
@@ -53,8 +55,12 @@ def write_input(folder: str, batches: int, rows: int, users: int) -> list[list[t
     return out
 
 
-def dict_oracle(batches) -> tuple[list[dict], dict]:
-    state, per_batch = {}, []
+Totals = dict[str, tuple[int, int]]  # user -> (count, total)
+
+
+def dict_oracle(batches: list[list[tuple[str, int]]]) -> tuple[list[Totals], Totals]:
+    state: Totals = {}
+    per_batch: list[Totals] = []
     for rows in batches:
         touched = set()
         for u, a in rows:
@@ -65,7 +71,7 @@ def dict_oracle(batches) -> tuple[list[dict], dict]:
     return per_batch, state
 
 
-def _session():
+def _session() -> Any:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ["PYSPARK_PYTHON"] = sys.executable
     from pyspark.sql import SparkSession
@@ -78,7 +84,7 @@ def _session():
     return spark
 
 
-def _run(spark, src: str, checkpoint: str, fn, aggregate: bool = False):
+def _run(spark: Any, src: str, checkpoint: str, fn: Callable[[Any, int], None], aggregate: bool = False) -> BaseException | None:
     from pyspark.sql import functions as F
 
     df = spark.readStream.schema("user string, amount bigint").option("maxFilesPerTrigger", 2).parquet(src)
@@ -95,8 +101,8 @@ def _run(spark, src: str, checkpoint: str, fn, aggregate: bool = False):
     return q.exception()
 
 
-def _collect(out: dict):
-    def sink(df, batch_id):
+def _collect(out: dict[int, Totals]) -> Callable[[Any, int], None]:
+    def sink(df: Any, batch_id: int) -> None:
         out[batch_id] = {r[0]: (r[1], r[2]) for r in df.collect()}
         console.print(f"  batch {batch_id}: {len(out[batch_id]):,} users updated")
 
@@ -110,7 +116,7 @@ def _collect(out: dict):
 @click.option("--rows", default=50_000, show_default=True, help="events per micro-batch")
 @click.option("--users", default=20_000, show_default=True)
 @click.option("--crash-at", default=3, show_default=True, help="batch during which the daemon is killed (-1: none)")
-def main(directory, root, batches, rows, users, crash_at):
+def main(directory: str, root: str | None, batches: int, rows: int, users: int, crash_at: int) -> None:
     """Run the demo: a stateful streaming aggregation, a daemon crash, recovery, and a check."""
     from statestore_async.spark import StatefulOperator, load_state, placement
     from statestore_async.spark.examples import CountSum
@@ -130,17 +136,17 @@ def main(directory, root, batches, rows, users, crash_at):
     spark = _session()
     try:
         console.print("[bold]Spark's own streaming aggregation[/] (the oracle)")
-        expected: dict = {}
+        expected: dict[int, Totals] = {}
         err = _run(spark, os.path.join(work, "input"), os.path.join(work, "oracle-ckpt"), _collect(expected),
                    aggregate=True)
         if err is not None:
             raise SystemExit(f"the oracle query failed: {err}")
 
-        def operator(faults=()):
+        def operator(faults: Sequence[dict[str, Any]] = ()) -> StatefulOperator:
             return StatefulOperator(root, OPERATOR, ["user"], CountSum(), OUTPUT, PARTITIONS, KEY_GROUPS,
                                     socket_path=sock, fence_timeout=20, faults=faults)
 
-        got: dict = {}
+        got: dict[int, Totals] = {}
         ckpt = os.path.join(work, "query-ckpt")
         console.print(f"\n[bold]run 1[/]: the stateful query; the daemon is killed (SIGKILL) inside batch {crash_at}, "
                       "before its tasks commit")

@@ -9,19 +9,28 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from statestore_async.config import FIELDS, load_config
 from statestore_async.errors import StateStoreError
 
+if TYPE_CHECKING:
+    from statestore_async.ids import CheckpointRef, StoreId
+    from statestore_async.objectstore.base import ObjectStore
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main():
+def main() -> None:
     """statestore_async: a versioned key-value state store daemon for PySpark Structured Streaming."""
 
 
-def _setting_options(fn):
+def _setting_options(fn: _F) -> _F:
     for name in reversed(list(FIELDS)):
         f = FIELDS[name]
         help_text = f.metadata.get("help", "")
@@ -38,7 +47,7 @@ def _setting_options(fn):
               help="TOML file with settings (also STATESTORE_CONFIG)")
 @click.option("--print-config", is_flag=True, help="print the effective settings as TOML and exit")
 @_setting_options
-def serve(config_path, print_config, **settings):
+def serve(config_path: str | None, print_config: bool, **settings: str | None) -> None:
     """Run the daemon until SIGTERM/SIGINT (then finish requests and drain uploads)."""
     from statestore_async.daemon.server import run
 
@@ -57,19 +66,19 @@ def serve(config_path, print_config, **settings):
     sys.exit(code)
 
 
-def _socket_option(fn):
+def _socket_option(fn: _F) -> _F:
     return click.option("--socket", "socket_path", default=None,
                         help="daemon socket (default: STATESTORE_SOCKET or the built-in default)")(fn)
 
 
-def _socket(path):
+def _socket(path: str | None) -> str:
     return path or load_config(env=os.environ).socket
 
 
 @main.command()
 @_socket_option
 @click.option("--timeout", default=5.0, show_default=True, help="seconds to wait for the daemon")
-def health(socket_path, timeout):
+def health(socket_path: str | None, timeout: float) -> None:
     """Exit 0 when the daemon answers HELLO and PING, 1 otherwise (liveness/readiness probe)."""
     from statestore_async.client.clients import Client
 
@@ -91,7 +100,7 @@ def health(socket_path, timeout):
 @_socket_option
 @click.option("--root", required=True, help="checkpoint root URI; the scratch store goes under <root>/_selftest")
 @click.option("--timeout", default=30.0, show_default=True, help="seconds to wait for durability")
-def selftest(socket_path, root, timeout):
+def selftest(socket_path: str | None, root: str, timeout: float) -> None:
     """A put/commit/get round trip on a scratch store; exit 0 on success (the Helm test runs it)."""
     from statestore_async.client.clients import Client
     from statestore_async.files.names import file_key
@@ -124,7 +133,7 @@ def selftest(socket_path, root, timeout):
         _cleanup(store_id, written, file_key)
 
 
-def _cleanup(store_id, refs, file_key) -> None:
+def _cleanup(store_id: StoreId, refs: list[CheckpointRef], file_key: Callable[[StoreId, CheckpointRef, str], str]) -> None:
     """Delete the scratch files when this process can reach the object store (best effort)."""
     if not refs:
         return
@@ -133,7 +142,7 @@ def _cleanup(store_id, refs, file_key) -> None:
     from statestore_async.config import load_config
     from statestore_async.objectstore import open_object_store
 
-    async def go():
+    async def go() -> None:
         try:
             s3 = load_config().s3_options()
         except Exception:  # no readable daemon config here: the AWS chain's defaults
@@ -152,7 +161,7 @@ def _cleanup(store_id, refs, file_key) -> None:
         click.echo(f"note: could not remove the scratch files of {store_id}: {exc}", err=True)
 
 
-def _open_root(root: str):
+def _open_root(root: str) -> ObjectStore:
     """The object store of a checkpoint root, with the S3 settings of the daemon config if readable."""
     from statestore_async.objectstore import open_object_store
 
@@ -163,7 +172,7 @@ def _open_root(root: str):
     return open_object_store(root, s3_options=s3)
 
 
-def _run_tool(coro_fn):
+def _run_tool(coro_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
     import asyncio
 
     try:
@@ -176,11 +185,11 @@ def _run_tool(coro_fn):
 @main.command()
 @click.argument("root")
 @click.argument("key")
-def inspect(root, key):
+def inspect(root: str, key: str) -> None:
     """Show and check one checkpoint file: ROOT is the checkpoint root URI, KEY the file's key under it."""
-    from statestore_async.cli.offline import inspect_file
+    from statestore_async.cli.offline import FileReport, inspect_file
 
-    async def go():
+    async def go() -> FileReport:
         async with _open_root(root) as objstore:
             return await inspect_file(objstore, key)
 
@@ -196,11 +205,11 @@ def inspect(root, key):
 @click.argument("root")
 @click.option("--operator", "operator_id", required=True, help="operator id")
 @click.option("--version", type=int, default=None, help="manifest version (default: the latest)")
-def verify(root, operator_id, version):
+def verify(root: str, operator_id: str, version: int | None) -> None:
     """Load every partition a manifest names from files alone, checking every checksum (exit 1 on error)."""
-    from statestore_async.cli.offline import verify_operator
+    from statestore_async.cli.offline import VerifyReport, verify_operator
 
-    async def go():
+    async def go() -> VerifyReport:
         async with _open_root(root) as objstore:
             return await verify_operator(objstore, root, operator_id, version)
 
@@ -219,11 +228,11 @@ def verify(root, operator_id, version):
 @click.option("--operator", "operator_id", required=True, help="operator id")
 @click.option("--keep", type=int, default=100, show_default=True, help="manifests (versions) to keep loadable")
 @click.option("--dry-run", is_flag=True, help="list what would be deleted, delete nothing")
-def gc(root, operator_id, keep, dry_run):
+def gc(root: str, operator_id: str, keep: int, dry_run: bool) -> None:
     """Delete checkpoint files and manifests that none of the last KEEP versions needs."""
-    from statestore_async.cli.offline import gc_operator
+    from statestore_async.cli.offline import GcReport, gc_operator
 
-    async def go():
+    async def go() -> GcReport:
         async with _open_root(root) as objstore:
             return await gc_operator(objstore, root, operator_id, keep, dry_run=dry_run)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from statestore_async.errors import InterfaceError, StateStoreError
 from statestore_async.files.checkpoint import read_checkpoint
@@ -17,25 +18,26 @@ from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import Manifest, list_manifest_versions, manifest_key, read_manifest
 from statestore_async.files.names import parse_file_name
 from statestore_async.files.retention import cleanup_store
-from statestore_async.ids import StoreId
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore.base import ObjectStore
 
 
 @dataclass
 class FileReport:
     name: str
     kind: str
-    store: dict
+    store: dict[str, str | int]
     version: int
     ckptid: str
-    lineage: list
+    lineage: list[str]
     codec: str
     records: int
     tombstones: int
-    blocks: list
+    blocks: list[tuple[int, int, int, int, int]]  # offset, length, records, first and last key group
     size: int
 
 
-async def inspect_file(objstore, key: str) -> FileReport:
+async def inspect_file(objstore: ObjectStore, key: str) -> FileReport:
     """Read and check one checkpoint file by its key under the object store's root."""
     if parse_file_name(key) is None:
         raise InterfaceError(f"{key!r} is not a checkpoint file name (<version>_<ckptid>.delta|.snapshot)")
@@ -53,22 +55,23 @@ async def inspect_file(objstore, key: str) -> FileReport:
 @dataclass
 class VerifyReport:
     version: int
-    partitions: dict = field(default_factory=dict)  # (store, partition) -> {"ref", "records", "files", "bytes"}
-    errors: dict = field(default_factory=dict)  # (store, partition) -> message
+    # (store, partition) -> {"ref", "records", "files", "bytes"}
+    partitions: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    errors: dict[tuple[str, int], str] = field(default_factory=dict)  # (store, partition) -> message
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
 
-async def latest_manifest(objstore, operator_id: str) -> Manifest:
+async def latest_manifest(objstore: ObjectStore, operator_id: str) -> Manifest:
     versions = await list_manifest_versions(objstore, operator_id)
     if not versions:
         raise InterfaceError(f"operator {operator_id!r} has no manifest under {objstore.uri}")
     return await read_manifest(objstore, operator_id, versions[-1])
 
 
-async def verify_operator(objstore, root: str, operator_id: str, version: int | None = None) -> VerifyReport:
+async def verify_operator(objstore: ObjectStore, root: str, operator_id: str, version: int | None = None) -> VerifyReport:
     """Load every state the manifest of ``version`` (latest when None) names; collect errors."""
     m = await (latest_manifest(objstore, operator_id) if version is None else read_manifest(objstore, operator_id, version))
     report = VerifyReport(m.version)
@@ -87,12 +90,12 @@ async def verify_operator(objstore, root: str, operator_id: str, version: int | 
 
 @dataclass
 class GcReport:
-    kept_manifests: list = field(default_factory=list)
-    deleted_manifests: list = field(default_factory=list)
-    deleted_files: list = field(default_factory=list)
+    kept_manifests: list[int] = field(default_factory=list)
+    deleted_manifests: list[str] = field(default_factory=list)
+    deleted_files: list[str] = field(default_factory=list)
 
 
-async def gc_operator(objstore, root: str, operator_id: str, keep: int, *, dry_run: bool = False) -> GcReport:
+async def gc_operator(objstore: ObjectStore, root: str, operator_id: str, keep: int, *, dry_run: bool = False) -> GcReport:
     """Keep the last ``keep`` manifests' states loadable; delete older files and manifests."""
     if keep < 2:
         raise InterfaceError("keep at least the last 2 versions")
@@ -104,14 +107,14 @@ async def gc_operator(objstore, root: str, operator_id: str, keep: int, *, dry_r
     kept = versions[-keep:]
     report.kept_manifests = kept
     manifests = [await read_manifest(objstore, operator_id, v) for v in kept]
-    keep_refs: dict[tuple[str, int], set] = {}
+    keep_refs: dict[tuple[str, int], set[CheckpointRef]] = {}
     for m in manifests:
         for store_name, refs in m.stores.items():
             for p, ref in enumerate(refs):
                 keep_refs.setdefault((store_name, p), set()).add(ref)
-    for (store_name, p), refs in sorted(keep_refs.items()):
+    for (store_name, p), wanted in sorted(keep_refs.items()):
         sid = StoreId(root, operator_id, p, store_name)
-        live = [r for r in refs if not r.is_empty_state]
+        live = [r for r in wanted if not r.is_empty_state]
         if not live:
             continue
         # files of versions above the oldest kept state may belong to attempts in flight: never touched
