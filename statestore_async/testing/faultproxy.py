@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from typing import Self
 
 _SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
              b"<Message>Please reduce your request rate.</Message><RequestId>faultproxy</RequestId></Error>")
@@ -42,7 +43,7 @@ async def _read_message(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     if writer is not None and headers.get(b"expect", b"").lower() == b"100-continue":
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         await writer.drain()
-        head = b"\r\n".join(l for l in lines if not l.lower().startswith(b"expect:"))
+        head = b"\r\n".join(ln for ln in lines if not ln.lower().startswith(b"expect:"))
     body = b""
     if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
         parts = []
@@ -88,19 +89,19 @@ def _reset(writer: asyncio.StreamWriter) -> None:
 class FaultProxy:
     """``FaultProxy(upstream_port).start()``; point the client at ``endpoint_url``; ``stop()`` at the end."""
 
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", *, seed: int = 1):
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", *, seed: int = 1) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.latency = 0.0
         self.error_rate = 0.0
         self.reset_rate = 0.0
         self._outage_until = 0.0
         self._rnd = random.Random(seed)
-        self.stats: Counter = Counter()
+        self.stats: Counter[str] = Counter()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._server = None
+        self._server: asyncio.Server | None = None
         self._thread: threading.Thread | None = None
         self.port = 0
-        self._conns: set = set()
+        self._conns: set[asyncio.StreamWriter] = set()
 
     @property
     def endpoint_url(self) -> str:
@@ -119,7 +120,7 @@ class FaultProxy:
     def _in_outage(self) -> bool:
         return time.monotonic() < self._outage_until
 
-    async def _handle(self, reader, writer) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conns.add(writer)
         up_w = None
         try:
@@ -168,14 +169,14 @@ class FaultProxy:
             if not writer.is_closing():
                 writer.close()
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> Self:
         ready = threading.Event()
 
-        def run():
+        def run() -> None:
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
 
-            async def serve():
+            async def serve() -> None:
                 self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0, limit=1 << 24)
                 self.port = self._server.sockets[0].getsockname()[1]
                 ready.set()
@@ -193,18 +194,20 @@ class FaultProxy:
         if self._loop is None:
             return
 
-        async def shutdown():
+        async def shutdown() -> None:
+            assert self._server is not None  # set by start() before _loop runs
             self._server.close()
             self._cut_all()
             await asyncio.sleep(0)
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
+        assert self._thread is not None  # started along with _loop
         self._thread.join(10)
         self._loop = None
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+from typing import Self
 
 ACCESS_KEY = "statestore-test"
 SECRET_KEY = "statestore-test-secret"
@@ -68,7 +69,7 @@ def weed_binary() -> str:
 class SeaweedFS:
     """A running SeaweedFS with an S3 endpoint at ``endpoint_url`` and fixed test credentials."""
 
-    def __init__(self, data_dir: str | None = None, *, memory_limit: str = "256MiB", nice: int = 0):
+    def __init__(self, data_dir: str | None = None, *, memory_limit: str = "256MiB", nice: int = 0) -> None:
         """``nice`` > 0 runs the server at that lower CPU priority: a benchmark measuring a node's
         latency has it stand in for a remote S3 that does not share the node's cores."""
         self._own_dir = data_dir is None
@@ -78,18 +79,19 @@ class SeaweedFS:
         self.access_key, self.secret_key = ACCESS_KEY, SECRET_KEY
         self.memory_limit = memory_limit
         self.nice = nice
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def _preexec(self) -> None:
         _die_with_parent()
         lower_priority(self.nice, session=True)  # a session of its own (start_new_session)
 
-    def start(self, timeout: float = 30.0) -> "SeaweedFS":
+    def start(self, timeout: float = 30.0) -> Self:
         d = self.data_dir
         os.makedirs(os.path.join(d, "logs"), exist_ok=True)
         config = os.path.join(d, "s3.json")
         with open(config, "w") as f:
-            json.dump({"identities": [{"name": "admin", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            json.dump({"identities": [{"name": "admin",
+                                       "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                                        "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}, f)
         ports = {name: _free_port() for name in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
@@ -99,7 +101,7 @@ class SeaweedFS:
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false", f"-s3.localSocket={d}/s3.sock",
                f"-filer.localSocket={d}/filer.sock", "-metricsPort=0"] + [f"-{k}={v}" for k, v in ports.items()]
         env = dict(os.environ, GOMEMLIMIT=self.memory_limit)
-        self._log = open(os.path.join(d, "weed.out"), "wb")
+        self._log = open(os.path.join(d, "weed.out"), "wb")  # noqa: SIM115 - the server's log while it runs; stop() closes it
         # a session of its own (signals to the test's process group do not hit it), but it dies with
         # its starter even when that is killed with SIGKILL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -126,12 +128,12 @@ class SeaweedFS:
         except Exception:
             return False
 
-    def client_options(self) -> dict:
+    def client_options(self) -> dict[str, str]:
         """Options for ``S3ObjectStore`` / ``open_object_store`` that reach this server."""
         return {"endpoint_url": self.endpoint_url, "aws_access_key_id": self.access_key,
                 "aws_secret_access_key": self.secret_key, "region": "us-east-1", "addressing_style": "path"}
 
-    def env(self) -> dict:
+    def env(self) -> dict[str, str]:
         """Environment variables that point the standard AWS chain at this server."""
         return {"AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key,
                 "AWS_DEFAULT_REGION": "us-east-1", "STATESTORE_S3_ENDPOINT_URL": self.endpoint_url,
@@ -163,8 +165,8 @@ class SeaweedFS:
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
