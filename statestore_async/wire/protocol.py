@@ -48,7 +48,9 @@ import json
 import math
 import struct
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
 
 from statestore_async.codecs import arrowframes, framing, packed
 from statestore_async.errors import (
@@ -69,6 +71,9 @@ from statestore_async.errors import (
     error_for_code,
 )
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId, check_checkpoint_id
+
+if TYPE_CHECKING:
+    from statestore_async._ref import ArrowColumn
 
 PROTOCOL_VERSION = 1
 MIN_PROTOCOL_VERSION = 1
@@ -99,16 +104,19 @@ _OPS = {int(o) for o in Op}
 
 
 # --- events ---------------------------------------------------------------------------------------
-class _Sentinel:
-    def __init__(self, name):
-        self._name = name
+class _Sentinel(enum.Enum):
+    # an enum, so that ``ev is NEED_DATA`` narrows an event's type; printed as its bare name
+    NEED_DATA = "NEED_DATA"
+    CLOSED = "CLOSED"
 
-    def __repr__(self):
-        return self._name
+    def __repr__(self) -> str:
+        return self.name
+
+    __str__ = __repr__
 
 
-NEED_DATA = _Sentinel("NEED_DATA")
-CLOSED = _Sentinel("CLOSED")
+NEED_DATA: Final = _Sentinel.NEED_DATA
+CLOSED: Final = _Sentinel.CLOSED
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,21 +145,21 @@ class Open:
 class GetMany:
     request_id: int
     handle: int
-    keys: list
+    keys: packed.PackedList
 
 
 @dataclass(frozen=True, slots=True)
 class PutMany:
     request_id: int
     handle: int
-    items: list
+    items: packed.PackedPairs
 
 
 @dataclass(frozen=True, slots=True)
 class RemoveMany:
     request_id: int
     handle: int
-    keys: list
+    keys: packed.PackedList
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +247,15 @@ class ErrorResponse:
 @dataclass(frozen=True, slots=True)
 class HelloInfo:
     version: int
-    limits: dict
+    limits: dict[str, Any]  # the daemon's JSON: max_frame_bytes, max_batch, max_inflight, …
+
+
+Request: TypeAlias = Hello | Ping | Open | GetMany | PutMany | RemoveMany | Scan | Commit | Abort | AwaitDurable | Stats | Release
+ServerEvent: TypeAlias = Request | BadRequest | ConnectionFailed  # what ServerProtocol.next_event gives
+ClientEvent: TypeAlias = Response | ErrorResponse | ConnectionFailed  # what ClientProtocol.next_event gives
+# (opcode, flags, request id, payload): a frame cut by framing.split_frames
+_Frame: TypeAlias = tuple[int, int, int, bytes]
+_Items = TypeVar("_Items")  # the items of a batch request, as its encoder takes them
 
 
 # --- payload helpers ------------------------------------------------------------------------------
@@ -283,7 +299,7 @@ def _store_fields(store_id: StoreId) -> list[bytes]:
     return [store_id.root.encode(), store_id.operator_id.encode(), store_id.store_name.encode()]
 
 
-def _decode_store(partition: int, fields: list, what: str) -> tuple[StoreId, str]:
+def _decode_store(partition: int, fields: list[bytes], what: str) -> tuple[StoreId, str]:
     if len(fields) != 4:
         raise DecodeError(f"{what}: 4 strings expected (root, operator, store name, ckptid), got {len(fields)}")
     root, op, name, ckpt = (_utf8(f, what) for f in fields)
@@ -317,7 +333,7 @@ def decode_error(payload: bytes) -> StateStoreError:
     return exc
 
 
-def _split(conn, data) -> tuple[list, tuple | None]:
+def _split(conn: ServerProtocol | ClientProtocol, data: bytes) -> tuple[list[_Frame], tuple[int, int, int, int] | None]:
     """Cut the complete frames out of ``conn._buf`` + ``data`` (bytes-like); keep the rest buffered.
 
     With nothing buffered (the usual case: a read ends on a frame boundary) the frames are cut
@@ -346,8 +362,8 @@ class ServerProtocol:
         self.greeted = False
         self.closed = False
         self._buf = bytearray()
-        self._events: deque = deque()
-        self._decoders = {
+        self._events: deque[ServerEvent] = deque()
+        self._decoders: dict[int, Callable[[int, bytes], Request]] = {
             Op.HELLO: self._hello,
             Op.PING: lambda rid, p: Ping(rid, p),
             Op.OPEN: self._open,
@@ -378,13 +394,13 @@ class ServerProtocol:
             self.closed = True
             self._buf = bytearray()
 
-    def next_event(self):
+    def next_event(self) -> ServerEvent | _Sentinel:
         """The next request event, ``NEED_DATA``, or ``CLOSED`` after a framing error."""
         if self._events:
             return self._events.popleft()
         return CLOSED if self.closed else NEED_DATA
 
-    def events(self):
+    def events(self) -> Iterator[ServerEvent]:
         """Every complete event now buffered."""
         events = self._events
         while events:
@@ -394,7 +410,7 @@ class ServerProtocol:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def _decode(self, opcode: int, flags: int, rid: int, payload: bytes):
+    def _decode(self, opcode: int, flags: int, rid: int, payload: bytes) -> ServerEvent:
         if flags != 0 or opcode not in _OPS:
             what = f"flags {flags:#x}" if opcode in _OPS else f"opcode {opcode}"
             return BadRequest(rid, opcode, UnknownOpcodeError(f"a request with unknown {what}"))
@@ -405,7 +421,7 @@ class ServerProtocol:
         except StateStoreError as exc:
             return BadRequest(rid, opcode, exc)
 
-    def _hello(self, rid, p):
+    def _hello(self, rid: int, p: bytes) -> Hello:
         _need(p, 4, "HELLO")
         lo, hi = _HELLO.unpack_from(p)
         client = _utf8(p[4:], "HELLO client name")
@@ -421,7 +437,7 @@ class ServerProtocol:
         if n > self.max_batch:
             raise LimitExceededError(f"{what}: a batch of {n} is over the limit of {self.max_batch}")
 
-    def _open(self, rid, p):
+    def _open(self, rid: int, p: bytes) -> Open:
         _need(p, _OPEN.size, "OPEN")
         partition, version = _OPEN.unpack_from(p)
         fields, end = framing.decode_list(p, _OPEN.size, 4)
@@ -431,39 +447,39 @@ class ServerProtocol:
 
     # The batches are validated here but not decoded: the events carry them as ``PackedList`` /
     # ``PackedPairs`` that the engine reads straight from the payload (and that decode on demand).
-    def _get_many(self, rid, p):
+    def _get_many(self, rid: int, p: bytes) -> GetMany:
         self._check_batch(p, 4, "GET_MANY")
         n, end = framing.check_list(p, 4, self.max_batch)
         _end(p, end, "GET_MANY")
         return GetMany(rid, _U32.unpack_from(p)[0], packed.PackedList(p, 4, n))
 
-    def _put_many(self, rid, p):
+    def _put_many(self, rid: int, p: bytes) -> PutMany:
         self._check_batch(p, 4, "PUT_MANY")
         n, end = framing.check_pairs(p, 4, self.max_batch)
         _end(p, end, "PUT_MANY")
         return PutMany(rid, _U32.unpack_from(p)[0], packed.PackedPairs(p, 4, n))
 
-    def _remove_many(self, rid, p):
+    def _remove_many(self, rid: int, p: bytes) -> RemoveMany:
         self._check_batch(p, 4, "REMOVE_MANY")
         n, end = framing.check_list(p, 4, self.max_batch)
         _end(p, end, "REMOVE_MANY")
         return RemoveMany(rid, _U32.unpack_from(p)[0], packed.PackedList(p, 4, n))
 
-    def _scan(self, rid, p):
+    def _scan(self, rid: int, p: bytes) -> Scan:
         _need(p, _SCAN.size, "SCAN")
         handle, limit = _SCAN.unpack_from(p)
         return Scan(rid, handle, bytes(p[_SCAN.size:]), None if limit == NO_LIMIT else limit)
 
-    def _commit(self, rid, p):
+    def _commit(self, rid: int, p: bytes) -> Commit:
         _need(p, 4, "COMMIT")
         return Commit(rid, _U32.unpack_from(p)[0], _ckptid_or_none(_ascii(p[4:], "COMMIT ckptid")))
 
-    def _abort(self, rid, p):
+    def _abort(self, rid: int, p: bytes) -> Abort:
         _need(p, 4, "ABORT")
         _end(p, 4, "ABORT")
         return Abort(rid, _U32.unpack_from(p)[0])
 
-    def _await_durable(self, rid, p):
+    def _await_durable(self, rid: int, p: bytes) -> AwaitDurable:
         _need(p, _DURABLE.size, "AWAIT_DURABLE")
         partition, version, timeout = _DURABLE.unpack_from(p)
         fields, end = framing.decode_list(p, _DURABLE.size, 4)
@@ -473,11 +489,11 @@ class ServerProtocol:
             raise InterfaceError(f"AWAIT_DURABLE: timeout must be a finite number >= 0, got {timeout}")
         return AwaitDurable(rid, store_id, CheckpointRef(version, ckpt), timeout)
 
-    def _stats(self, rid, p):
+    def _stats(self, rid: int, p: bytes) -> Stats:
         _end(p, 0, "STATS")
         return Stats(rid)
 
-    def _release(self, rid, p):
+    def _release(self, rid: int, p: bytes) -> Release:
         _need(p, 4, "RELEASE")
         n = _U32.unpack_from(p)[0]
         if n > self.max_batch:
@@ -497,7 +513,7 @@ class ServerProtocol:
     def _frame(opcode: int, rid: int, payload: bytes = b"", more: bool = False) -> bytes:
         return framing.encode_frame(opcode, RESPONSE | (MORE if more else 0), rid, payload)
 
-    def send_hello(self, rid: int, limits: dict) -> bytes:
+    def send_hello(self, rid: int, limits: Mapping[str, object]) -> bytes:
         return self._frame(Op.HELLO, rid, struct.pack("<H", PROTOCOL_VERSION) + json.dumps(limits).encode())
 
     def send_pong(self, rid: int, payload: bytes) -> bytes:
@@ -515,13 +531,13 @@ class ServerProtocol:
             raise EncodeError(f"a payload of {len(payload)} bytes does not fit a frame")
         return _FRAME_HEADER.pack(len(payload), Op.GET_MANY, RESPONSE, rid), payload
 
-    def send_values(self, rid: int, values: list) -> bytes:
+    def send_values(self, rid: int, values: Iterable[bytes | None]) -> bytes:
         return self._frame(Op.GET_MANY, rid, framing.encode_optional_list(values))
 
     def send_count(self, rid: int, opcode: int, n: int) -> bytes:
         return self._frame(opcode, rid, _U32.pack(n))
 
-    def send_scan_chunk(self, rid: int, pairs: list, more: bool) -> bytes:
+    def send_scan_chunk(self, rid: int, pairs: Iterable[tuple[bytes, bytes]], more: bool) -> bytes:
         return self._frame(Op.SCAN, rid, framing.encode_pairs(pairs), more)
 
     def send_committed(self, rid: int, ref: CheckpointRef) -> bytes:
@@ -533,10 +549,10 @@ class ServerProtocol:
     def send_durable(self, rid: int, durable: bool) -> bytes:
         return self._frame(Op.AWAIT_DURABLE, rid, b"\x01" if durable else b"\x00")
 
-    def send_stats(self, rid: int, stats: dict) -> bytes:
+    def send_stats(self, rid: int, stats: Mapping[str, object]) -> bytes:
         return self._frame(Op.STATS, rid, json.dumps(stats, default=str).encode())
 
-    def send_released(self, rid: int, outcome: dict) -> bytes:
+    def send_released(self, rid: int, outcome: Mapping[str, object]) -> bytes:
         return self._frame(Op.RELEASE, rid, json.dumps(outcome).encode())
 
     def send_error(self, rid: int, opcode: int, exc: BaseException) -> bytes:
@@ -544,7 +560,7 @@ class ServerProtocol:
 
 
 # --- client side ----------------------------------------------------------------------------------
-def _dec_hello(p):
+def _dec_hello(p: bytes) -> HelloInfo:
     _need(p, 2, "HELLO answer")
     try:
         limits = json.loads(p[2:])
@@ -553,48 +569,49 @@ def _dec_hello(p):
     return HelloInfo(struct.unpack_from("<H", p)[0], limits)
 
 
-def _dec_opened(p):
+def _dec_opened(p: bytes) -> tuple[int, CheckpointRef]:
     _need(p, _OPENED.size, "OPEN answer")
     handle, version = _OPENED.unpack_from(p)
     return handle, CheckpointRef(version, _ascii(p[_OPENED.size:], "OPEN answer"))
 
 
-def _dec_values(p):
+def _dec_values(p: bytes) -> list[bytes | None]:
     values, end = framing.decode_optional_list(p)
     _end(p, end, "GET_MANY answer")
     return values
 
 
-def _dec_values_buffers(p):
-    *value, end = arrowframes.decode_optional_list_buffers(p)
+def _dec_values_buffers(p: bytes) -> tuple[int, int, bytes | None, bytes, bytes, int]:
+    n, nulls, validity, offsets, data, width, end = arrowframes.decode_optional_list_buffers(p)
     _end(p, end, "GET_MANY answer")
-    return tuple(value)
+    return n, nulls, validity, offsets, data, width
 
 
-def _dec_count(p):
+def _dec_count(p: bytes) -> int:
     _need(p, 4, "count answer")
-    return _U32.unpack_from(p)[0]
+    count: int = _U32.unpack_from(p)[0]
+    return count
 
 
-def _dec_pairs(p):
+def _dec_pairs(p: bytes) -> list[tuple[bytes, bytes]]:
     pairs, end = framing.decode_pairs(p)
     _end(p, end, "SCAN answer")
     return pairs
 
 
-def _dec_committed(p):
+def _dec_committed(p: bytes) -> CheckpointRef:
     _need(p, 8, "COMMIT answer")
     return CheckpointRef(_U64.unpack_from(p)[0], _ascii(p[8:], "COMMIT answer"))
 
 
-def _dec_stats(p):
+def _dec_stats(p: bytes) -> Any:  # the daemon's JSON object
     try:
         return json.loads(p)
     except ValueError:
         raise DecodeError("STATS answer is not JSON") from None
 
 
-def _dec_released(p):
+def _dec_released(p: bytes) -> dict[str, Any]:
     try:
         out = json.loads(p)
     except ValueError:
@@ -604,7 +621,7 @@ def _dec_released(p):
     return out
 
 
-_RESPONSE_DECODERS = {
+_RESPONSE_DECODERS: dict[int, Callable[[bytes], object]] = {
     Op.HELLO: _dec_hello,
     Op.PING: bytes,
     Op.OPEN: _dec_opened,
@@ -632,9 +649,9 @@ class ClientProtocol:
         self.closed = False
         self._next_id = 0
         self._pending: dict[int, int] = {}  # request id -> opcode
-        self._decoders: dict = {}  # request id -> answer decoder, when not the opcode's usual one
+        self._decoders: dict[int, Callable[[bytes], object]] = {}  # request id -> answer decoder, when not the opcode's usual one
         self._buf = bytearray()
-        self._events: deque = deque()
+        self._events: deque[ClientEvent] = deque()
 
     @property
     def pending(self) -> int:
@@ -655,21 +672,22 @@ class ClientProtocol:
         self._pending[rid] = opcode
         return rid, data
 
-    def _batch_request(self, opcode: int, handle: int, items, pairs: bool) -> tuple[int, bytes]:
+    def _batch_request(self, opcode: int, handle: int, items: _Items,
+                       encode: Callable[[int, int, int, bytes, _Items], bytes]) -> tuple[int, bytes]:
+        """A batch request: ``encode`` is ``framing.encode_frame_list`` or ``encode_frame_pairs``."""
         rid = self._new_id()
-        encode = framing.encode_frame_pairs if pairs else framing.encode_frame_list
         data = encode(opcode, 0, rid, _U32.pack(handle), items)
         self._pending[rid] = opcode
         return rid, data
 
     def send_hello(self, client: str = "statestore_async", min_version: int = MIN_PROTOCOL_VERSION,
-                   max_version: int = PROTOCOL_VERSION):
+                   max_version: int = PROTOCOL_VERSION) -> tuple[int, bytes]:
         return self._request(Op.HELLO, _HELLO.pack(min_version, max_version) + client.encode())
 
-    def send_ping(self, payload: bytes = b""):
+    def send_ping(self, payload: bytes = b"") -> tuple[int, bytes]:
         return self._request(Op.PING, bytes(payload))
 
-    def send_open(self, store_id: StoreId, version: int, ckptid: str | None = None):
+    def send_open(self, store_id: StoreId, version: int, ckptid: str | None = None) -> tuple[int, bytes]:
         if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < NO_LIMIT:
             raise InterfaceError(f"version must be an int >= 0, got {version!r}")
         if ckptid:
@@ -679,18 +697,19 @@ class ClientProtocol:
 
     # Batches given as Arrow-layout columns (``arrowframes``): the same frames, written straight from
     # the columns' buffers; a GET answer then decodes into buffers too (see ``arrowframes``).
-    def send_get_many_buffers(self, handle: int, n: int, keys):
+    def send_get_many_buffers(self, handle: int, n: int, keys: ArrowColumn) -> tuple[int, bytes]:
         rid, data = self._columns_request(Op.GET_MANY, handle, n, (keys,))
         self._decoders[rid] = _dec_values_buffers
         return rid, data
 
-    def send_put_many_buffers(self, handle: int, n: int, keys, values):
+    def send_put_many_buffers(self, handle: int, n: int, keys: ArrowColumn, values: ArrowColumn) -> tuple[int, bytes]:
         return self._columns_request(Op.PUT_MANY, handle, n, (keys, values))
 
-    def send_remove_many_buffers(self, handle: int, n: int, keys):
+    def send_remove_many_buffers(self, handle: int, n: int, keys: ArrowColumn) -> tuple[int, bytes]:
         return self._columns_request(Op.REMOVE_MANY, handle, n, (keys,))
 
-    def _columns_request(self, opcode: int, handle: int, n: int, cols: tuple) -> tuple[int, bytes]:
+    def _columns_request(self, opcode: int, handle: int, n: int,
+                         cols: tuple[ArrowColumn] | tuple[ArrowColumn, ArrowColumn]) -> tuple[int, bytes]:
         rid = self._new_id()
         if len(cols) == 2:
             data = arrowframes.encode_frame_pairs_buffers(opcode, 0, rid, _U32.pack(handle), n, *cols)
@@ -699,39 +718,40 @@ class ClientProtocol:
         self._pending[rid] = opcode
         return rid, data
 
-    def send_get_many(self, handle: int, keys):
-        return self._batch_request(Op.GET_MANY, handle, keys, False)
+    def send_get_many(self, handle: int, keys: Iterable[bytes]) -> tuple[int, bytes]:
+        return self._batch_request(Op.GET_MANY, handle, keys, framing.encode_frame_list)
 
-    def send_put_many(self, handle: int, items):
-        return self._batch_request(Op.PUT_MANY, handle, items, True)
+    def send_put_many(self, handle: int, items: Iterable[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+        return self._batch_request(Op.PUT_MANY, handle, items, framing.encode_frame_pairs)
 
-    def send_remove_many(self, handle: int, keys):
-        return self._batch_request(Op.REMOVE_MANY, handle, keys, False)
+    def send_remove_many(self, handle: int, keys: Iterable[bytes]) -> tuple[int, bytes]:
+        return self._batch_request(Op.REMOVE_MANY, handle, keys, framing.encode_frame_list)
 
-    def send_scan(self, handle: int, prefix: bytes = b"", limit: int | None = None):
+    def send_scan(self, handle: int, prefix: bytes = b"", limit: int | None = None) -> tuple[int, bytes]:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < NO_LIMIT):
             raise InterfaceError(f"limit must be None or an int >= 0, got {limit!r}")
         return self._request(Op.SCAN, _SCAN.pack(handle, NO_LIMIT if limit is None else limit) + bytes(prefix))
 
-    def send_commit(self, handle: int, ckptid: str | None = None):
+    def send_commit(self, handle: int, ckptid: str | None = None) -> tuple[int, bytes]:
         if ckptid:
             check_checkpoint_id(ckptid)
         return self._request(Op.COMMIT, _U32.pack(handle) + (ckptid or "").encode())
 
-    def send_abort(self, handle: int):
+    def send_abort(self, handle: int) -> tuple[int, bytes]:
         return self._request(Op.ABORT, _U32.pack(handle))
 
-    def send_await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float):
+    def send_await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float) -> tuple[int, bytes]:
         if not math.isfinite(timeout) or timeout < 0:
             raise InterfaceError(f"timeout must be a finite number >= 0, got {timeout}")
         fields = _store_fields(store_id) + [ref.ckptid.encode()]
         return self._request(Op.AWAIT_DURABLE, _DURABLE.pack(store_id.partition_id, ref.version, float(timeout))
                              + framing.encode_list(fields))
 
-    def send_stats(self):
+    def send_stats(self) -> tuple[int, bytes]:
         return self._request(Op.STATS, b"")
 
-    def send_release(self, root: str, operator_id: str, partitions, store_name: str = DEFAULT_STORE_NAME):
+    def send_release(self, root: str, operator_id: str, partitions: Iterable[int | tuple[int, int] | list[int]],
+                     store_name: str = DEFAULT_STORE_NAME) -> tuple[int, bytes]:
         """``partitions``: ids, or ``(id, below)`` pairs (only a copy whose head version is lower)."""
         pairs = [tuple(x) if isinstance(x, (tuple, list)) else (x, NO_LIMIT) for x in partitions]
         StoreId(root, operator_id, 0, store_name)  # checks the names
@@ -763,13 +783,13 @@ class ClientProtocol:
                 f"an answer of {oversized[3]} bytes is over the limit of {self.max_frame_bytes}")))
             self.closed = True
 
-    def next_event(self):
+    def next_event(self) -> ClientEvent | _Sentinel:
         """The next answer event, ``NEED_DATA``, or ``CLOSED`` after a broken stream."""
         if self._events:
             return self._events.popleft()
         return CLOSED if self.closed else NEED_DATA
 
-    def _decode(self, opcode: int, flags: int, rid: int, payload: bytes):
+    def _decode(self, opcode: int, flags: int, rid: int, payload: bytes) -> ClientEvent | None:
         if not flags & RESPONSE:
             return ConnectionFailed(rid, opcode, ProtocolError(f"the daemon sent a request frame (opcode {opcode})"))
         if flags & ERROR:
