@@ -1,5 +1,5 @@
-"""Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene; the
-``spark`` marker on every test that uses that session."""
+"""Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene, daemons
+in-process and as processes; the ``spark`` marker on every Spark test."""
 from __future__ import annotations
 
 import asyncio
@@ -112,6 +112,18 @@ def sockdir():
     d = tempfile.mkdtemp(prefix="ssa-", dir="/tmp")
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon_process(tmp_path):
+    """Start real daemon processes (``statestore-async serve``): ``daemon_process(*args, socket=None,
+    env=None, cwd=None, socket_dir_mode=None)`` returns a ``DaemonProcess`` (``.socket``, ``.proc``,
+    ``.log()``) once its socket answers PING; every one is stopped at the end of the test, pass or fail.
+    A module-scoped fixture uses ``statestore_async.testing.daemon.DaemonProcesses`` the same way."""
+    from statestore_async.testing.daemon import DaemonProcesses
+
+    with DaemonProcesses(tmp_path / "daemons") as daemons:
+        yield daemons.start
 
 
 @pytest.fixture

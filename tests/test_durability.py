@@ -3,10 +3,7 @@ recovery from S3 alone, snapshots and retention in the daemon, and the local cac
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import botocore.session
@@ -14,9 +11,9 @@ import pytest
 
 from statestore_async.client.clients import AsyncClient
 from statestore_async.errors import ObjectNotFoundError
+from statestore_async.files.loader import load_store
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
-from statestore_async.files.loader import load_store
 from statestore_async.objectstore.s3 import S3ObjectStore
 from statestore_async.testing.faultproxy import FaultProxy
 
@@ -274,41 +271,21 @@ async def test_the_snapshot_workers_cached_copies_are_within_the_daemons_cache_b
     assert objstore.cached_keys() == set(on_disk) and objstore.total == sum(on_disk.values())
 
 
-KILL_SCRIPT = """
-import asyncio, sys
-from statestore_async.config import load_config
-from statestore_async.daemon.server import run
-sys.exit(run(load_config(overrides={"socket": sys.argv[1], "s3_endpoint_url": sys.argv[2], "s3_region": "us-east-1",
-                                    "s3_addressing_style": "path", "loop": "uvloop"})))
-"""
-
-
 async def test_a_daemon_killed_before_upload_loses_only_versions_never_reported_durable(
-        proxy, s3, s3_bucket, sockdir, aws_env, seaweedfs):
-    sock = f"{sockdir}/k.sock"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, sock, proxy.endpoint_url],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    try:
-        for _ in range(200):
-            if os.path.exists(sock):
-                break
-            await asyncio.sleep(0.05)
-        sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
-        async with AsyncClient(sock) as c:
-            durable, _ = await commit_version(c, sid, 0)
-            assert await c.await_durable(sid, durable, timeout=20)
-            proxy.outage(30)
-            lost = [durable]
-            for _ in range(3):
-                r, _ = await commit_version(c, sid, lost[-1].version, ckptid=lost[-1].ckptid)
-                lost.append(r)
-            assert not await c.await_durable(sid, lost[-1], timeout=0.5)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proxy, s3, s3_bucket, aws_env, seaweedfs, daemon_process):
+    d = daemon_process("--s3-endpoint-url", proxy.endpoint_url, "--s3-region", "us-east-1",
+                       "--s3-addressing-style", "path", "--loop", "uvloop")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "op", 0)
+    async with AsyncClient(d.socket) as c:
+        durable, _ = await commit_version(c, sid, 0)
+        assert await c.await_durable(sid, durable, timeout=20)
+        proxy.outage(30)
+        lost = [durable]
+        for _ in range(3):
+            r, _ = await commit_version(c, sid, lost[-1].version, ckptid=lost[-1].ckptid)
+            lost.append(r)
+        assert not await c.await_durable(sid, lost[-1], timeout=0.5)
+        assert d.kill() == -signal.SIGKILL
     proxy.outage(0)
     assert exists(s3, s3_bucket, f"ckpt/{file_key(sid, durable, DELTA)}")
     for r in lost[1:]:

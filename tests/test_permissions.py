@@ -2,56 +2,26 @@
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 
 from statestore_async import errors
+from statestore_async.client import Client
 from statestore_async.wire import protocol as P
-from statestore_async.client.clients import Client
 
 NOBODY = 65534
 
 
 @pytest.fixture
-def start_daemon(tmp_path):
-    procs = []
-    folders = []
+def start_daemon(daemon_process):
+    """``start_daemon(*args)``: a daemon process whose socket (mode 0666, in a 0755 folder) another
+    uid can reach; returns the socket path once it answers. Stopped at the end of the test."""
 
     def start(*args: str) -> str:
-        folder = tempfile.mkdtemp(prefix="ssp-", dir="/tmp")
-        os.chmod(folder, 0o755)  # so that another uid can reach the socket at all
-        folders.append(folder)
-        sock = f"{folder}/d.sock"
-        log_path = tmp_path / f"daemon{len(procs)}.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock,
-                                     "--socket-mode", "0666", *args], stdout=log, stderr=subprocess.STDOUT)
-        procs.append(proc)
-        deadline = time.monotonic() + 20
-        while not os.path.exists(sock):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not start: {log_path.read_text()}")
-            time.sleep(0.05)
-        return sock
+        return daemon_process("--socket-mode", "0666", *args, socket_dir_mode=0o755).socket
 
-    try:
-        yield start
-    finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for f in folders:
-            shutil.rmtree(f, ignore_errors=True)
+    return start
 
 
 def ping_as(sock: str, uid: int) -> int:
@@ -69,7 +39,7 @@ def ping_as(sock: str, uid: int) -> int:
                 code = 1
             except P.PermissionDeniedError:
                 code = 0
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 sys.stderr.write(f"unexpected: {exc!r}\n")
         finally:
             os._exit(code)

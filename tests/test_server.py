@@ -10,13 +10,12 @@ import stat
 import pytest
 
 from statestore_async import errors
-from statestore_async.codecs import framing
-from statestore_async.wire import protocol as P
 from statestore_async.client.clients import AsyncClient, Client
+from statestore_async.codecs import framing
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore import LocalObjectStore
-from statestore_async.testing.daemon import start_daemon
+from statestore_async.wire import protocol as P
 
 
 class CountingStore(LocalObjectStore):
@@ -409,29 +408,22 @@ async def test_stop_leaves_a_socket_that_another_daemon_bound_at_the_path(make_d
 
 # --- the daemon as a process: SIGTERM finishes requests and drains uploads -----------------------------
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
-def test_sigterm_drains_uploads_and_exits_0(sockdir, tmp_path, loop):
-    sock = f"{sockdir}/d.sock"
+def test_sigterm_drains_uploads_and_exits_0(daemon_process, tmp_path, loop):
     root = f"file://{tmp_path}/root"
-    log_path = f"{tmp_path}/daemon.log"
-    proc = start_daemon(sock, "--loop", loop, "--upload-concurrency", "1", log_path=log_path)
-    try:
-        c = Client(sock)
-        refs = []
-        for p in range(20):
-            sid = StoreId(root, "term", p)
-            with c.open(sid, 0) as h:
-                h.put_many([(key(i), os.urandom(200)) for i in range(2000)])
-                refs.append((sid, h.commit()))
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, open(log_path).read()
-        assert "uploads drained: True" in open(log_path).read()
-        for sid, ref in refs:
-            assert os.path.exists(f"{tmp_path}/root/{file_key(sid, ref, DELTA)}")
-        assert not os.path.exists(sock)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    d = daemon_process("--loop", loop, "--upload-concurrency", "1")
+    c = Client(d.socket)
+    refs = []
+    for p in range(20):
+        sid = StoreId(root, "term", p)
+        with c.open(sid, 0) as h:
+            h.put_many([(key(i), os.urandom(200)) for i in range(2000)])
+            refs.append((sid, h.commit()))
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=60) == 0, d.log()
+    assert "uploads drained: True" in d.log()
+    for sid, ref in refs:
+        assert os.path.exists(f"{tmp_path}/root/{file_key(sid, ref, DELTA)}")
+    assert not os.path.exists(d.socket)
 
 
 async def test_async_client_rows(make_daemon, root):
