@@ -1,5 +1,5 @@
 """Shared fixtures: both codec implementations, a local PySpark session, AWS env hygiene, daemons
-in-process and as processes; the ``spark`` marker on every Spark test."""
+in-process and as processes; the Hypothesis profiles; the ``spark`` marker on every Spark test."""
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +8,22 @@ import socket
 
 import pytest
 import uvloop
+from hypothesis import settings
 
 from statestore_async.codecs import twins
+
+# Hypothesis profiles: "full" (``make test``, the counts written in the tests) and "fast"
+# (``make test-fast`` sets STATESTORE_HYPOTHESIS_PROFILE=fast): a tenth of the examples, at least 10.
+# A test that states its own count writes ``max_examples=max_examples(N)`` so that both apply.
+HYPOTHESIS_PROFILE = os.environ.get("STATESTORE_HYPOTHESIS_PROFILE", "full")
+settings.register_profile("full")  # the defaults
+settings.register_profile("fast", max_examples=10)
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def max_examples(full: int) -> int:
+    """``full`` under the full profile; a tenth of it (at least 10) under the fast one."""
+    return max(10, full // 10) if HYPOTHESIS_PROFILE == "fast" else full
 
 
 def pytest_asyncio_loop_factories(config, item):
