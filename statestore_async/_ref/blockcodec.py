@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import struct
 import threading
+from typing import TYPE_CHECKING
 
 import xxhash
 import zstandard
 
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+
+    from statestore_async._ref import Buffer, BytesLike
 
 MAGIC = b"\xb1\x0c"
 HEADER_SIZE = 24
@@ -37,8 +43,8 @@ def max_stored_len(raw_len: int) -> int:
 _local = threading.local()
 
 
-def _compressor(level: int):
-    cache = getattr(_local, "compressors", None)
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] | None = getattr(_local, "compressors", None)
     if cache is None:
         cache = _local.compressors = {}
     c = cache.get(level)
@@ -47,8 +53,8 @@ def _compressor(level: int):
     return c
 
 
-def _decompressor():
-    d = getattr(_local, "decompressor", None)
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d: zstandard.ZstdDecompressor | None = getattr(_local, "decompressor", None)
     if d is None:
         d = _local.decompressor = zstandard.ZstdDecompressor()
     return d
@@ -72,12 +78,12 @@ def _varint_len(n: int) -> int:
     return size
 
 
-def _type_name(value) -> str:
+def _type_name(value: object) -> str:
     t = type(value)
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def _bytes_of(value, index: int, what: str) -> bytes:
+def _bytes_of(value: object, index: int, what: str) -> bytes:
     if isinstance(value, (bytes, bytearray, memoryview)):
         try:
             return memoryview(value).tobytes()
@@ -86,7 +92,7 @@ def _bytes_of(value, index: int, what: str) -> bytes:
     raise EncodeError(f"record {index}: {what} must be bytes-like, not {_type_name(value)}")
 
 
-def _record(records, index: int):
+def _record(records: Sequence[tuple[BytesLike, BytesLike | None]], index: int) -> tuple[bytes, bytes | None]:
     rec = records[index]
     if not isinstance(rec, (tuple, list)) or len(rec) != 2:
         raise EncodeError(f"record {index}: expected a (key, value) pair, got {_type_name(rec)}")
@@ -97,14 +103,14 @@ def _record(records, index: int):
     return key, value
 
 
-def _record_size(key: bytes, value) -> int:
+def _record_size(key: bytes, value: bytes | None) -> int:
     size = 1 + _varint_len(len(key)) + len(key)
     if value is not None:
         size += _varint_len(len(value)) + len(value)
     return size
 
 
-def _append_record(out: bytearray, key: bytes, value) -> None:
+def _append_record(out: bytearray, key: bytes, value: bytes | None) -> None:
     if value is None:
         out.append(KIND_TOMBSTONE)
         out += _varint(len(key))
@@ -117,7 +123,7 @@ def _append_record(out: bytearray, key: bytes, value) -> None:
         out += value
 
 
-def _as_bytes(data) -> bytes:
+def _as_bytes(data: Buffer) -> bytes:
     """The raw bytes of a C-contiguous bytes-like object (TypeError for anything else)."""
     if isinstance(data, bytes):
         return data
@@ -130,14 +136,14 @@ def _as_bytes(data) -> bytes:
     return view.tobytes()
 
 
-def _check_int(name: str, value) -> int:
+def _check_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InterfaceError(f"{name} must be an int, not {_type_name(value)}")
     return int(value)
 
 
 # --- encoding ------------------------------------------------------------------------------------
-def encode_records_raw(records) -> bytes:
+def encode_records_raw(records: Iterable[tuple[BytesLike, BytesLike | None]]) -> bytes:
     """The uncompressed payload holding every record of ``records``, in order."""
     if not isinstance(records, list):
         records = list(records)
@@ -148,7 +154,7 @@ def encode_records_raw(records) -> bytes:
     return bytes(out)
 
 
-def key_group_range(records, start, stop) -> tuple[int, int]:
+def key_group_range(records: Iterable[tuple[BytesLike, BytesLike | None]], start: int, stop: int) -> tuple[int, int]:
     """``(min, max)`` of the key groups of ``records[start:stop]`` (a key's first two bytes,
     big-endian; 0 for a shorter key)."""
     start, stop = _check_int("start", start), _check_int("stop", stop)
@@ -163,7 +169,13 @@ def key_group_range(records, start, stop) -> tuple[int, int]:
     return min(groups), max(groups)
 
 
-def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, level=3):
+def encode_block(
+    records: Iterable[tuple[BytesLike, BytesLike | None]],
+    start: int = 0,
+    max_raw_bytes: int = 1048576,
+    codec: int = CODEC_ZSTD,
+    level: int = 3,
+) -> tuple[bytes, int]:
     """Encode ``records[start:]`` into one block, as many as fit in ``max_raw_bytes`` of raw
     payload (at least one when any remain). Returns ``(block, index of the next record)``.
 
@@ -215,7 +227,7 @@ def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, leve
 
 
 # --- decoding ------------------------------------------------------------------------------------
-def _header(buf: bytes, offset: int):
+def _header(buf: bytes, offset: int) -> tuple[int, int, int, int, int]:
     have = len(buf) - offset if offset < len(buf) else 0
     if have < HEADER_SIZE:
         raise CorruptBlockError(f"truncated: need {HEADER_SIZE} bytes for the block header, have {have}")
@@ -238,20 +250,20 @@ def _header(buf: bytes, offset: int):
     return codec, count, raw_len, stored_len, HEADER_SIZE + stored_len
 
 
-def _check_offset(offset) -> int:
+def _check_offset(offset: int) -> int:
     offset = _check_int("offset", offset)
     if offset < 0:
         raise InterfaceError(f"offset must not be negative, got {offset}")
     return offset
 
 
-def read_block_header(buf, offset=0):
+def read_block_header(buf: Buffer, offset: int = 0) -> tuple[int, int, int, int, int]:
     """``(codec, count, raw_len, stored_len, total_len)`` of the block at ``buf[offset:]``,
     checking magic, flags and sizes only (not the checksum)."""
     return _header(_as_bytes(buf), _check_offset(offset))
 
 
-def _read_varint(payload: bytes, pos: int, end: int, index: int, what: str):
+def _read_varint(payload: bytes, pos: int, end: int, index: int, what: str) -> tuple[int, int]:
     start = pos
     result = 0
     shift = 0
@@ -270,12 +282,12 @@ def _read_varint(payload: bytes, pos: int, end: int, index: int, what: str):
         shift += 7
 
 
-def _parse_records(payload: bytes, count: int) -> list:
+def _parse_records(payload: bytes, count: int) -> list[tuple[bytes, bytes | None]]:
     if count > len(payload) // 2:
         raise CorruptBlockError(f"count {count} impossible in a payload of {len(payload)} bytes")
     end = len(payload)
     pos = 0
-    records = []
+    records: list[tuple[bytes, bytes | None]] = []
     for i in range(count):
         if pos >= end:
             raise CorruptBlockError(f"record {i}: truncated at payload offset {pos}")
@@ -302,7 +314,7 @@ def _parse_records(payload: bytes, count: int) -> list:
     return records
 
 
-def decode_records_raw(payload, count) -> list:
+def decode_records_raw(payload: Buffer, count: int) -> list[tuple[bytes, bytes | None]]:
     """The ``count`` records of an uncompressed payload that holds exactly them."""
     count = _check_int("count", count)
     if count < 0:
@@ -310,7 +322,7 @@ def decode_records_raw(payload, count) -> list:
     return _parse_records(_as_bytes(payload), count)
 
 
-def decode_block(buf, offset=0):
+def decode_block(buf: Buffer, offset: int = 0) -> tuple[list[tuple[bytes, bytes | None]], int]:
     """Decode and verify the block at ``buf[offset:]``: ``(records, offset past the block)``."""
     buf = _as_bytes(buf)
     offset = _check_offset(offset)

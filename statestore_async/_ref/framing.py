@@ -6,8 +6,14 @@ values and the same errors. The format is documented in ``statestore_async.codec
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from statestore_async.errors import DecodeError, EncodeError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from statestore_async._ref import Buffer, BytesLike
 
 HEADER_SIZE = 10
 NONE_LEN = 0xFFFFFFFF
@@ -17,7 +23,7 @@ _HEADER = struct.Struct("<IBBI")  # payload length, opcode, flags, request id
 _U32 = struct.Struct("<I")
 
 
-def _as_bytes(item, what: str) -> bytes:
+def _as_bytes(item: object, what: str) -> bytes:
     if type(item) is bytes:
         return item
     if isinstance(item, (bytearray, memoryview)):
@@ -25,7 +31,7 @@ def _as_bytes(item, what: str) -> bytes:
     raise EncodeError(f"{what} must be bytes, got {type(item).__name__}")
 
 
-def encode_frame(opcode: int, flags: int, request_id: int, payload: bytes = b"") -> bytes:
+def encode_frame(opcode: int, flags: int, request_id: int, payload: BytesLike = b"") -> bytes:
     """One frame: ``u32 payload length | u8 opcode | u8 flags | u32 request id | payload``."""
     if not (0 <= opcode <= 255 and 0 <= flags <= 255 and 0 <= request_id <= MAX_U32):
         raise EncodeError(f"frame header out of range: opcode={opcode} flags={flags} request_id={request_id}")
@@ -35,7 +41,9 @@ def encode_frame(opcode: int, flags: int, request_id: int, payload: bytes = b"")
     return _HEADER.pack(len(payload), opcode, flags, request_id) + payload
 
 
-def split_frames(buf, max_payload: int):
+def split_frames(
+    buf: Buffer, max_payload: int
+) -> tuple[list[tuple[int, int, int, bytes]], int, tuple[int, int, int, int] | None]:
     """Cut the complete frames at the start of ``buf``.
 
     Returns ``(frames, consumed, oversized)``: ``frames`` is a list of
@@ -46,7 +54,7 @@ def split_frames(buf, max_payload: int):
     view = memoryview(buf)
     n = len(view)
     pos = 0
-    frames = []
+    frames: list[tuple[int, int, int, bytes]] = []
     while n - pos >= HEADER_SIZE:
         length, opcode, flags, rid = _HEADER.unpack_from(view, pos)
         if length > max_payload:
@@ -66,13 +74,14 @@ def _check_count(n: int, max_count: int, remaining: int, min_item: int, what: st
         raise DecodeError(f"{what}: {n} items cannot fit in the {remaining} bytes left")
 
 
-def _read_u32(view, pos: int, end: int, what: str) -> int:
+def _read_u32(view: memoryview, pos: int, end: int, what: str) -> int:
     if end - pos < 4:
         raise DecodeError(f"{what}: truncated at byte {pos}")
-    return _U32.unpack_from(view, pos)[0]
+    n: int = _U32.unpack_from(view, pos)[0]
+    return n
 
 
-def encode_list(items) -> bytes:
+def encode_list(items: Iterable[BytesLike]) -> bytes:
     """``u32 count | (u32 length | bytes)*``."""
     parts = [b""]
     n = 0
@@ -87,7 +96,7 @@ def encode_list(items) -> bytes:
     return b"".join(parts)
 
 
-def decode_list(buf, offset: int = 0, max_count: int = MAX_U32):
+def decode_list(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[list[bytes], int]:
     """``(list of bytes, end offset)`` from an ``encode_list`` payload at ``offset``."""
     view = memoryview(buf)
     end = len(view)
@@ -107,7 +116,7 @@ def decode_list(buf, offset: int = 0, max_count: int = MAX_U32):
     return out, pos
 
 
-def encode_optional_list(items) -> bytes:
+def encode_optional_list(items: Iterable[BytesLike | None]) -> bytes:
     """Like ``encode_list``, with None encoded as the length ``0xFFFFFFFF`` (distinct from b"")."""
     parts = [b""]
     n = 0
@@ -125,7 +134,7 @@ def encode_optional_list(items) -> bytes:
     return b"".join(parts)
 
 
-def decode_optional_list(buf, offset: int = 0, max_count: int = MAX_U32):
+def decode_optional_list(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[list[bytes | None], int]:
     """``(list of bytes | None, end offset)`` from an ``encode_optional_list`` payload."""
     view = memoryview(buf)
     end = len(view)
@@ -134,7 +143,7 @@ def decode_optional_list(buf, offset: int = 0, max_count: int = MAX_U32):
     n = _read_u32(view, offset, end, "optional list")
     pos = offset + 4
     _check_count(n, max_count, end - pos, 4, "optional list")
-    out = []
+    out: list[bytes | None] = []
     for _ in range(n):
         ln = _read_u32(view, pos, end, "optional list")
         pos += 4
@@ -148,7 +157,7 @@ def decode_optional_list(buf, offset: int = 0, max_count: int = MAX_U32):
     return out, pos
 
 
-def encode_pairs(items) -> bytes:
+def encode_pairs(items: Iterable[tuple[BytesLike, BytesLike]]) -> bytes:
     """``u32 count | (u32 klen | key | u32 vlen | value)*`` from (key, value) pairs."""
     parts = [b""]
     n = 0
@@ -167,7 +176,7 @@ def encode_pairs(items) -> bytes:
     return b"".join(parts)
 
 
-def decode_pairs(buf, offset: int = 0, max_count: int = MAX_U32):
+def decode_pairs(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[list[tuple[bytes, bytes]], int]:
     """``(list of (key, value), end offset)`` from an ``encode_pairs`` payload."""
     view = memoryview(buf)
     end = len(view)
@@ -193,25 +202,27 @@ def decode_pairs(buf, offset: int = 0, max_count: int = MAX_U32):
     return out, pos
 
 
-def check_list(buf, offset: int = 0, max_count: int = MAX_U32):
+def check_list(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[int, int]:
     """``(count, end offset)`` of an ``encode_list`` payload, validated like ``decode_list``
     (same errors) without building the items."""
     items, end = decode_list(buf, offset, max_count)
     return len(items), end
 
 
-def check_pairs(buf, offset: int = 0, max_count: int = MAX_U32):
+def check_pairs(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[int, int]:
     """``(count, end offset)`` of an ``encode_pairs`` payload, validated like ``decode_pairs``
     (same errors) without building the pairs."""
     items, end = decode_pairs(buf, offset, max_count)
     return len(items), end
 
 
-def encode_frame_list(opcode: int, flags: int, request_id: int, head: bytes, items) -> bytes:
+def encode_frame_list(opcode: int, flags: int, request_id: int, head: BytesLike, items: Iterable[BytesLike]) -> bytes:
     """``encode_frame(opcode, flags, request_id, head + encode_list(items))`` in one step."""
     return encode_frame(opcode, flags, request_id, _as_bytes(head, "a head") + encode_list(items))
 
 
-def encode_frame_pairs(opcode: int, flags: int, request_id: int, head: bytes, items) -> bytes:
+def encode_frame_pairs(
+    opcode: int, flags: int, request_id: int, head: BytesLike, items: Iterable[tuple[BytesLike, BytesLike]]
+) -> bytes:
     """``encode_frame(opcode, flags, request_id, head + encode_pairs(items))`` in one step."""
     return encode_frame(opcode, flags, request_id, _as_bytes(head, "a head") + encode_pairs(items))

@@ -9,8 +9,15 @@ from __future__ import annotations
 import datetime as _dt
 import struct
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from statestore_async.errors import DecodeError, EncodeError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Any
+
+    from statestore_async._ref import Buffer, BytesLike
 
 T_NONE = 0x00
 T_FALSE = 0x01
@@ -74,13 +81,13 @@ def _bigint_len(v: int) -> int:
     return ((v if v >= 0 else ~v).bit_length() + 8) // 8
 
 
-def _type_name(value) -> str:
+def _type_name(value: object) -> str:
     t = type(value)
     return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 # --- encoding ------------------------------------------------------------------------------------
-def _bytes_of(value) -> bytes:
+def _bytes_of(value: BytesLike) -> bytes:
     """Contents of a bytes/bytearray/memoryview (memoryview: its raw bytes in C order)."""
     if isinstance(value, memoryview):
         try:
@@ -101,7 +108,7 @@ def _datetime_us(value: _dt.datetime) -> int:
     )
 
 
-def _encode(out: bytearray, value, depth: int, key: bool) -> None:
+def _encode(out: bytearray, value: object, depth: int, key: bool) -> None:
     if value is None:
         out.append(T_NONE)
     elif value is True:
@@ -146,7 +153,7 @@ def _encode(out: bytearray, value, depth: int, key: bool) -> None:
     elif isinstance(value, tuple):
         if depth >= MAX_DEPTH:
             raise EncodeError(f"value nested deeper than {MAX_DEPTH} levels")
-        items = tuple.__getitem__(value, slice(None))
+        items: tuple[object, ...] | list[object] = tuple.__getitem__(value, slice(None))
         out.append(T_TUPLE)
         out += _varint(len(items))
         for item in items:
@@ -199,30 +206,30 @@ def _encode(out: bytearray, value, depth: int, key: bool) -> None:
         raise EncodeError(f"cannot encode a value of type {_type_name(value)}")
 
 
-def _decimal_text(value) -> str:
+def _decimal_text(value: Decimal) -> str:
     # str() writes "e" instead of "E" when the context says capitals=0: keep the bytes the same.
     return Decimal.__str__(value).replace("e", "E")
 
 
-def _first(pair):
+def _first(pair: tuple[bytes, object]) -> bytes:
     return pair[0]
 
 
-def encode_row(value) -> bytes:
+def encode_row(value: object) -> bytes:
     """Encode ``value`` as bytes (see ``statestore_async.codecs.valuecodec`` for the format)."""
     out = bytearray()
     _encode(out, value, 0, False)
     return bytes(out)
 
 
-def encode_key(value) -> bytes:
+def encode_key(value: object) -> bytes:
     """Like ``encode_row``, with floats normalized as Spark does for grouping keys."""
     out = bytearray()
     _encode(out, value, 0, True)
     return bytes(out)
 
 
-def _encode_many(values, key: bool) -> list:
+def _encode_many(values: Iterable[object], key: bool) -> list[bytes]:
     result = []
     for i, value in enumerate(values):
         out = bytearray()
@@ -234,18 +241,18 @@ def _encode_many(values, key: bool) -> list:
     return result
 
 
-def encode_rows(values) -> list:
+def encode_rows(values: Iterable[object]) -> list[bytes]:
     """``[encode_row(v) for v in values]``; errors say which row failed."""
     return _encode_many(values, False)
 
 
-def encode_keys(values) -> list:
+def encode_keys(values: Iterable[object]) -> list[bytes]:
     """``[encode_key(v) for v in values]``; errors say which row failed."""
     return _encode_many(values, True)
 
 
 # --- decoding ------------------------------------------------------------------------------------
-def _as_bytes(data) -> bytes:
+def _as_bytes(data: Buffer) -> bytes:
     """The raw bytes of a C-contiguous bytes-like object (TypeError for anything else)."""
     if isinstance(data, bytes):
         return data
@@ -309,7 +316,8 @@ class _Reader:
         return n
 
 
-def _decode(r: _Reader, depth: int):
+def _decode(r: _Reader, depth: int) -> Any:
+    v: object  # the decoded value (its type depends on the tag)
     pos = r.pos
     if pos >= r.end:
         raise DecodeError(f"truncated: expected a value at offset {pos}")
@@ -365,7 +373,7 @@ def _decode(r: _Reader, depth: int):
         if depth >= MAX_DEPTH:
             raise DecodeError(f"value nested deeper than {MAX_DEPTH} levels at offset {pos}")
         n = r.count("dict", 2)
-        result = {}
+        result: dict[object, object] = {}
         prev = None
         for _ in range(n):
             kstart = r.pos
@@ -418,7 +426,7 @@ def _decode(r: _Reader, depth: int):
     raise DecodeError(f"unknown tag 0x{tag:02x} at offset {pos}")
 
 
-def _decode_all(buf: bytes):
+def _decode_all(buf: bytes) -> Any:
     r = _Reader(buf)
     value = _decode(r, 0)
     if r.pos != r.end:
@@ -426,12 +434,12 @@ def _decode_all(buf: bytes):
     return value
 
 
-def decode_row(data):
+def decode_row(data: Buffer) -> Any:
     """Decode bytes made by ``encode_row``/``encode_key``; must consume all of ``data``."""
     return _decode_all(_as_bytes(data))
 
 
-def decode_rows(datas) -> list:
+def decode_rows(datas: Iterable[Buffer]) -> list[Any]:
     """``[decode_row(d) for d in datas]``; errors say which row failed."""
     result = []
     for i, data in enumerate(datas):
