@@ -6,14 +6,18 @@ errors. The layout and contracts are documented in ``statestore_async.codecs.arr
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from statestore_async._ref import framing as _fr
 from statestore_async.errors import EncodeError
 
+if TYPE_CHECKING:
+    from statestore_async._ref import ArrowColumn, Buffer, BytesLike
+
 _LARGE = 0x7FFFFFFF  # past this many data bytes, offsets are 64-bit
 
 
-def _spans(col, n: int, what: str) -> list[tuple[int, int]]:
+def _spans(col: ArrowColumn, n: int, what: str) -> list[tuple[int, int]]:
     """The (begin, end) byte range of each of the n items of column ``col``."""
     offsets, data, start, width = col
     if width not in (4, 8):
@@ -34,25 +38,29 @@ def _spans(col, n: int, what: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _items(col, n: int, what: str) -> list[bytes]:
+def _items(col: ArrowColumn, n: int, what: str) -> list[bytes]:
     data = memoryview(col[1]).cast("B")
     return [bytes(data[b:e]) for b, e in _spans(col, n, what)]
 
 
-def encode_frame_list_buffers(opcode: int, flags: int, request_id: int, head: bytes, n: int, keys) -> bytes:
+def encode_frame_list_buffers(opcode: int, flags: int, request_id: int, head: BytesLike, n: int, keys: ArrowColumn) -> bytes:
     """``framing.encode_frame_list(opcode, flags, request_id, head, items)`` where the n items are
     the column ``keys = (offsets, data, start, width)``."""
     return _fr.encode_frame_list(opcode, flags, request_id, head, _items(keys, n, "keys"))
 
 
-def encode_frame_pairs_buffers(opcode: int, flags: int, request_id: int, head: bytes, n: int, keys, values) -> bytes:
+def encode_frame_pairs_buffers(
+    opcode: int, flags: int, request_id: int, head: BytesLike, n: int, keys: ArrowColumn, values: ArrowColumn
+) -> bytes:
     """``framing.encode_frame_pairs`` of the n pairs of columns ``keys`` and ``values``."""
     ks = _items(keys, n, "keys")
     vs = _items(values, n, "values")
     return _fr.encode_frame_pairs(opcode, flags, request_id, head, list(zip(ks, vs)))
 
 
-def decode_optional_list_buffers(buf, offset: int = 0, max_count: int = _fr.MAX_U32):
+def decode_optional_list_buffers(
+    buf: Buffer, offset: int = 0, max_count: int = _fr.MAX_U32
+) -> tuple[int, int, bytes | None, bytes, bytes, int, int]:
     """An ``encode_optional_list`` payload as Arrow-layout buffers.
 
     Returns ``(count, null_count, validity, offsets, data, width, end)``: ``validity`` is a bitmap

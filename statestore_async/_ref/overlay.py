@@ -6,19 +6,36 @@ dict contents, the same bytes and the same errors. The contracts are documented 
 """
 from __future__ import annotations
 
+import enum
+from typing import TYPE_CHECKING
+
 from statestore_async._ref import framing as _fr
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Final
+
+    from statestore_async._ref import Buffer, BytesLike
+
 KEY_GROUP_SLOTS = 1 << 16
 
-_MISSING = object()
+
+class _Missing(enum.Enum):
+    """The type of ``_MISSING``: a one-member enum, so that type checkers narrow ``is not _MISSING``."""
+
+    MISSING = 0
+
+
+#: What ``overlay.get`` gives for a key it does not have (a tombstone is None).
+_MISSING: Final = _Missing.MISSING
 
 
 def _key_error(n: int, min_key: int) -> KeyFormatError:
     return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
 
 
-def _check_key(key, min_key: int) -> bytes:
+def _check_key(key: object, min_key: int) -> bytes:
     if type(key) is not bytes:
         if isinstance(key, (bytearray, memoryview)):
             key = bytes(key)
@@ -29,7 +46,7 @@ def _check_key(key, min_key: int) -> bytes:
     return key
 
 
-def _check_value(value) -> bytes:
+def _check_value(value: object) -> bytes:
     if type(value) is not bytes:
         if isinstance(value, (bytearray, memoryview)):
             return bytes(value)
@@ -37,7 +54,7 @@ def _check_value(value) -> bytes:
     return value
 
 
-def _pair(item):
+def _pair(item: Iterable[object]) -> tuple[object, object]:
     try:
         k, v = item
     except (TypeError, ValueError):
@@ -45,7 +62,7 @@ def _pair(item):
     return k, v
 
 
-def _apply(overlay: dict, pairs, overhead: int) -> int:
+def _apply(overlay: dict[bytes, bytes | None], pairs: Iterable[tuple[bytes, bytes | None]], overhead: int) -> int:
     """Set each (key, value|None) in order; the change of the overlay's accounted bytes."""
     delta = 0
     get = overlay.get
@@ -58,7 +75,9 @@ def _apply(overlay: dict, pairs, overhead: int) -> int:
     return delta
 
 
-def put_items(overlay: dict, items, min_key: int, overhead: int) -> int:
+def put_items(
+    overlay: dict[bytes, bytes | None], items: Iterable[tuple[BytesLike, BytesLike]], min_key: int, overhead: int
+) -> int:
     """Put every (key, value) of ``items`` into ``overlay``; all are checked before any is set.
 
     Returns the change of the accounted bytes (``len(key) + len(value) + overhead`` per entry).
@@ -71,18 +90,20 @@ def put_items(overlay: dict, items, min_key: int, overhead: int) -> int:
     return _apply(overlay, checked, overhead)
 
 
-def remove_keys(overlay: dict, keys, min_key: int, overhead: int) -> int:
+def remove_keys(overlay: dict[bytes, bytes | None], keys: Iterable[BytesLike], min_key: int, overhead: int) -> int:
     """Set a tombstone (None) for every key; all are checked before any is set."""
     checked = [(_check_key(k, min_key), None) for k in list(keys)]
     return _apply(overlay, checked, overhead)
 
 
-def get_list(overlay: dict, base: dict, keys) -> list:
+def get_list(overlay: dict[bytes, bytes | None], base: dict[bytes, bytes], keys: Iterable[bytes]) -> list[bytes | None]:
     """The value of each key: the overlay's (None for a tombstone) if it has the key, else the base's."""
     return [overlay[k] if k in overlay else base.get(k) for k in keys]
 
 
-def put_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, max_count: int = _fr.MAX_U32):
+def put_packed(
+    overlay: dict[bytes, bytes | None], buf: Buffer, offset: int, min_key: int, overhead: int, max_count: int = _fr.MAX_U32
+) -> tuple[int, int]:
     """Like ``put_items`` for pairs encoded as in ``framing.encode_pairs`` at ``offset`` of ``buf``.
 
     Returns ``(count, bytes change)``. A malformed payload raises ``DecodeError`` and a short key
@@ -97,7 +118,9 @@ def put_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, max
     return len(items), _apply(overlay, items, overhead)
 
 
-def remove_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, max_count: int = _fr.MAX_U32):
+def remove_packed(
+    overlay: dict[bytes, bytes | None], buf: Buffer, offset: int, min_key: int, overhead: int, max_count: int = _fr.MAX_U32
+) -> tuple[int, int]:
     """Like ``remove_keys`` for keys encoded as in ``framing.encode_list``: ``(count, bytes change)``."""
     keys, end = _fr.decode_list(buf, offset, max_count)
     if end != len(memoryview(buf)):
@@ -108,7 +131,9 @@ def remove_packed(overlay: dict, buf, offset: int, min_key: int, overhead: int, 
     return len(keys), _apply(overlay, [(k, None) for k in keys], overhead)
 
 
-def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr.MAX_U32) -> bytes:
+def get_packed(
+    overlay: dict[bytes, bytes | None], base: dict[bytes, bytes], buf: Buffer, offset: int, max_count: int = _fr.MAX_U32
+) -> bytes:
     """The values of keys encoded as in ``framing.encode_list``, encoded as ``framing.encode_optional_list``."""
     keys, end = _fr.decode_list(buf, offset, max_count)
     if end != len(memoryview(buf)):
@@ -116,10 +141,12 @@ def get_packed(overlay: dict, base: dict, buf, offset: int, max_count: int = _fr
     return _fr.encode_optional_list(get_list(overlay, base, keys))
 
 
-def apply_changes(data: dict, changes: dict, overhead: int):
+def apply_changes(
+    data: dict[bytes, bytes], changes: dict[bytes, bytes | None], overhead: int
+) -> tuple[list[bytes | None], dict[bytes, bytes | None], int, int, int]:
     """Apply key → value|None (None: remove) to ``data`` in one pass; see the facade's docstring."""
-    pre: list = []
-    dropped: set = set()
+    pre: list[bytes | None] = []
+    dropped: set[bytes] = set()
     data_delta = undo_bytes = rec_bytes = 0
     for k, v in changes.items():
         old = data.get(k)
@@ -139,13 +166,20 @@ def apply_changes(data: dict, changes: dict, overhead: int):
     return pre, records, data_delta, undo_bytes, rec_bytes
 
 
-def _check_groups(groups) -> list:
+def _check_groups(groups: list[list[bytes] | None]) -> list[list[bytes] | None]:
     if type(groups) is not list or len(groups) != KEY_GROUP_SLOTS:
         raise InterfaceError(f"groups is a list of {KEY_GROUP_SLOTS} slots")
     return groups
 
 
-def group_records(keys: list, start: int, stop: int, shadow: dict, data: dict, groups: list) -> None:
+def group_records(
+    keys: list[bytes],
+    start: int,
+    stop: int,
+    shadow: dict[bytes, bytes | None],
+    data: dict[bytes, bytes],
+    groups: list[list[bytes] | None],
+) -> None:
     """Sort the records of ``keys[start:stop]`` into ``groups`` by key group; see the facade."""
     _check_groups(groups)
     if type(keys) is not list:
@@ -167,7 +201,9 @@ def group_records(keys: list, start: int, stop: int, shadow: dict, data: dict, g
             slot.append(v)
 
 
-def gather_records(groups: list, cursor: tuple, max_bytes: int):
+def gather_records(
+    groups: list[list[bytes] | None], cursor: tuple[int, int], max_bytes: int
+) -> tuple[list[tuple[bytes, bytes]], tuple[int, int]]:
     """The next records of ``groups`` from ``cursor``, up to ``max_bytes``; see the facade."""
     _check_groups(groups)
     if type(cursor) is not tuple or len(cursor) != 2 or type(cursor[0]) is not int or type(cursor[1]) is not int:
@@ -175,7 +211,7 @@ def gather_records(groups: list, cursor: tuple, max_bytes: int):
     g, i = cursor
     if not (0 <= g <= KEY_GROUP_SLOTS and i >= 0):
         raise InterfaceError(f"bad cursor {cursor!r}")
-    records: list = []
+    records: list[tuple[bytes, bytes]] = []
     size = 0
     while g < KEY_GROUP_SLOTS:
         slot = groups[g]

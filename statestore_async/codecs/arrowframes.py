@@ -23,6 +23,11 @@ from typing import TYPE_CHECKING
 from statestore_async.codecs import twins
 from statestore_async.errors import InterfaceError
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from statestore_async._ref import ArrowColumn, Buffer
+
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
     from statestore_async._ref.arrowframes import *
 else:
@@ -33,7 +38,7 @@ else:
         from statestore_async._ref.arrowframes import *
 
 
-def column(array, what: str = "keys") -> tuple[int, tuple]:
+def column(array: pa.Array | pa.ChunkedArray, what: str = "keys") -> tuple[int, ArrowColumn]:
     """``(length, column)`` of a pyarrow ``binary`` / ``large_binary`` array (or chunked array) without nulls."""
     import pyarrow as pa
 
@@ -53,7 +58,7 @@ def column(array, what: str = "keys") -> tuple[int, tuple]:
     return len(array), (offsets, data if data is not None else b"", array.offset, width)
 
 
-def to_array(n: int, null_count: int, validity, offsets, data, width: int):
+def to_array(n: int, null_count: int, validity: Buffer | None, offsets: Buffer, data: Buffer, width: int) -> pa.Array:
     """The pyarrow ``binary`` (``large_binary`` for width 8) array of decoded buffers (null: absent)."""
     import pyarrow as pa
 
