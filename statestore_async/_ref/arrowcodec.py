@@ -7,9 +7,15 @@ kinds. The compiled twin (``_ext/arrowcodec.pyx``) must give the same bytes and 
 from __future__ import annotations
 
 import struct
+from typing import TYPE_CHECKING
 
 from statestore_async._ref import valuecodec
 from statestore_async.errors import DecodeError, EncodeError
+
+if TYPE_CHECKING:
+    from typing import Any
+
+    from statestore_async._ref import Buffer, ColumnDescriptor, FieldBuffers
 
 _INT = {1: "<b", 2: "<h", 4: "<i", 8: "<q"}
 _UINT = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}
@@ -17,7 +23,7 @@ _FLOAT = {4: "<f", 8: "<d"}
 _INT64_MAX = (1 << 63) - 1
 
 
-def _bytes(buf) -> bytes:
+def _bytes(buf: Buffer | None) -> bytes:
     return b"" if buf is None else memoryview(buf).cast("B").tobytes()
 
 
@@ -33,7 +39,7 @@ def _offsets(buf: bytes, width: int, count: int, start: int) -> list[int]:
 class _Reader:
     """Row i of one column descriptor as a Python value."""
 
-    def __init__(self, k: int, n: int, col):
+    def __init__(self, k: int, n: int, col: ColumnDescriptor) -> None:
         kind, width, validity, values, data, start = col
         if start < 0:
             raise EncodeError(f"column {k}: negative offset {start}")
@@ -64,7 +70,9 @@ class _Reader:
                 if offs[i] < 0 or offs[i + 1] < offs[i] or offs[i + 1] > len(self.data):
                     raise EncodeError(f"column {k}: item {i} lies outside its {len(self.data)} data bytes")
 
-    def value(self, i: int):
+    def value(self, i: int) -> Any:
+        """The value of row i: an int, float, bool, bytes (a ``_Str`` for a string) or None, as
+        the column's kind says (so ``Any``: callers know the kind)."""
         j = self.start + i
         if self.kind == "n" or (self.validity is not None and not _bit(self.validity, j)):
             return None
@@ -86,13 +94,15 @@ class _Str(bytes):
     """The UTF-8 bytes of an Arrow string item: encoded as a STR without decoding them."""
 
 
-def _encode(value, key: bool) -> bytes:
+def _encode(value: object, key: bool) -> bytes:
     if isinstance(value, _Str):
         return bytes([0x06]) + valuecodec._varint(len(value)) + bytes(value)
     return valuecodec.encode_key(value) if key else valuecodec.encode_row(value)
 
 
-def encode_columns(n: int, cols: list, prefixes, head: bytes, head_count: int, key: bool):
+def encode_columns(
+    n: int, cols: list[ColumnDescriptor], prefixes: Buffer | None, head: bytes, head_count: int, key: bool
+) -> tuple[bytes, bytes, int] | None:
     """``(offsets, data, width)`` of the n rows, or None when a value needs more than a plain INT."""
     readers = [_Reader(k, n, c) for k, c in enumerate(cols)]
     pre = None
@@ -117,7 +127,7 @@ def encode_columns(n: int, cols: list, prefixes, head: bytes, head_count: int, k
     return b"".join(o.to_bytes(width, "little", signed=True) for o in offs), bytes(out), width
 
 
-def _conforms(kind: str, width: int, v) -> bool:
+def _conforms(kind: str, width: int, v: object) -> bool:
     if kind == "n":
         return v is None
     if kind in ("i", "u"):
@@ -150,7 +160,7 @@ def _pack_bits(bits: list[bool]) -> bytes:
     return bytes(out)
 
 
-def decode_columns(n: int, values, kinds: list):
+def decode_columns(n: int, values: ColumnDescriptor, kinds: list[tuple[str, int]]) -> list[FieldBuffers] | None:
     """Per field ``(null_count, validity, buffers...)`` of n encoded tuples (``values``: a column
     descriptor of kind "y"), or None when one does not conform."""
     if values[0] != "y":
@@ -165,7 +175,7 @@ def decode_columns(n: int, values, kinds: list):
                 raise EncodeError(f"field {k}: offsets are 4 or 8 bytes wide, not {w}")
         elif kind not in ("b", "n"):
             raise EncodeError(f"field {k}: unknown kind {kind!r}")
-    columns: list[list] = [[] for _ in kinds]
+    columns: list[list[Any]] = [[] for _ in kinds]
     for i in range(n):
         raw = col.value(i)
         if raw is None:
@@ -182,7 +192,7 @@ def decode_columns(n: int, values, kinds: list):
             if v is not None and not _conforms(kind, w, v):
                 return None
             c.append(v)
-    result = []
+    result: list[FieldBuffers] = []
     for (kind, w), c in zip(kinds, columns):
         nulls = sum(v is None for v in c)
         valid = _pack_bits([v is not None for v in c]) if nulls else None

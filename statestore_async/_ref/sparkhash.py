@@ -25,11 +25,27 @@ import datetime as _dt
 import numbers
 import operator
 import struct
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import xxhash
 
 from statestore_async.errors import EncodeError, InterfaceError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+    from typing import Any, Protocol, SupportsIndex
+
+    import pyarrow as pa
+    from numpy.typing import ArrayLike, NDArray
+
+    from statestore_async._ref import Buffer
+
+    class _SparkType(Protocol):
+        """A pyspark ``DataType`` (its type name is ``simpleString()``)."""
+
+        def simpleString(self) -> str: ...
+
 
 SPARK_SEED = 42
 
@@ -109,10 +125,12 @@ _INT_RANGES = {
 
 _BINARY_TYPES = (bytes, bytearray, memoryview)
 _NOT_ROWS = (str, bytes, bytearray, memoryview, dict)
+#: ``operator.index`` of any value (TypeError when it has no ``__index__``: the callers catch it).
+_index = cast("Callable[[object], int]", operator.index)
 
 
 # --- arguments -----------------------------------------------------------------------------------
-def _seed(seed) -> int:
+def _seed(seed: SupportsIndex) -> int:
     """A seed as unsigned 64-bit: any int in [-2**63, 2**64) (negative ones wrap, like a Java long)."""
     if isinstance(seed, bool):
         raise InterfaceError(f"seed must be an int, not {type(seed).__name__}")
@@ -129,7 +147,7 @@ def _signed(h: int) -> int:
     return h - (1 << 64) if h > _I64_MAX else h
 
 
-def _type_code(name) -> int:
+def _type_code(name: str | _SparkType) -> int:
     if not isinstance(name, str):
         simple = getattr(name, "simpleString", None)  # a pyspark DataType
         if simple is None or not callable(simple):
@@ -145,7 +163,7 @@ def _type_code(name) -> int:
     return code
 
 
-def _type_codes(types):
+def _type_codes(types: Iterable[str | _SparkType] | None) -> list[int] | None:
     if types is None:
         return None
     if isinstance(types, (str, bytes)):
@@ -156,7 +174,7 @@ def _type_codes(types):
         raise InterfaceError(f"types must be a sequence of type names, not {type(types).__name__}") from None
 
 
-def _as_row(values, what: str):
+def _as_row(values: Iterable[object], what: str) -> Sequence[object]:
     if type(values) is tuple or type(values) is list:
         return values
     if isinstance(values, (tuple, list)):
@@ -174,14 +192,14 @@ def _where(col: int) -> str:
     return f"column {col}"
 
 
-def _as_int(v, code: int, col: int) -> int:
+def _as_int(v: object, code: int, col: int) -> int:
     if isinstance(v, (bool, np.bool_)):
         raise EncodeError(f"{_where(col)}: {_CODE_NAMES[code]} expects an int, got bool")
     if type(v) is int:
         i = v
     else:
         try:
-            i = operator.index(v)
+            i = _index(v)
         except TypeError:
             raise EncodeError(
                 f"{_where(col)}: {_CODE_NAMES[code]} expects an int, got {type(v).__name__}"
@@ -192,7 +210,7 @@ def _as_int(v, code: int, col: int) -> int:
     return i
 
 
-def _as_float(v, code: int, col: int) -> float:
+def _as_float(v: object, code: int, col: int) -> float:
     if type(v) is float:
         return v
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Real):
@@ -222,10 +240,11 @@ def _double_bits(d: float) -> int:
         return 0x7FF8000000000000
     if d == 0.0:
         return 0
-    return struct.unpack("<Q", struct.pack("<d", d))[0]
+    bits: int = struct.unpack("<Q", struct.pack("<d", d))[0]
+    return bits
 
 
-def _timestamp_micros(v, code: int, col: int) -> int:
+def _timestamp_micros(v: object, code: int, col: int) -> int:
     if isinstance(v, _dt.datetime):
         if code == T_TIMESTAMP_NTZ or v.tzinfo is None or v.utcoffset() is None:
             # timestamp_ntz: the wall clock as if UTC (pyspark's rule); naive timestamp: UTC (ours)
@@ -236,7 +255,7 @@ def _timestamp_micros(v, code: int, col: int) -> int:
     return _as_int(v, code, col)
 
 
-def _date_days(v, col: int) -> int:
+def _date_days(v: object, col: int) -> int:
     if isinstance(v, _dt.datetime):
         raise EncodeError(f"{_where(col)}: date expects a datetime.date or int days, got datetime")
     if isinstance(v, _dt.date):
@@ -244,7 +263,7 @@ def _date_days(v, col: int) -> int:
     return _as_int(v, T_DATE, col)
 
 
-def _infer(v, col: int) -> int:
+def _infer(v: object, col: int) -> int:
     if v is None:
         return T_SKIP
     if isinstance(v, (bool, np.bool_)):
@@ -266,7 +285,7 @@ def _infer(v, col: int) -> int:
     )
 
 
-def _hash_value(v, code: int, h: int, col: int) -> int:
+def _hash_value(v: object, code: int, h: int, col: int) -> int:
     """The running hash ``h`` (unsigned) after column value ``v`` of type ``code``."""
     if v is None or code == T_SKIP:
         return h
@@ -302,7 +321,7 @@ def _hash_value(v, code: int, h: int, col: int) -> int:
     raise AssertionError(code)  # pragma: no cover
 
 
-def _hash_row(row, codes, seed: int) -> int:
+def _hash_row(row: Sequence[object], codes: list[int] | None, seed: int) -> int:
     h = seed
     if codes is None:
         for col, v in enumerate(row):
@@ -316,7 +335,7 @@ def _hash_row(row, codes, seed: int) -> int:
 
 
 # --- public functions ----------------------------------------------------------------------------
-def xxh64(data, seed=0) -> int:
+def xxh64(data: Buffer, seed: SupportsIndex = 0) -> int:
     """XXH64 of a bytes-like object (unsigned 64-bit result; seed is taken modulo 2**64)."""
     s = _seed(seed)
     if isinstance(data, str):
@@ -328,7 +347,9 @@ def xxh64(data, seed=0) -> int:
     return xxhash.xxh64_intdigest(mv.tobytes(), s)
 
 
-def spark_xxhash64(values, types=None, seed=SPARK_SEED) -> int:
+def spark_xxhash64(
+    values: Iterable[object], types: Iterable[str | _SparkType] | None = None, seed: SupportsIndex = SPARK_SEED
+) -> int:
     """Spark's ``xxhash64(col1, col2, ...)`` of one row (signed 64-bit)."""
     s = _seed(seed)
     codes = _type_codes(types)
@@ -336,7 +357,9 @@ def spark_xxhash64(values, types=None, seed=SPARK_SEED) -> int:
     return _hash_row(row, codes, s)
 
 
-def hash_rows(rows, types=None, seed=SPARK_SEED) -> np.ndarray:
+def hash_rows(
+    rows: Iterable[Iterable[object]], types: Iterable[str | _SparkType] | None = None, seed: SupportsIndex = SPARK_SEED
+) -> NDArray[np.int64]:
     """``spark_xxhash64`` of every row (int64 array)."""
     s = _seed(seed)
     codes = _type_codes(types)
@@ -356,7 +379,9 @@ def hash_rows(rows, types=None, seed=SPARK_SEED) -> np.ndarray:
 
 
 # --- Arrow ---------------------------------------------------------------------------------------
-def _arrow_columns(columns):
+def _arrow_columns(
+    columns: pa.Table | pa.RecordBatch | Iterable[pa.Array | pa.ChunkedArray],
+) -> tuple[list[pa.Array | pa.ChunkedArray], int]:
     import pyarrow as pa
 
     if isinstance(columns, (pa.Table, pa.RecordBatch)):
@@ -382,7 +407,7 @@ def _arrow_columns(columns):
 _TS_FACTOR = {"s": 1_000_000, "ms": 1_000, "us": 1, "ns": None}
 
 
-def arrow_type_code(t) -> int:
+def arrow_type_code(t: pa.DataType) -> int:
     """The type code used for an Arrow type (``InterfaceError`` naming it when unsupported)."""
     import pyarrow as pa
     import pyarrow.types as pt
@@ -414,20 +439,20 @@ def arrow_type_code(t) -> int:
     raise InterfaceError(f"hash_arrow does not support the Arrow type {t}")
 
 
-def _arrow_chunk_values(chunk, code: int):
+def _arrow_chunk_values(chunk: pa.Array, code: int) -> list[Any]:
     """Python values of one Arrow chunk, as the Spark hash sees them (None for null)."""
     import pyarrow as pa
 
     if code in (T_STRING, T_BINARY):
         # hash the raw bytes (no UTF-8 decoding)
         large = chunk.type in (pa.large_string(), pa.large_binary())
-        return chunk.cast(pa.large_binary() if large else pa.binary()).to_pylist()
+        return cast("list[Any]", chunk.cast(pa.large_binary() if large else pa.binary()).to_pylist())
     if code == T_DATE:
-        return chunk.cast(pa.int32()).to_pylist()
+        return cast("list[Any]", chunk.cast(pa.int32()).to_pylist())
     if code == T_TIMESTAMP:
         raw = chunk.cast(pa.int64()).to_pylist()
         factor = _TS_FACTOR[chunk.type.unit]
-        out = []
+        out: list[int | None] = []
         for v in raw:
             if v is None:
                 out.append(None)
@@ -439,10 +464,12 @@ def _arrow_chunk_values(chunk, code: int):
                     raise EncodeError(f"timestamp {v} {chunk.type.unit} overflows int64 microseconds")
                 out.append(m)
         return out
-    return chunk.to_pylist()
+    return cast("list[Any]", chunk.to_pylist())
 
 
-def hash_arrow(columns, seed=SPARK_SEED) -> np.ndarray:
+def hash_arrow(
+    columns: pa.Table | pa.RecordBatch | Iterable[pa.Array | pa.ChunkedArray], seed: SupportsIndex = SPARK_SEED
+) -> NDArray[np.int64]:
     """``spark_xxhash64`` of every row of Arrow columns (int64 array)."""
     s = _seed(seed)
     cols, n = _arrow_columns(columns)
@@ -473,7 +500,7 @@ def hash_arrow(columns, seed=SPARK_SEED) -> np.ndarray:
 
 
 # --- key groups ----------------------------------------------------------------------------------
-def _int_arg(v, name: str) -> int:
+def _int_arg(v: SupportsIndex, name: str) -> int:
     if isinstance(v, (bool, np.bool_)):
         raise InterfaceError(f"{name} must be an int, not bool")
     try:
@@ -482,14 +509,14 @@ def _int_arg(v, name: str) -> int:
         raise InterfaceError(f"{name} must be an int, not {type(v).__name__}") from None
 
 
-def _num_key_groups(g) -> int:
+def _num_key_groups(g: SupportsIndex) -> int:
     g = _int_arg(g, "num_key_groups")
     if g < 1 or g > _I32_MAX:
         raise InterfaceError(f"num_key_groups must be in [1, 2**31-1], got {g}")
     return g
 
 
-def key_group(hash, num_key_groups) -> int:
+def key_group(hash: SupportsIndex, num_key_groups: SupportsIndex) -> int:
     """Spark's ``pmod(hash, num_key_groups)``: the key group of a signed 64-bit row hash."""
     g = _num_key_groups(num_key_groups)
     h = _int_arg(hash, "hash")
@@ -498,14 +525,14 @@ def key_group(hash, num_key_groups) -> int:
     return h % g
 
 
-def key_groups(hashes, num_key_groups) -> np.ndarray:
+def key_groups(hashes: ArrayLike, num_key_groups: SupportsIndex) -> NDArray[np.int32]:
     """``key_group`` of every hash (int32 array)."""
     g = _num_key_groups(num_key_groups)
     a = _hash_array(hashes)
     return np.mod(a, np.int64(g)).astype(np.int32)
 
 
-def _hash_array(hashes) -> np.ndarray:
+def _hash_array(hashes: ArrayLike) -> NDArray[np.int64]:
     try:
         a = np.asarray(hashes)
     except (OverflowError, ValueError, TypeError) as exc:
@@ -521,7 +548,7 @@ def _hash_array(hashes) -> np.ndarray:
     return a.astype(np.int64, copy=False)
 
 
-def _partitions(num_key_groups, num_partitions):
+def _partitions(num_key_groups: SupportsIndex, num_partitions: SupportsIndex) -> tuple[int, int]:
     g = _num_key_groups(num_key_groups)
     n = _int_arg(num_partitions, "num_partitions")
     if n < 1 or n > g:
@@ -529,7 +556,7 @@ def _partitions(num_key_groups, num_partitions):
     return g, n
 
 
-def partition_of_key_group(kg, num_key_groups, num_partitions) -> int:
+def partition_of_key_group(kg: SupportsIndex, num_key_groups: SupportsIndex, num_partitions: SupportsIndex) -> int:
     """The partition owning key group ``kg``: ``kg * N // G`` (Flink's contiguous ranges)."""
     g, n = _partitions(num_key_groups, num_partitions)
     k = _int_arg(kg, "kg")
@@ -538,7 +565,7 @@ def partition_of_key_group(kg, num_key_groups, num_partitions) -> int:
     return k * n // g
 
 
-def key_group_range(partition, num_partitions, num_key_groups) -> range:
+def key_group_range(partition: SupportsIndex, num_partitions: SupportsIndex, num_key_groups: SupportsIndex) -> range:
     """The key groups owned by ``partition``: ``range(ceil(p*G/N), ceil((p+1)*G/N))``."""
     g, n = _partitions(num_key_groups, num_partitions)
     p = _int_arg(partition, "partition")

@@ -20,13 +20,20 @@ result.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pyarrow as pa
 
 from statestore_async.codecs import twins, valuecodec
 from statestore_async.codecs.arrowframes import to_array
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from numpy.typing import NDArray
+
+    from statestore_async._ref import Buffer, ColumnDescriptor, FieldBuffers, KeyGroups
 
 if TYPE_CHECKING or twins.NO_EXTENSIONS:
     from statestore_async._ref.arrowcodec import *
@@ -62,7 +69,7 @@ def kind_of(typ: pa.DataType) -> tuple[str, int] | None:
     return None
 
 
-def _array(col) -> pa.Array:
+def _array(col: pa.Array | pa.ChunkedArray) -> pa.Array:
     if isinstance(col, pa.ChunkedArray):
         return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if not isinstance(col, pa.Array):
@@ -70,7 +77,7 @@ def _array(col) -> pa.Array:
     return col
 
 
-def descriptor(col) -> tuple | None:
+def descriptor(col: pa.Array | pa.ChunkedArray) -> ColumnDescriptor | None:
     """The column descriptor ``encode_columns`` takes for a pyarrow array (or chunked array):
     ``(kind, width, validity, values, data, offset)``; None for a type it does not handle."""
     arr = _array(col)
@@ -87,7 +94,7 @@ def descriptor(col) -> tuple | None:
     return kind, width, validity, bufs[1], None, arr.offset
 
 
-def _prefixes(key_groups, n: int):
+def _prefixes(key_groups: KeyGroups | None, n: int) -> NDArray[np.uint16] | None:
     if key_groups is None:
         return None
     kg = np.asarray(key_groups)
@@ -98,7 +105,13 @@ def _prefixes(key_groups, n: int):
     return np.ascontiguousarray(kg, dtype=np.uint16)
 
 
-def encode_tuples(columns, *, key_groups=None, head: tuple = (), key: bool = False) -> pa.Array:
+def encode_tuples(
+    columns: Iterable[pa.Array | pa.ChunkedArray],
+    *,
+    key_groups: KeyGroups | None = None,
+    head: tuple[object, ...] = (),
+    key: bool = False,
+) -> pa.Array:
     """See the module docstring."""
     arrays = [_array(c) for c in columns]
     n = len(arrays[0]) if arrays else (len(key_groups) if key_groups is not None else 0)
@@ -109,7 +122,10 @@ def encode_tuples(columns, *, key_groups=None, head: tuple = (), key: bool = Fal
     if all(d is not None for d in descriptors):
         enc = valuecodec.encode_key if key else valuecodec.encode_row
         head_bytes = b"".join(enc(h) for h in head)
-        done = encode_columns(n, descriptors, prefixes, head_bytes, len(head), key)
+        # no descriptor is None (checked above); a numpy array is a buffer (numpy's stubs say so to
+        # checkers of Python 3.12+ only)
+        done = encode_columns(n, cast("list[ColumnDescriptor]", descriptors), cast("Buffer | None", prefixes),
+                              head_bytes, len(head), key)
         if done is not None:
             offsets, data, width = done
             return to_array(n, 0, None, offsets, data, width)
@@ -121,7 +137,7 @@ def encode_tuples(columns, *, key_groups=None, head: tuple = (), key: bool = Fal
     return pa.array(encoded, type=pa.large_binary() if sum(map(len, encoded)) > 0x7FFFFFFF else pa.binary())
 
 
-def _field_array(typ: pa.DataType, n: int, kind: str, parts) -> pa.Array:
+def _field_array(typ: pa.DataType, n: int, kind: str, parts: FieldBuffers) -> pa.Array:
     nulls = parts[0]
     if kind == "n":
         return pa.nulls(n, typ)
@@ -130,7 +146,7 @@ def _field_array(typ: pa.DataType, n: int, kind: str, parts) -> pa.Array:
     return pa.Array.from_buffers(typ, n, bufs, nulls)
 
 
-def decode_tuples(values, schema: pa.Schema) -> pa.Table:
+def decode_tuples(values: pa.Array | pa.ChunkedArray, schema: pa.Schema) -> pa.Table:
     """See the module docstring."""
     arr = _array(values)
     if not (pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
@@ -138,9 +154,11 @@ def decode_tuples(values, schema: pa.Schema) -> pa.Table:
     n = len(arr)
     kinds = [kind_of(f.type) for f in schema]
     if all(k is not None for k in kinds):
-        parts = decode_columns(n, descriptor(arr), kinds)
+        handled = cast("list[tuple[str, int]]", kinds)
+        # a binary array always has a descriptor
+        parts = decode_columns(n, cast("ColumnDescriptor", descriptor(arr)), handled)
         if parts is not None:
-            return pa.Table.from_arrays([_field_array(f.type, n, k[0], p) for f, k, p in zip(schema, kinds, parts)],
+            return pa.Table.from_arrays([_field_array(f.type, n, k[0], p) for f, k, p in zip(schema, handled, parts)],
                                         schema=schema)
     # the general path: decoded Python tuples -> one struct array, scattered to their rows
     raw = arr.to_pylist()

@@ -9,12 +9,13 @@ say them: an ``int`` column that Spark holds as ``int`` rather than ``bigint``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from statestore_async.codecs import sparkhash, valuecodec
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, KEY_GROUP_BYTES, check_num_key_groups
 
 
-def encode_keys(rows: Sequence[tuple], key_types: Sequence[str] | None = None,
+def encode_keys(rows: Sequence[tuple[object, ...]], key_types: Sequence[str] | None = None,
                 num_key_groups: int = DEFAULT_KEY_GROUPS) -> list[bytes]:
     """Store keys of key rows (each row a tuple of the key columns)."""
     check_num_key_groups(num_key_groups)
@@ -26,16 +27,17 @@ def encode_keys(rows: Sequence[tuple], key_types: Sequence[str] | None = None,
     return [kg.to_bytes(KEY_GROUP_BYTES, "big") + p for kg, p in zip(kgs, payloads)]
 
 
-def decode_key(key: bytes) -> tuple:
+def decode_key(key: bytes) -> tuple[Any, ...]:
     """The key row of a store key made by ``encode_keys``."""
-    return valuecodec.decode_row(memoryview(key)[KEY_GROUP_BYTES:])
+    row: tuple[Any, ...] = valuecodec.decode_row(memoryview(key)[KEY_GROUP_BYTES:])
+    return row
 
 
-def encode_values(values: Sequence) -> list[bytes]:
+def encode_values(values: Sequence[object]) -> list[bytes]:
     return valuecodec.encode_rows(values if isinstance(values, list) else list(values))
 
 
-def decode_values(datas: Sequence[bytes | None]) -> list:
+def decode_values(datas: Sequence[bytes | None]) -> list[Any]:
     """Values of a GET_MANY answer; None (absent) stays None."""
     present = [d for d in datas if d is not None]
     decoded = iter(valuecodec.decode_rows(present))
