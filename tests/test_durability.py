@@ -64,6 +64,14 @@ def make_daemon(daemon_factory, aws_env):
     return make
 
 
+async def wait_until(condition, timeout: float = 30.0) -> None:
+    """Wait until ``condition()`` holds, polling; fail after ``timeout`` seconds (a loaded machine)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"still false after {timeout} s"
+        await asyncio.sleep(0.05)
+
+
 async def commit_version(client, sid, version, n=200, salt=0, ckptid=None):
     h = await client.open(sid, version, ckptid)
     await h.put_many([(key(i), b"v%d-%d-%d" % (version, i, salt)) for i in range(version * 10, version * 10 + n)])
@@ -159,10 +167,7 @@ async def test_recovery_from_s3_alone_snapshot_plus_20_deltas(make_daemon, seawe
             model.update(items)
             ref = await h.commit()
         assert await c.await_durable(sid, ref, timeout=20)
-    for _ in range(100):  # maintenance snapshots version 5 in the background
-        if a.maintenance.counters["snapshots"]:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: a.maintenance.counters["snapshots"])  # maintenance snapshots version 5 in the background
     await a.stop()
     b = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=1000)
     async with AsyncClient(b.config.socket) as c:
@@ -204,10 +209,7 @@ async def test_snapshots_every_n_and_retention_keeps_the_window_loadable(make_da
             await h.put_many([(key(i), b"%d" % v) for i in range(v, v + 20)])
             ref = await h.commit()
             assert await c.await_durable(sid, ref, timeout=20)
-            for _ in range(100):
-                if not d.maintenance.stats()["in_progress"]:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: not d.maintenance.stats()["in_progress"])
             states[ref] = None
     async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
         names = {o.key async for o in st.list(sid.prefix + "/")}
@@ -259,10 +261,7 @@ async def test_the_snapshot_workers_cached_copies_are_within_the_daemons_cache_b
         for _ in range(3):
             ref, _ = await commit_version(c, sid, ref.version, ckptid=ref.ckptid or None)
             assert await c.await_durable(sid, ref, timeout=20)
-        for _ in range(200):
-            if d.maintenance.counters["snapshots"]:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: d.maintenance.counters["snapshots"])
     assert d.maintenance.counters["snapshots"] == 1 and d.maintenance.stats()["builder"] == "process"
     objstore = d.objstores(sid.root)
     on_disk = {p.relative_to(objstore.dir).as_posix(): p.stat().st_size for p in objstore.dir.rglob("*") if p.is_file()}
@@ -312,10 +311,7 @@ async def test_retention_never_deletes_what_another_daemons_attempt_in_the_windo
             ref, _ = await commit_version(ca, sid, ref.version, ckptid=ref.ckptid or None)
             refs[ref.version] = ref
             assert await ca.await_durable(sid, ref, timeout=20)
-            for _ in range(100):  # let maintenance (snapshot + retention) finish
-                if not a.maintenance.stats()["in_progress"]:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: not a.maintenance.stats()["in_progress"])  # snapshot + retention finished
 
     async with AsyncClient(a.config.socket) as ca, AsyncClient(b.config.socket) as cb:
         await a_commits(ca, 8)

@@ -106,10 +106,10 @@ async def test_a_worker_that_left_or_died_is_started_again(tmp_path):
     worker = SnapshotWorker({"s3": {}, "cache_dir": "", "cache_bytes": 0}, idle_seconds=0.3)
     try:
         assert await worker.snapshot(store.store_id, refs[0]) > 0
-        await asyncio.sleep(1.0)  # idle: it leaves
+        await asyncio.wait_for(worker._proc.wait(), 30)  # idle for 0.3 s: it leaves
         assert await worker.snapshot(store.store_id, refs[1]) > 0
         os.kill(worker._proc.pid, 9)
-        await asyncio.sleep(0.2)
+        assert await asyncio.wait_for(worker._proc.wait(), 30) == -9
         assert await worker.snapshot(store.store_id, refs[2]) > 0
         assert worker.starts == 3
     finally:
