@@ -114,8 +114,9 @@ def test_value_list_map_state_and_ttl(spark, daemon, tmp_path):
 def test_run_partition_checks_routing_and_output_width(daemon, tmp_path):
     kg = sparkhash.key_groups(sparkhash.hash_rows([("a",), ("b",), ("c",)], ["string"]), 64)
     t = pa.table({"key": ["a", "b", "c"], "value": [1, 2, 3], KG_COLUMN: pa.array(kg.astype(np.int32))})
-    spec = TaskSpec(f"file://{tmp_path}/s", "op", ("key",), ("value",), pa.schema([("key", pa.string())]), 2, 64, 0,
-                    (EMPTY_STATE, EMPTY_STATE), 0, daemon.socket)
+    spec = TaskSpec(root=f"file://{tmp_path}/s", operator_id="op", key_columns=("key",), value_columns=("value",),
+                    output_schema=pa.schema([("key", pa.string())]), num_partitions=2, num_key_groups=64, batch_id=0,
+                    refs=(EMPTY_STATE, EMPTY_STATE), now_ms=0, socket_path=daemon.socket)
     owners = set((kg * 2 // 64).tolist())
     if len(owners) == 2:
         with pytest.raises(RoutingError, match="received rows of partitions"):
@@ -156,11 +157,12 @@ def test_tasks_ask_their_daemon_to_release_what_another_node_owns(tmp_path):
         def batch(b_id, placement_of):
             reports, counts = [], {}
             for p, d in placement_of.items():
-                spec = TaskSpec(root, "op", ("key",), ("value",), pa.schema(
-                    [("key", pa.string()), ("count", pa.int64()), ("sum", pa.int64())]), 2, 64, b_id, tuple(refs), 0,
-                    d.socket, releases=coord.releases())
+                spec = TaskSpec(root=root, operator_id="op", key_columns=("key",), value_columns=("value",),
+                                output_schema=pa.schema([("key", pa.string()), ("count", pa.int64()), ("sum", pa.int64())]),
+                                num_partitions=2, num_key_groups=64, batch_id=b_id, refs=tuple(refs), now_ms=0,
+                                socket_path=d.socket, releases=coord.releases())
                 out = run_partition(CountSum(), spec, p, 0, rows[p].to_batches(),
-                                    lambda q, ref, timings, node: reports.append((q, ref, node)))
+                                    lambda r: reports.append((r.partition, r.ref, r.node)))
                 counts.update(zip(out.column("key").to_pylist(), out.column("count").to_pylist()))
             for q, ref, node in reports:
                 refs[q] = ref
@@ -409,10 +411,11 @@ def test_vectorized_state_of_several_types_and_removal(daemon, tmp_path):
         keys = [k for k, _ in rows]
         kg = sparkhash.key_groups(sparkhash.hash_rows([(k,) for k in keys], ["string"]), 64).astype(np.int32)
         t = pa.table({"key": keys, "value": pa.array([v for _, v in rows], pa.int64()), KG_COLUMN: pa.array(kg)})
-        spec = TaskSpec(root, "streak", ("key",), ("value",), pa.schema([("key", pa.string()), ("n", pa.int64())]),
-                        1, 64, version, refs, 0, daemon.socket)
+        spec = TaskSpec(root=root, operator_id="streak", key_columns=("key",), value_columns=("value",),
+                        output_schema=pa.schema([("key", pa.string()), ("n", pa.int64())]), num_partitions=1,
+                        num_key_groups=64, batch_id=version, refs=refs, now_ms=0, socket_path=daemon.socket)
         got = []
-        out = run_partition(_Streak(), spec, 0, 0, t.to_batches(), lambda p, ref, *_: got.append(ref))
+        out = run_partition(_Streak(), spec, 0, 0, t.to_batches(), lambda r: got.append(r.ref))
         return dict(zip(out.column("key").to_pylist(), out.column("n").to_pylist())), got[0]
 
     def stored(ref):

@@ -50,7 +50,7 @@ from statestore_async.objectstore import open_object_store
 from statestore_async.spark.coordinator import Coordinator
 from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor
 from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
-from statestore_async.spark.runtime import Fault, TaskSpec, fire, run_partition
+from statestore_async.spark.runtime import Fault, TaskReport, TaskSpec, fire, run_partition
 
 log = logging.getLogger(__name__)
 LAYOUT = "statestore_async.spark/1"
@@ -251,10 +251,7 @@ class StatefulOperator:
             ctx = TaskContext.get()
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
 
-            def report(p, ref, timings, node=None):
-                acc.add([(p, ref.version, ref.ckptid, attempt, timings, node)])
-
-            out = run_partition(processor, spec, part, attempt, list(batches), report)
+            out = run_partition(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
             yield from out.to_batches(max_chunksize=65536)
 
         return task
@@ -287,10 +284,12 @@ class StatefulOperator:
             raise InterfaceError(f"key columns {missing} are not in the batch's columns {df.columns}")
         routed, values = self.routed(df)
         refs = tuple(base.ref(p) for p in range(self.num_partitions))
-        spec = TaskSpec(self.root, self.operator_id, self.key_columns, values, self.arrow_schema, self.num_partitions,
-                        self.num_key_groups, batch_id, refs, int(self.clock() * 1000), self.socket_path,
-                        self.daemon_env, self.faults,
-                        self.coordinator.releases() if self.coordinator is not None else None,
+        spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
+                        output_schema=self.arrow_schema, num_partitions=self.num_partitions,
+                        num_key_groups=self.num_key_groups, batch_id=batch_id, refs=refs,
+                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
+                        faults=self.faults,
+                        releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate))
         spark = df.sparkSession
         acc = spark.sparkContext.accumulator([], _reports_param())
@@ -344,7 +343,7 @@ class StatefulOperator:
                 shutil.rmtree(tmp_dir.removeprefix("file://").removeprefix("file:"), ignore_errors=True)
         if self.coordinator is not None:
             # only now: a batch that failed before its manifest taught the coordinator nothing
-            self.coordinator.observe([(r[0], r[5]) for r in reports if r[5] is not None])
+            self.coordinator.observe([(r.partition, r.node) for r in reports if r.node is not None])
         prog.partitions_committed = len(refs)
         prog.refs = refs
         prog.total = time.perf_counter() - t0
@@ -360,18 +359,18 @@ class StatefulOperator:
             return self.materialize
         return "checkpoint" if spark.sparkContext.master.startswith("local") else "cache"
 
-    def _collect_reports(self, reports: list, prog: BatchProgress) -> dict[int, CheckpointRef]:
+    def _collect_reports(self, reports: list[TaskReport], prog: BatchProgress) -> dict[int, CheckpointRef]:
         refs: dict[int, CheckpointRef] = {}
-        for p, version, ckptid, _attempt, timings, node in reports:
-            prog.tasks[p] = timings
-            if node is not None:
-                prog.locations[p] = node["location"]
+        for r in reports:
+            p = r.partition
+            prog.tasks[p] = r.timings
+            if r.node is not None:
+                prog.locations[p] = r.node["location"]
             if p in refs:
-                raise DuplicateReportError(f"partition {p} reported two committed attempts: {refs[p]} and "
-                                           f"{version}_{ckptid}")
+                raise DuplicateReportError(f"partition {p} reported two committed attempts: {refs[p]} and {r.ref}")
             if not 0 <= p < self.num_partitions:
                 raise OperatorConfigError(f"a task reported partition {p} outside [0, {self.num_partitions})")
-            refs[p] = CheckpointRef(version, ckptid)
+            refs[p] = r.ref
         return refs
 
     def _fence(self, refs: dict[int, CheckpointRef]) -> None:

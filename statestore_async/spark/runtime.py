@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -77,25 +78,37 @@ def fire(faults, point: str, batch: int, partition: int | None = None, attempt: 
             raise InterfaceError(f"unknown fault action {f.action!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TaskSpec:
-    """Everything a task needs; pickled into the task closure by the driver."""
+    """Everything a task needs; built by the driver (keyword arguments only) and pickled into the task closure."""
 
-    root: str
+    root: str                          # the checkpoint root: file://… or s3://…
     operator_id: str
-    key_columns: tuple
-    value_columns: tuple
+    key_columns: tuple[str, ...]
+    value_columns: tuple[str, ...]     # the columns the processor gets (with pre_aggregate: the aggregates)
     output_schema: pa.Schema
     num_partitions: int
     num_key_groups: int
     batch_id: int
-    refs: tuple                  # CheckpointRef per partition: the state batch ``batch_id`` reads
-    now_ms: int
-    socket_path: str | None = None
-    daemon_env: dict | None = None
-    faults: tuple = field(default=())
-    releases: dict | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
-    keys_unique: bool = False     # one row per key already (the JVM pre-aggregated): no grouping needed
+    refs: tuple[CheckpointRef, ...]    # per partition: the state batch ``batch_id`` reads
+    now_ms: int                        # the batch's TTL clock, read once on the driver
+    socket_path: str | None = None     # this node's daemon (None: $STATESTORE_SOCKET or the default)
+    daemon_env: dict[str, str] | None = None  # environment of a daemon the task has to start
+    faults: tuple[Fault, ...] = field(default=())
+    releases: dict[str, tuple[int, ...]] | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
+    keys_unique: bool = False          # one row per key already (the JVM pre-aggregated): no grouping needed
+
+
+@dataclass(frozen=True)
+class TaskReport:
+    """What a task that committed tells the driver through the batch's accumulator (it pickles:
+    every field is a plain value or a ``CheckpointRef``)."""
+
+    partition: int
+    ref: CheckpointRef                 # the checkpoint the task committed
+    attempt: int                       # Spark's attempt number of the task
+    timings: dict[str, float]          # seconds per phase (group, read, process, write, total); rows, keys
+    node: dict | None = None           # where it ran and its daemon's answer to RELEASE; None: coordinator off
 
 
 def get_all(handle, keys: list[bytes]) -> list:
@@ -195,14 +208,14 @@ def _table_of(batches: list) -> pa.Table:
     return pa.Table.from_batches(batches) if batches else None
 
 
-def run_partition(processor, spec: TaskSpec, partition: int, attempt: int, batches: list,
-                  report=None) -> pa.Table:
+def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, partition: int, attempt: int,
+                  batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None = None) -> pa.Table:
     """Apply ``processor`` to one state partition's rows of a batch; returns the output table.
 
-    Opens the store at ``spec.refs[partition]``, commits, calls ``report(partition, ref, timings,
-    node)`` after the commit (``timings``: seconds spent grouping, in the store, in the processor;
-    ``node``: where it ran, for the coordinator, see ``_coordinate``). A partition without rows
-    opens nothing and reports nothing.
+    Opens the store at ``spec.refs[partition]``, commits, calls ``report(TaskReport(...))`` after
+    the commit (``timings``: seconds spent grouping, in the store, in the processor; ``node``: where
+    it ran, for the coordinator, see ``_coordinate``). A partition without rows opens nothing and
+    reports nothing.
     """
     t0 = time.perf_counter()
     table = _table_of([b for b in batches if b.num_rows])
@@ -235,7 +248,7 @@ def run_partition(processor, spec: TaskSpec, partition: int, attempt: int, batch
     node = _coordinate(client, spec, partition)
     timings["total"] = time.perf_counter() - t0
     if report is not None:
-        report(partition, ref, timings, node)
+        report(TaskReport(partition=partition, ref=ref, attempt=attempt, timings=timings, node=node))
     fire(spec.faults, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
     return out
 
@@ -357,5 +370,5 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
         result.append(ref)
 
 
-__all__ = ["TaskSpec", "Fault", "InjectedFault", "RoutingError", "run_partition", "group_rows", "store_keys",
+__all__ = ["TaskSpec", "TaskReport", "Fault", "InjectedFault", "RoutingError", "run_partition", "group_rows", "store_keys",
            "open_partition_store", "CheckpointRef"]
