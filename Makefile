@@ -1,6 +1,8 @@
-# statestore_async — the two commands of the README:
-#   make demo   set up what is needed and run the main job
-#   make test   set up what is needed (venv, Cython build, S3 server, helm) and run the test suite
+# statestore_async — the commands of the README:
+#   make demo        set up what is needed and run the main job
+#   make test        set up what is needed (venv, Cython build, S3 server, helm) and run the test suite
+#   make test-fast   build, then every test that needs neither Spark nor helm and is not marked slow,
+#                    with a tenth of the Hypothesis examples (about a minute; `make test` runs them all)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +12,7 @@ PYTEST_ARGS ?=
 
 EXT_SOURCES := $(wildcard _ext/*.pyx _ext/*.pxd)
 
-.PHONY: all demo test bench build deps clean distclean helm-bin
+.PHONY: all demo test test-fast bench build deps clean distclean helm-bin
 
 all: build
 
@@ -45,6 +47,12 @@ helm-bin: $(HELM)
 
 test: build $(HELM)
 	STATESTORE_HELM=$(abspath $(HELM)) $(PY) -m pytest $(PYTEST_ARGS)
+
+# No Spark session, no helm (test_helm, test_topology_sim render the chart), nothing marked slow;
+# the "fast" Hypothesis profile of tests/conftest.py.
+test-fast: build
+	STATESTORE_HYPOTHESIS_PROFILE=fast $(PY) -m pytest -m "not spark and not slow" \
+	  --ignore=tests/test_helm.py --ignore=tests/test_topology_sim.py $(PYTEST_ARGS)
 
 demo: build
 	$(PY) -m statestore_async.cli.demo

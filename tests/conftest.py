@@ -12,9 +12,11 @@ from hypothesis import settings
 
 from statestore_async.codecs import twins
 
-# Hypothesis profiles: "full" (``make test``, the counts written in the tests) and "fast"
-# (``make test-fast`` sets STATESTORE_HYPOTHESIS_PROFILE=fast): a tenth of the examples, at least 10.
-# A test that states its own count writes ``max_examples=max_examples(N)`` so that both apply.
+# Hypothesis profiles: "full" (``make test``: the counts written in the tests) and "fast" (``make
+# test-fast`` sets STATESTORE_HYPOTHESIS_PROFILE=fast): a tenth of the examples, at least 10. A test
+# without its own count gets the profile's; a test with ``@settings(max_examples=N)`` is scaled at
+# collection (``_scale_hypothesis_examples``); a @given function defined inside a test, which
+# collection cannot see, writes ``max_examples=max_examples(N)``.
 HYPOTHESIS_PROFILE = os.environ.get("STATESTORE_HYPOTHESIS_PROFILE", "full")
 settings.register_profile("full")  # the defaults
 settings.register_profile("fast", max_examples=10)
@@ -26,6 +28,24 @@ def max_examples(full: int) -> int:
     return max(10, full // 10) if HYPOTHESIS_PROFILE == "fast" else full
 
 
+def _scale_hypothesis_examples(item) -> None:
+    """Under the fast profile, a Hypothesis test that states its own ``max_examples`` runs
+    ``max_examples(N)`` of them. Its settings are the ones ``@settings``/``@given`` attach to the
+    test function (``_hypothesis_internal_use_settings``, read when the test runs); a Hypothesis
+    that stops attaching them leaves the count unchanged."""
+    fn = getattr(item, "obj", None)
+    fn = getattr(fn, "__func__", fn)  # a method: its function carries the settings
+    stated = getattr(fn, "_hypothesis_internal_use_settings", None)
+    if not getattr(fn, "is_hypothesis_test", False) or not isinstance(stated, settings):
+        return
+    if getattr(fn, "_statestore_examples_scaled", False):  # parametrized: one function, several items
+        return
+    fn._statestore_examples_scaled = True
+    wanted = max_examples(stated.max_examples)
+    if wanted < stated.max_examples:
+        fn._hypothesis_internal_use_settings = settings(stated, max_examples=wanted)
+
+
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs twice: under plain asyncio and under uvloop (the daemon's default)."""
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -34,10 +54,13 @@ def pytest_asyncio_loop_factories(config, item):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """A test that asks for the ``spark`` fixture starts a Spark session: it carries the ``spark``
-    marker whether or not its module says so, so that ``-m "not spark"`` never starts the JVM."""
+    marker whether or not its module says so, so that ``-m "not spark"`` never starts the JVM.
+    Under the fast Hypothesis profile, stated example counts are scaled down."""
     for item in items:
         if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("spark") is None:
             item.add_marker(pytest.mark.spark)
+        if HYPOTHESIS_PROFILE == "fast":
+            _scale_hypothesis_examples(item)
 
 
 def implementations(name: str):

@@ -94,6 +94,7 @@ async def test_commit_returns_before_the_upload_and_durable_means_the_object_exi
         assert exists(s3, s3_bucket, k)  # checked with our own HEAD on the server
 
 
+@pytest.mark.slow  # 30 commits through a proxy failing 10% of the requests, retried with backoff
 async def test_ten_percent_503_is_invisible_and_everything_becomes_durable(make_daemon, proxy, s3, s3_bucket):
     proxy.error_rate = 0.10
     d = await make_daemon(proxy.endpoint_url)
@@ -112,6 +113,7 @@ async def test_ten_percent_503_is_invisible_and_everything_becomes_durable(make_
     assert proxy.stats["503"] > 0
 
 
+@pytest.mark.slow  # a 5 s outage, waited out
 async def test_an_outage_keeps_commits_returning_until_the_queue_bound_then_durability_resumes(
         make_daemon, proxy, s3, s3_bucket):
     # a queue bound of about 3 deltas: three commits return at once, the fourth waits for S3

@@ -129,6 +129,7 @@ def _race(root, key, i, barrier, results):
     asyncio.run(go())
 
 
+@pytest.mark.slow  # 48 forked processes
 def test_concurrent_create_exactly_one_wins_across_processes(tmp_path):
     ctx = multiprocessing.get_context("fork")
     for round_ in range(3):
@@ -148,6 +149,7 @@ def test_concurrent_create_exactly_one_wins_across_processes(tmp_path):
 
 
 @pytest.mark.asyncio(loop_factories=["uvloop"])
+@pytest.mark.parametrize("store", ["local", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 async def test_concurrent_creates_exactly_one_wins(store):
     # SeaweedFS serializes competing conditional writes (seconds per round): one round there
     for round_ in range(5 if isinstance(store, LocalObjectStore) else 1):
@@ -170,6 +172,7 @@ async def test_missing_objects_and_ranges(store):
     assert await store.get("r", 20) == b""
 
 
+@pytest.mark.slow  # 17 MiB through the S3 server
 async def test_s3_multipart_create_if_absent(seaweedfs, s3_bucket):
     async with S3ObjectStore(s3_bucket, "", multipart_threshold=5 << 20, part_size=5 << 20,
                              **seaweedfs.client_options()) as s:
@@ -184,6 +187,7 @@ async def test_s3_multipart_create_if_absent(seaweedfs, s3_bucket):
         assert b"".join(chunks) == data
 
 
+@pytest.mark.slow  # retries and a connect timeout, waited out
 async def test_s3_missing_bucket_and_unreachable_endpoint_are_typed(seaweedfs):
     async with S3ObjectStore("no-such-bucket-here", "", **seaweedfs.client_options()) as s:
         with pytest.raises(ObjectStoreError, match="does not exist"):
@@ -244,6 +248,7 @@ def test_s3_timestamps_parse_like_botocore(value):
     assert _parse_timestamp(value) == expected and _parse_timestamp(value).tzinfo is not None
 
 
+@pytest.mark.slow  # megabytes through a proxy failing half of the requests, retried
 async def test_s3_large_bodies_stream_and_survive_retries(seaweedfs, s3_bucket):
     """A body of 1 MiB or more is streamed from memory (not copied whole on the event loop); a
     retried request (503 from a proxy) seeks it back and sends it again whole."""

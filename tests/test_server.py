@@ -375,6 +375,7 @@ async def test_socket_file_mode_stale_socket_and_live_daemon(make_daemon, sockdi
 
 
 # --- exit_when_idle --------------------------------------------------------------------------------------
+@pytest.mark.slow  # seconds of idle timers, waited out
 async def test_exit_when_idle_counts_only_while_no_client_is_connected(make_daemon):
     d = await make_daemon(exit_when_idle=1.0)
     async with AsyncClient(d.config.socket) as c:
@@ -385,6 +386,7 @@ async def test_exit_when_idle_counts_only_while_no_client_is_connected(make_daem
     assert asyncio.get_running_loop().time() - gone >= 0.9
 
 
+@pytest.mark.slow  # a second of not exiting, waited out
 async def test_exit_when_idle_waits_for_pending_uploads(make_daemon, root):
     d = await make_daemon(exit_when_idle=0.2)
     gate = hold_uploads(d, root)
