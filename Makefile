@@ -58,7 +58,8 @@ demo: build
 	$(PY) -m statestore_async.cli.demo
 
 # Benchmarks are not tests: they print ratios against peers measured in the same run.
-# BENCH_ARGS=--quick for a short pass. bench_daemon.py installs Debian's redis-server if missing.
+# BENCH_ARGS=--quick for a short pass. The Redis peer (bench_daemon.py, bench_spark.py) is a local
+# redis-server started by benchmarks/redis_peer.py, which installs Debian's package if it is missing.
 BENCH_ARGS ?=
 bench: build
 	$(PY) benchmarks/run_all.py $(BENCH_ARGS)

@@ -28,7 +28,6 @@ import argparse
 import os
 import random
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -41,8 +40,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from statestore_async.codecs import framing  # noqa: E402
 from statestore_async.wire import protocol as P  # noqa: E402
 from statestore_async.client.clients import Client  # noqa: E402
-from statestore_async.errors import StateStoreError  # noqa: E402
 from statestore_async.ids import StoreId  # noqa: E402
+from statestore_async.testing.daemon import start_daemon as start_daemon_process  # noqa: E402
+from statestore_async.testing.daemon import stop_daemon, wait_until_answering  # noqa: E402
+
+from redis_peer import RedisServer, RedisUnavailable  # noqa: E402  (benchmarks/, this script's folder)
 
 KEY_POOL = 10000
 
@@ -79,74 +81,9 @@ def latencies(fn, count: int) -> tuple[float, float]:
 # --- the daemon -----------------------------------------------------------------------------------------
 def start_daemon(folder: str, *extra: str) -> tuple[subprocess.Popen, str]:
     sock = f"{folder}/d.sock"
-    return _start([sys.executable, "-m", "statestore_async.cli", "serve", "--socket", sock, "--log-level", "warning",
-                   "--max-batch", "100000", *extra], sock, "the daemon"), sock
-
-
-def _start(cmd: list, sock: str, what: str) -> subprocess.Popen:
-    """Start ``cmd``, a server at ``sock``, and wait until it answers PING."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            Client(sock, connect_timeout=1).ping()
-            return proc
-        except StateStoreError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit(f"{what} did not start")
-            time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-# --- redis ----------------------------------------------------------------------------------------------
-def ensure_redis_server() -> str | None:
-    exe = shutil.which("redis-server")
-    if exe:
-        return exe
-    if os.geteuid() == 0:
-        print("redis-server is missing: installing it with apt-get (root) ...", file=sys.stderr)
-        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=False,
-                       stdout=subprocess.DEVNULL, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        exe = shutil.which("redis-server")
-        if exe:
-            return exe
-        subprocess.run(["apt-get", "update", "-q"], check=False, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-q", "redis-server"], check=False, stdout=subprocess.DEVNULL,
-                       env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        return shutil.which("redis-server")
-    print("redis-server is missing: install it with `sudo apt-get install -y redis-server` "
-          "(column (c) is skipped)", file=sys.stderr)
-    return None
-
-
-def start_redis(exe: str, folder: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", folder], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    r = redis.Redis(host="127.0.0.1", port=port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            r.ping()
-            return proc, r
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise SystemExit("redis-server did not start")
-            time.sleep(0.05)
+    proc = start_daemon_process(sock, "--log-level", "warning", "--max-batch", "100000", *extra,
+                                log_path=f"{folder}/daemon.log")
+    return proc, sock
 
 
 # --- (e): the protocol and the socket without an engine ---------------------------------------------------
@@ -202,7 +139,14 @@ def bare_server(path: str) -> None:
 
 def start_bare_server(folder: str) -> tuple[subprocess.Popen, str]:
     sock = f"{folder}/bare.sock"
-    return _start([sys.executable, os.path.abspath(__file__), "--bare-server", sock], sock, "the bare server"), sock
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--bare-server", sock],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        wait_until_answering(proc, sock)
+    except BaseException:
+        stop_daemon(proc, timeout=5)
+        raise
+    return proc, sock
 
 
 def bare_round_trip(count: int = 5000) -> float:
@@ -245,11 +189,16 @@ def bare_round_trip(count: int = 5000) -> float:
 def bench(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     all_keys, all_values = keys_and_values(KEY_POOL)
+    redis_server = r = None
+    if not args.no_redis:  # first: on a fresh machine this installs redis-server
+        try:
+            redis_server = RedisServer().start()
+            r = redis_server.client()
+        except RedisUnavailable as exc:
+            print(f"{exc} (column (c) is skipped)", file=sys.stderr)
     folder = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
     daemon, sock = start_daemon(folder)
     bare, bare_sock = start_bare_server(folder)
-    redis_exe = None if args.no_redis else ensure_redis_server()
-    redis_proc, r = start_redis(redis_exe, folder) if redis_exe else (None, None)
     rows = []
     try:
         import pyarrow as pa
@@ -320,12 +269,12 @@ def bench(args) -> None:
         client.close()
         bare_client.close()
     finally:
-        stop(daemon)
+        stop_daemon(daemon)
         bare.kill()
         bare.wait()
-        if redis_proc is not None:
-            redis_proc.terminate()
-            redis_proc.wait()
+        if redis_server is not None:
+            r.close()
+            redis_server.stop()
         shutil.rmtree(folder, ignore_errors=True)
     show(rows, (p50, p99, rp50, rp99, bare_rt))
 
@@ -408,7 +357,7 @@ def fire_frames(args) -> None:
                 raise SystemExit("the daemon died")
         Client(sock).ping()
     finally:
-        stop(daemon)
+        stop_daemon(daemon)
         shutil.rmtree(folder, ignore_errors=True)
     dt = time.perf_counter() - t0
     print(f"{sent:,} frames sent, {answered:,} answered ({errors:,} with a coded error) in {dt:.1f}s "

@@ -41,9 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -224,20 +222,11 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
 
 
 def p4(spark, src, work, oracle, timeout):
-    import redis
+    from redis_peer import RedisServer
 
-    port = _free_port()
-    d = tempfile.mkdtemp(prefix="ssb-redis-", dir="/tmp")
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-                             "no", "--dir", d], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        r = redis.Redis(port=port)
-        for _ in range(100):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+    with RedisServer() as server:
+        port = server.port
+        r = server.client()
 
         def part(it):
             import numpy as np
@@ -283,19 +272,8 @@ def p4(spark, src, work, oracle, timeout):
                 s += int(b)
         fig["correct"] = (n, c, s) == (oracle["keys"], oracle["count"], oracle["sum"])
         fig["ckpt"] = None
+        r.close()
         return fig
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(10)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -324,6 +302,14 @@ def main() -> int:
     measured = a.batches or (2 if a.quick else 5)
     p2_rows = a.p2_rows or (5_000 if a.quick else 20_000)
     peers = a.peers.split(",")
+    if "p4" in peers:  # before Spark starts: on a fresh machine this installs redis-server
+        from redis_peer import RedisUnavailable, ensure_redis_server
+
+        try:
+            ensure_redis_server()
+        except RedisUnavailable as exc:
+            print(f"# {exc}: P4 is not run", file=sys.stderr, flush=True)
+            peers.remove("p4")
 
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ["PYSPARK_PYTHON"] = sys.executable

@@ -33,6 +33,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sizes")
     args = ap.parse_args()
+    # the peers' servers, set up once before anything is measured (bench_daemon's column (c) and
+    # bench_spark's P4 start their own redis-server through redis_peer; on a fresh machine the
+    # first of them would otherwise install it in the middle of the run)
+    sys.path.insert(0, HERE)
+    from redis_peer import RedisUnavailable, ensure_redis_server
+
+    try:
+        print(f"redis-server: {ensure_redis_server()}", flush=True)
+    except RedisUnavailable as exc:
+        print(f"{exc}: the Redis columns are skipped", file=sys.stderr, flush=True)
     failed = []
     for cmd in QUICK if args.quick else FULL:
         print(f"\n=== {' '.join(cmd)}", flush=True)
