@@ -148,6 +148,11 @@ class _Connection(asyncio.Protocol):
         self._idle = asyncio.Event()
         self._idle.set()
 
+    @property
+    def open_versions(self) -> int:
+        """Versions this connection has open for update (each holds its store's writer slot)."""
+        return sum(1 for w in self.handles.values() if w.state is State.UPDATING)
+
     # -- transport callbacks --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # a Unix stream socket's
@@ -583,11 +588,14 @@ class Daemon:
     def stats(self) -> dict[str, Any]:
         return {
             "daemon": {"version": __version__, "pid": os.getpid(), "uptime": round(time.monotonic() - self._started, 3),
-                       "open_connections": len(self.connections), "stopping": self.stopping, **self.counters,
+                       "open_connections": len(self.connections), "stopping": self.stopping,
+                       "open_versions": sum(c.open_versions for c in self.connections), **self.counters,
                        "requests_by_op": dict(self.requests_by_op)},
-            "registry": self.registry.stats() if self.registry else {},
-            "uploader": self.uploader.stats() if self.uploader else {},
-            "maintenance": self.maintenance.stats() if self.maintenance else {},
+            # ``is not None``: an empty registry is falsy (it has a length), and its section must
+            # still carry every key (zeros), as the metrics endpoint reads them all
+            "registry": self.registry.stats() if self.registry is not None else {},
+            "uploader": self.uploader.stats() if self.uploader is not None else {},
+            "maintenance": self.maintenance.stats() if self.maintenance is not None else {},
             "object_stores": self.objstores.stats(),
         }
 
@@ -639,6 +647,28 @@ class Daemon:
 
 
 # --- metrics and logs -----------------------------------------------------------------------------
+# (metric name, help, STATS section, key): every metric is exposed on every scrape, zeros included
+_GAUGES = (
+    ("statestore_connections", "open client connections", "daemon", "open_connections"),
+    ("statestore_open_versions", "versions open for update (holding their store's writer slot)", "daemon",
+     "open_versions"),
+    ("statestore_stores", "stores in memory", "registry", "stores"),
+    ("statestore_memory_bytes", "bytes of state in memory", "registry", "memory_bytes"),
+    ("statestore_memory_budget_bytes", "memory budget (idle stores above it are evicted)", "registry",
+     "memory_budget"),
+    ("statestore_upload_queue_bytes", "bytes waiting for upload", "uploader", "queued_bytes"),
+)
+_COUNTERS = (
+    ("statestore_requests", "requests served", "daemon", "requests"),
+    ("statestore_request_errors", "requests answered with an error", "daemon", "errors"),
+    ("statestore_loads", "stores loaded from the object store", "registry", "loads"),
+    ("statestore_load_errors", "loads that failed", "registry", "load_errors"),
+    ("statestore_evictions", "stores evicted", "registry", "evictions"),
+    ("statestore_uploads_durable", "deltas made durable", "uploader", "durable"),
+    ("statestore_uploads_failed", "deltas that failed for good", "uploader", "failed"),
+)
+
+
 def start_metrics(daemon: Daemon, host: str, port: int) -> WSGIServer:
     """Serve Prometheus metrics read from ``daemon.stats()`` at scrape time (nothing on the hot path)."""
     from prometheus_client import CollectorRegistry, start_http_server
@@ -647,17 +677,10 @@ def start_metrics(daemon: Daemon, host: str, port: int) -> WSGIServer:
     class _Collector:
         def collect(self) -> Iterator[Metric]:
             s = daemon.stats()
-            g = GaugeMetricFamily
-            yield g("statestore_connections", "open client connections", value=s["daemon"]["open_connections"])
-            yield CounterMetricFamily("statestore_requests", "requests served", value=s["daemon"]["requests"])
-            yield CounterMetricFamily("statestore_request_errors", "requests answered with an error", value=s["daemon"]["errors"])
-            yield g("statestore_stores", "stores in memory", value=s["registry"]["stores"])
-            yield g("statestore_memory_bytes", "bytes of state in memory", value=s["registry"]["memory_bytes"])
-            yield CounterMetricFamily("statestore_loads", "stores loaded from the object store", value=s["registry"]["loads"])
-            yield CounterMetricFamily("statestore_evictions", "stores evicted", value=s["registry"]["evictions"])
-            yield g("statestore_upload_queue_bytes", "bytes waiting for upload", value=s["uploader"]["queued_bytes"])
-            yield CounterMetricFamily("statestore_uploads_durable", "deltas made durable", value=s["uploader"]["durable"])
-            yield CounterMetricFamily("statestore_uploads_failed", "deltas that failed for good", value=s["uploader"]["failed"])
+            for family, metrics in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+                for name, doc, section, key in metrics:
+                    # every key is in STATS, zeros included, once the daemon started
+                    yield family(name, doc, value=float(s.get(section, {}).get(key, 0)))
 
     registry = CollectorRegistry()
     registry.register(_Collector())
