@@ -5,7 +5,8 @@
 * ``InterfaceError`` — the API was used wrongly (bad state transition, bad argument);
 * ``CodecError`` — bytes that cannot be encoded or decoded (``EncodeError``/``DecodeError``);
 * ``CorruptFileError`` — a checkpoint file that fails its checks, naming the file;
-* ``ObjectStoreError`` — the object store failed or refused (``ObjectNotFound``, ``ObjectExists``, …);
+* ``ObjectStoreError`` — the object store failed or refused (``ObjectNotFound``, ``ObjectExists``,
+  ``ObjectStoreAccess``, …) or an upload failed for good (``UploadFailed``);
 * ``VersionError`` — a version/checkpoint that does not exist or cannot be reached;
 * ``ProtocolError`` and the other wire errors (codes 50–59) — a broken or refused connection,
   a limit exceeded, an unknown handle, a daemon shutting down.
@@ -173,6 +174,23 @@ class ObjectStoreUnavailableError(ObjectStoreError):
     """The object store could not be reached or kept failing after retries."""
 
     code = 44
+
+
+class ObjectStoreAccessError(ObjectStoreError):
+    """The object store refuses this daemon's requests for a reason retrying does not heal by
+    itself: access denied, an unknown access key, a bad signature (a wrong secret key), no
+    credentials, a missing bucket, a read-only folder. An operator must fix the configuration;
+    the daemon reports itself degraded meanwhile (see docs/GUARANTEES.md)."""
+
+    code = 45
+
+
+class UploadFailedError(ObjectStoreError):
+    """A checkpoint will not become durable: the upload of the file ``key`` names failed for good
+    (a checkpoint whose lineage needs that file cannot be loaded either), or the daemon stopped
+    before uploading it."""
+
+    code = 46
 
 
 # --- the wire protocol ---------------------------------------------------------------------------

@@ -7,6 +7,10 @@ checkpoint files are cached (manifests and anything else pass through). The cach
 bytes, least recently used out first; ``forget`` drops a copy (the loader does it when a cached copy
 fails its checksums, then reads the origin). Copies are written atomically (temp + rename), so a
 crash never leaves a partial copy behind.
+
+The cache is best effort: a cache folder that cannot be created or written (a full disk, no
+inodes left, a read-only mount) is logged and costs downloads, never an operation of the store —
+an upload that reached the inner store succeeded, whatever became of its local copy.
 """
 from __future__ import annotations
 
@@ -40,13 +44,26 @@ class CachingObjectStore(ObjectStore):
         self.uri = inner.uri
         self.max_bytes = max_bytes
         self.dir = Path(cache_dir) / hashlib.sha256(inner.uri.encode()).hexdigest()[:20]
-        self.dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._lru: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
         self.total = 0
         self.hits = 0
         self.misses = 0
-        self._scan()
+        self.errors = 0  # copies that could not be written or removed (logged)
+        self._warned = False
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
+        except OSError as exc:  # tried again with each copy
+            self._trouble(f"cannot use the cache folder {self.dir}", exc)
+
+    def _trouble(self, what: str, exc: OSError) -> None:
+        """Count and log a cache failure: a warning the first time, then at debug level (a full
+        cache disk would otherwise log one line per file)."""
+        self.errors += 1
+        (log.debug if self._warned else log.warning)("%s: %s (the cache is best effort: reading "
+                                                      "from %s instead)", what, exc, self.uri)
+        self._warned = True
 
     def _scan(self) -> None:
         found = []
@@ -56,7 +73,10 @@ class CachingObjectStore(ObjectStore):
                 if name.startswith(".tmp-"):
                     p.unlink(missing_ok=True)
                     continue
-                st = p.stat()
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
                 found.append((st.st_atime, p.relative_to(self.dir).as_posix(), st.st_size))
         for _, key, size in sorted(found):
             self._lru[key] = size
@@ -77,15 +97,18 @@ class CachingObjectStore(ObjectStore):
         if len(data) > self.max_bytes:
             return
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".tmp-{uuid.uuid4().hex}"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except OSError as exc:  # a full or broken cache disk only costs downloads
-            tmp.unlink(missing_ok=True)
-            log.warning("cannot cache %s: %s", key, exc)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._trouble(f"cannot cache {key}", exc)
             return
         with self._lock:
             old = self._lru.pop(key, 0)
@@ -126,7 +149,10 @@ class CachingObjectStore(ObjectStore):
 
     def _unlink(self, keys: Iterable[str]) -> None:
         for k in keys:
-            self._path(k).unlink(missing_ok=True)
+            try:
+                self._path(k).unlink(missing_ok=True)
+            except OSError as exc:
+                self._trouble(f"cannot remove the cached copy of {k}", exc)
 
     def forget(self, key: str) -> bool:
         """Drop the cached copy of ``key``; True if there was one."""
@@ -135,7 +161,7 @@ class CachingObjectStore(ObjectStore):
             if size is None:
                 return False
             self.total -= size
-        self._path(key).unlink(missing_ok=True)
+        self._unlink((key,))
         return True
 
     def _read(self, key: str, start: int | None, end: int | None) -> bytes | None:
@@ -149,11 +175,23 @@ class CachingObjectStore(ObjectStore):
             return None
 
     # --- the contract ------------------------------------------------------------------------------
-    async def put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
-        info = await self.inner.put_if_absent(key, data)
+    async def _keep(self, key: str, data: bytes) -> None:
+        """Keep a copy of ``key`` (best effort: ``_store`` logs and swallows disk trouble)."""
         if self.cacheable(key):
             await asyncio.to_thread(self._store, key, data)
+
+    async def put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
+        info = await self.inner.put_if_absent(key, data)
+        await self._keep(key, data)  # the upload succeeded whatever happens to the copy
         return info
+
+    async def abort_incomplete_uploads(self, prefix: str) -> int:
+        """The inner store's (see ``S3ObjectStore.abort_incomplete_uploads``); 0 when it has none."""
+        abort = getattr(self.inner, "abort_incomplete_uploads", None)
+        if abort is None:
+            return 0
+        aborted: int = await abort(prefix)
+        return aborted
 
     async def put(self, key: str, data: bytes) -> ObjectInfo:
         self.forget(key)
@@ -167,8 +205,8 @@ class CachingObjectStore(ObjectStore):
                 return data
         self.misses += 1
         data = await self.inner.get(key, start, end)
-        if self.cacheable(key) and start is None and end is None:
-            await asyncio.to_thread(self._store, key, data)
+        if start is None and end is None:
+            await self._keep(key, data)
         return data
 
     async def get_stream(self, key: str, chunk_size: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -184,8 +222,7 @@ class CachingObjectStore(ObjectStore):
         async for chunk in self.inner.get_stream(key, chunk_size):
             parts.append(chunk)
             yield chunk
-        if self.cacheable(key):
-            await asyncio.to_thread(self._store, key, b"".join(parts))
+        await self._keep(key, b"".join(parts))
 
     async def head(self, key: str) -> ObjectInfo:
         return await self.inner.head(key)

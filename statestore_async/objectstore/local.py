@@ -4,6 +4,9 @@ Writes are crash-safe: data goes to a temp file in the target folder, is fsynced
 (``put_if_absent``: ``os.link`` fails if the name exists, so exactly one of concurrent creators
 wins, across processes) or renamed (``put``) into place, and the folder is fsynced.
 Blocking file calls run in a small thread pool so the event loop never waits on the disk.
+ENOSPC/EDQUOT raise ``StorageFullError``; EACCES/EPERM/EROFS ``ObjectStoreAccessError`` (retrying
+does not heal them). ``abort_incomplete_uploads(prefix)`` removes the temp files a killed writer
+left under a prefix.
 """
 from __future__ import annotations
 
@@ -21,12 +24,14 @@ from statestore_async.errors import (
     InterfaceError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectStoreAccessError,
     ObjectStoreError,
     StorageFullError,
 )
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+_DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 _T = TypeVar("_T")
 _Ts = TypeVarTuple("_Ts")
@@ -43,6 +48,8 @@ def _fsync_dir(path: Path) -> None:
 def _os_error(exc: OSError, key: str, what: str) -> ObjectStoreError:
     if exc.errno in _FULL:
         return StorageFullError(f"no space left to {what} {key!r}: {exc}", key)
+    if exc.errno in _DENIED:
+        return ObjectStoreAccessError(f"not allowed to {what} {key!r}: {exc}", key)
     return ObjectStoreError(f"cannot {what} {key!r}: {exc}", key)
 
 
@@ -203,6 +210,35 @@ class LocalObjectStore(ObjectStore):
         self.counts["LIST"] += 1
         for info in await self._run(self._list, prefix):
             yield info
+
+    def _abort_incomplete(self, prefix: str) -> int:
+        folder, _, _ = prefix.rpartition("/")
+        base = self.root.joinpath(*folder.split("/")) if folder else self.root
+        removed = 0
+        for dirpath, _, filenames in os.walk(base):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            for name in filenames:
+                if not name.startswith(".tmp-"):
+                    continue
+                # a temp file is named .tmp-<32 hex digits>-<the name it was written for>
+                meant = rel_dir + name[len(".tmp-") + 33:]
+                if not meant.startswith(prefix):
+                    continue
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    raise _os_error(exc, prefix, "remove temp files under") from exc
+        return removed
+
+    async def abort_incomplete_uploads(self, prefix: str) -> int:
+        """Remove the temp files of writes that never finished (a killed process) under ``prefix``;
+        returns how many. A concurrent writer whose temp file goes fails its write (retried by the
+        daemon's uploader)."""
+        return await self._run(self._abort_incomplete, prefix)
 
     def _delete(self, key: str) -> None:
         try:

@@ -5,11 +5,14 @@
 - ``put_if_absent`` is a conditional PUT (``If-None-Match: *``): 412 → ``ObjectExistsError``;
   409 ``ConditionalRequestConflict`` (a concurrent conditional write in progress) is retried and
   then resolves to a winner or ``ObjectExistsError``. Large bodies go by multipart upload, the
-  condition on ``CompleteMultipartUpload``; a failed multipart upload is aborted.
+  condition on ``CompleteMultipartUpload``; a multipart upload that fails or is cancelled is
+  aborted. ``abort_incomplete_uploads(prefix)`` aborts what a killed process left under a prefix.
 - Credentials come from the standard AWS chain (env, profile, web identity/IRSA, instance role)
   unless given explicitly; endpoint and region from options or the chain.
 - Throttling, 5xx and connection errors are retried by botocore's retry mode; what still fails
-  raises ``ObjectStoreUnavailableError``.
+  raises ``ObjectStoreUnavailableError``. A refusal that retrying does not heal (access denied, an
+  unknown key id, a bad signature, no credentials, a missing bucket) raises
+  ``ObjectStoreAccessError``.
 - Optional server-side encryption: ``sse="AES256"`` or ``sse="aws:kms"`` with ``kms_key_id``.
 """
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from datetime import UTC, datetime
@@ -29,8 +33,10 @@ from aiobotocore.session import get_session
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
+    CredentialRetrievalError,
     EndpointConnectionError,
     NoCredentialsError,
+    PartialCredentialsError,
 )
 from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
@@ -41,15 +47,22 @@ from statestore_async.errors import (
     InterfaceError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ObjectStoreAccessError,
     ObjectStoreError,
     ObjectStoreUnavailableError,
 )
 from statestore_async.objectstore.base import ObjectInfo, ObjectStore, check_key
 
+log = logging.getLogger(__name__)
+
 _SESSION: Any = None  # an aiobotocore AioSession (untyped)
 _NOT_FOUND = {"NoSuchKey", "404", "NotFound"}
 _EXISTS = {"PreconditionFailed", "412"}
 _CONFLICT = {"ConditionalRequestConflict", "409"}
+# refusals that retrying does not heal: the credentials, the permissions or the bucket are wrong
+_ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "InvalidToken",
+           "ExpiredToken", "TokenRefreshRequired", "AccountProblem", "InvalidBucketName", "403"}
+_NO_UPLOAD = {"NoSuchUpload"}
 MIN_PART = 5 << 20
 
 
@@ -239,13 +252,18 @@ class S3ObjectStore(ObjectStore):
             if code in _NOT_FOUND:
                 return ObjectNotFoundError(f"object {key!r} not found in {self.uri}", key)
             if code == "NoSuchBucket":
-                return ObjectStoreError(f"bucket {self.bucket!r} does not exist ({what} {key!r})", key)
+                return ObjectStoreAccessError(f"bucket {self.bucket!r} does not exist ({what} {key!r})", key)
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in _ACCESS or status == 403:
+                return ObjectStoreAccessError(f"S3 refused to {what} {key!r} in {self.uri}: {code} "
+                                              f"({exc.response.get('Error', {}).get('Message', '')})", key)
             if code in ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout") or status >= 500:
                 return ObjectStoreUnavailableError(f"S3 kept failing to {what} {key!r}: {code}", key)
             return ObjectStoreError(f"S3 refused to {what} {key!r}: {code} {exc}", key)
-        if isinstance(exc, NoCredentialsError):
-            return ObjectStoreError(f"no AWS credentials found to {what} {key!r}", key)
+        if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+            return ObjectStoreAccessError(f"no AWS credentials found to {what} {key!r}: {exc}", key)
+        if isinstance(exc, CredentialRetrievalError):
+            return ObjectStoreAccessError(f"cannot get AWS credentials to {what} {key!r}: {exc}", key)
         if isinstance(exc, (EndpointConnectionError, BotoConnectionError, OSError, asyncio.TimeoutError)):
             return ObjectStoreUnavailableError(f"S3 unreachable to {what} {key!r}: {exc}", key)
         return ObjectStoreError(f"cannot {what} {key!r}: {exc}", key)
@@ -298,13 +316,52 @@ class S3ObjectStore(ObjectStore):
                                                           MultipartUpload={"Parts": parts}, **complete)
             return ObjectInfo(key, len(data), resp.get("ETag", "").strip('"') or None)
         except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            # never leave the parts behind (a cancelled upload too: the daemon's drain timed out);
+            # after a CompleteMultipartUpload whose answer was lost this is a no-op (NoSuchUpload)
+            await self._abort_upload(client, key, full, upload_id)
             if isinstance(exc, ClientError) and "IfNoneMatch" in extra and _code(exc) in _EXISTS:
                 raise ObjectExistsError(f"object {key!r} exists already in {self.uri}", key) from None
             if isinstance(exc, (ClientError, BotoCoreError, OSError)):
                 raise self._error(exc, key, "write") from exc
             raise
+
+    async def _abort_upload(self, client: Any, key: str, full: str, upload_id: str) -> bool:
+        """Abort one multipart upload; True if aborted, False if it was gone or the abort failed
+        (logged: a bucket lifecycle rule removes what is left, see docs/GUARANTEES.md)."""
+        self.counts["MPU_ABORT"] += 1
+        try:
+            await client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+            return True
+        except ClientError as exc:
+            if _code(exc) in _NO_UPLOAD or _code(exc) in _NOT_FOUND:
+                return False
+            log.warning("cannot abort the multipart upload %s of %r in %s: %s", upload_id, key, self.uri, exc)
+        except (TimeoutError, BotoCoreError, OSError) as exc:
+            log.warning("cannot abort the multipart upload %s of %r in %s: %s", upload_id, key, self.uri, exc)
+        return False
+
+    async def abort_incomplete_uploads(self, prefix: str) -> int:
+        """Abort every incomplete multipart upload of a key under ``prefix`` (what a process
+        killed in the middle of one left behind: S3 keeps, and bills, its parts until aborted).
+        Returns how many were aborted. Aborting another live writer's upload makes its
+        ``CompleteMultipartUpload`` fail; the daemon's uploader retries such a failure."""
+        client = await self._get_client()
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        found: list[tuple[str, str]] = []
+        paginator = client.get_paginator("list_multipart_uploads")
+        try:
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                self.counts["LIST"] += 1
+                found.extend((u["Key"], u["UploadId"]) for u in page.get("Uploads", []) or [])
+        except (TimeoutError, ClientError, BotoCoreError, OSError) as exc:
+            raise self._error(exc, prefix, "list the multipart uploads under") from exc
+        aborted = 0
+        for full_key, upload_id in found:
+            if await self._abort_upload(client, self._rel(full_key), full_key, upload_id):
+                aborted += 1
+                log.info("aborted the incomplete multipart upload %s of %r in %s", upload_id,
+                         self._rel(full_key), self.uri)
+        return aborted
 
     async def put_if_absent(self, key: str, data: bytes) -> ObjectInfo:
         return await self._put_object(key, data, conditional=True)
