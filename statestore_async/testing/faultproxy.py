@@ -5,7 +5,11 @@ It forwards each request to the upstream server unless a fault is due:
 - ``error_rate``: share of requests answered ``503 SlowDown`` (S3's throttling reply) without
   reaching the server;
 - ``reset_rate``: share of requests whose connection is cut (RST) before any answer;
-- ``outage(seconds)``: for that long, every connection is cut at once (a network outage).
+- ``outage(seconds)``: for that long, every connection is cut at once (a network outage);
+- ``drop_response_rate``: share of requests that are forwarded — the server acts on them — and
+  whose connection is then cut before the answer reaches the client (a lost answer);
+- ``drop_next_response(method, path_contains)``: the same, once, for the next request of that
+  method whose target contains ``path_contains`` (each call arms one more).
 It runs its own event loop in a thread, so it serves sync and async clients alike, and counts
 what it did per kind in ``stats``.
 """
@@ -94,6 +98,9 @@ class FaultProxy:
         self.latency = 0.0
         self.error_rate = 0.0
         self.reset_rate = 0.0
+        self.drop_response_rate = 0.0
+        self._drops: list[tuple[bytes, bytes]] = []  # armed one-shot lost answers: (method, in target)
+        self._drops_lock = threading.Lock()
         self._outage_until = 0.0
         self._rnd = random.Random(seed)
         self.stats: Counter[str] = Counter()
@@ -112,6 +119,28 @@ class FaultProxy:
         self._outage_until = time.monotonic() + seconds
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._cut_all)
+
+    def drop_next_response(self, method: str = "PUT", path_contains: str = "") -> None:
+        """Forward the next ``method`` request whose target contains ``path_contains`` to the
+        server, read the server's answer, and cut the client's connection instead of answering."""
+        with self._drops_lock:
+            self._drops.append((method.upper().encode(), path_contains.encode()))
+
+    @property
+    def armed_drops(self) -> int:
+        """One-shot lost answers armed and not yet used."""
+        with self._drops_lock:
+            return len(self._drops)
+
+    def _take_drop(self, request: bytes) -> bool:
+        method, _, rest = request.partition(b" ")
+        target = rest.split(b" ", 1)[0]
+        with self._drops_lock:
+            for i, (m, part) in enumerate(self._drops):
+                if m == method and part in target:
+                    del self._drops[i]
+                    return True
+        return False
 
     def _cut_all(self) -> None:
         for w in list(self._conns):
@@ -151,6 +180,8 @@ class FaultProxy:
                                  b"Content-Length: %d\r\nConnection: keep-alive\r\n\r\n" % len(_SLOWDOWN) + _SLOWDOWN)
                     await writer.drain()
                     continue
+                drop = self._take_drop(request) or (
+                    self.drop_response_rate > 0 and self._rnd.random() < self.drop_response_rate)
                 up_w.write(request)
                 await up_w.drain()
                 response = await _read_response(up_r, _is_head_request(request))
@@ -158,6 +189,10 @@ class FaultProxy:
                     _reset(writer)
                     return
                 self.stats["forwarded"] += 1
+                if drop:
+                    self.stats["dropped_response"] += 1
+                    _reset(writer)
+                    return
                 writer.write(response)
                 await writer.drain()
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
