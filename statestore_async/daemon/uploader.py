@@ -1,25 +1,54 @@
-"""``Uploader``: makes committed deltas durable in the background (DESIGN §7).
+"""``Uploader``: makes committed deltas durable in the background (DESIGN §7, docs/GUARANTEES.md).
 
 ``submit(delta)`` registers the delta at once (its durability is queryable from then on) and
 returns as soon as the upload queue has room for it: when ``queue_bytes`` are already waiting,
 commits wait (back-pressure) — a delta is never dropped. A background task per store encodes
-each delta (``checkpoint.encode_delta``, in a worker thread) and writes it with ``put_if_absent``,
-in commit order, with at most ``concurrency`` uploads at a time across stores. An
-``ObjectStoreError`` is retried with exponential backoff, except ``ObjectExistsError``: the name is
-taken, which must never happen for a fresh checkpoint id, so the upload fails and the error is
-reported (never overwritten).
+each delta (``checkpoint.encode_delta``, in a worker thread) and creates its file with
+``files.transfer.create_checkpoint_file``, in commit order, with at most ``concurrency`` uploads
+at a time across stores.
+
+What it promises:
+
+* **Durable means loadable.** A delta is uploaded only once every delta of its lineage that this
+  daemon uploads is durable, so a delta file in the object store can always be loaded; a version
+  is reported durable only when its own file is there (and so its lineage's).
+* **Retried until it succeeds or the daemon stops.** Any failure of an attempt is retried with
+  exponential backoff (botocore retries underneath), whatever its type, except the failures
+  that cannot heal: the delta cannot be encoded, the name is taken by other bytes
+  (``CheckpointConflictError``: two writers used one checkpoint id; an earlier attempt of this
+  upload whose answer was lost is recognised by its bytes and is a success), or a misuse
+  (``InterfaceError``). Such an upload fails for good, and so does every later upload of the store
+  whose lineage needs it (``UploadFailedError`` naming the file), without being sent.
+* **Failures are answered, never left to time out.** ``wait_durable`` raises the typed error of a
+  failed upload (or of the failed file a lineage needs). A root whose last attempt was refused in
+  a way that retrying does not heal by itself (``ObjectStoreAccessError``: credentials,
+  permissions, a missing bucket; ``StorageFullError``) is *degraded*: waiters for anything not yet
+  durable there get that error at once, uploads go on being retried in the background, and the
+  first success there clears it.
+* **A store's folder is swept once.** Before this daemon's first upload to a store, incomplete
+  multipart uploads (or a local store's temp files) left under its folder by a killed process are
+  aborted (``abort_incomplete_uploads``; best effort).
 """
 from __future__ import annotations
 
 import asyncio
 import enum
 import logging
+import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statestore_async.engine.store import Delta
-from statestore_async.errors import ObjectExistsError, ObjectStoreError
+from statestore_async.errors import (
+    CheckpointConflictError,
+    InterfaceError,
+    ObjectStoreAccessError,
+    ObjectStoreError,
+    StateStoreError,
+    StorageFullError,
+    UploadFailedError,
+)
 from statestore_async.files import checkpoint
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.files.transfer import create_checkpoint_file
@@ -36,19 +65,47 @@ class UploadState(enum.Enum):
     FAILED = "failed"
 
 
+# errors after which a root is reported degraded (see the module docstring)
+_DEGRADING = (ObjectStoreAccessError, StorageFullError)
+# failures of an attempt that retrying cannot heal
+_PERMANENT = (CheckpointConflictError, InterfaceError)
+
+
 class _Upload:
-    __slots__ = ("admitted", "attempts", "delta", "done", "error", "ref", "size", "state", "store_id")
+    __slots__ = ("admitted", "attempts", "delta", "done", "error", "lineage", "ref", "size", "state", "store_id")
 
     def __init__(self, delta: Delta, size: int) -> None:
         self.store_id: StoreId = delta.store_id
         self.ref: CheckpointRef = delta.ref
         self.delta: Delta | None = delta  # None once the upload is finished
+        # the refs this one's load needs (until it is finished: a durable delta's lineage was durable)
+        self.lineage: tuple[CheckpointRef, ...] = delta.lineage
         self.size = size
         self.state = UploadState.QUEUED
+        # the last attempt's error while pending; the typed reason once FAILED
         self.error: BaseException | None = None
         self.attempts = 0
         self.admitted = asyncio.Event()
         self.done = asyncio.Event()
+
+    @property
+    def key(self) -> str:
+        return file_key(self.store_id, self.ref, DELTA)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is UploadState.DURABLE or self.state is UploadState.FAILED
+
+
+class _Degraded:
+    """Why a root is degraded: the last attempt's error, since when, and how often it was seen."""
+
+    __slots__ = ("count", "error", "since")
+
+    def __init__(self, error: ObjectStoreError) -> None:
+        self.error = error
+        self.since = time.time()
+        self.count = 1
 
 
 # How long a COMMIT answered before its changes were applied leaves them pending: the event loop
@@ -92,9 +149,15 @@ class Uploader:
         self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
+        # pulsed (set, then replaced) when an upload of the store changes state: wakes its waiters
+        self._changed: dict[StoreId, asyncio.Event] = {}
+        self._degraded: dict[str, _Degraded] = {}  # root -> why it is degraded
+        self._swept: set[StoreId] = set()  # stores whose leftovers were looked for
+        self._closed = False
         #: called as ``on_durable(store_id, ref, nbytes, lineage)`` after each delta is in the object store
         self.on_durable: Callable[[StoreId, CheckpointRef, int, tuple[CheckpointRef, ...]], None] | None = None
-        self.counters = {"submitted": 0, "durable": 0, "failed": 0, "retries": 0, "bytes_uploaded": 0}
+        self.counters = {"submitted": 0, "durable": 0, "failed": 0, "retries": 0, "bytes_uploaded": 0,
+                         "multipart_aborted": 0}
 
     # --- submitting -----------------------------------------------------------------------------
     async def submit(self, delta: Delta) -> None:
@@ -108,6 +171,8 @@ class Uploader:
 
     def enqueue(self, delta: Delta) -> _Upload:
         """Register ``delta`` now (ordered after earlier commits of its store); admission may wait."""
+        if self._closed:
+            raise InterfaceError("the uploader is closed: the daemon is stopping")
         up = _Upload(delta, delta_size(delta))
         key = (up.store_id, up.ref)
         self._status[key] = up  # a second upload of the same name fails with ObjectExistsError
@@ -151,12 +216,15 @@ class Uploader:
                 up = queue[0]
                 await up.admitted.wait()
                 try:
+                    await self._sweep(store_id)
                     await self._upload(up)
                 finally:
                     queue.popleft()
                     self.queued_bytes -= up.size
                     up.delta = None
+                    up.lineage = ()
                     up.done.set()
+                    self._notify(store_id)
                     self._admit()
         finally:
             del self._workers[store_id]
@@ -166,11 +234,47 @@ class Uploader:
                 self._idle.set()
             self._trim()
 
+    async def _sweep(self, store_id: StoreId) -> None:
+        """Before the first upload to ``store_id``: abort what killed writers left in its folder."""
+        if store_id in self._swept:
+            return
+        self._swept.add(store_id)
+        try:
+            store = self._objstore_for(store_id.root)
+            abort: Callable[[str], Awaitable[int]] | None = getattr(store, "abort_incomplete_uploads", None)
+            if abort is None:
+                return
+            n = await abort(store_id.prefix + "/")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # best effort: a lifecycle rule covers what stays (docs/GUARANTEES.md)
+            log.warning("cannot look for incomplete uploads under %s/%s: %s", store_id.root, store_id.prefix, exc)
+            return
+        if n:
+            self.counters["multipart_aborted"] += n
+            log.info("aborted %d incomplete uploads under %s/%s left by an earlier writer", n, store_id.root,
+                     store_id.prefix)
+
+    def _failed_ancestor(self, up: _Upload) -> _Upload | None:
+        """The first upload of ``up``'s lineage that failed for good, if any."""
+        status = self._status
+        for r in up.lineage:
+            a = status.get((up.store_id, r))
+            if a is not None and a.state is UploadState.FAILED:
+                return a
+        return None
+
     async def _upload(self, up: _Upload) -> None:
-        key = file_key(up.store_id, up.ref, DELTA)
+        key = up.key
         delay = self.retry_base
         delta = up.delta  # set to None by _run_store only once this returns
         assert delta is not None
+        failed = self._failed_ancestor(up)
+        if failed is not None:
+            # never upload a delta whose load needs a file that will not exist: it could be
+            # reported durable and still not load
+            self._fail(up, _dependent_error(up, failed))
+            return
         if not getattr(delta, "applied", True):
             # a deferred commit (the daemon answered it before applying its changes to the map):
             # give the loop the time to sleep first, as the daemon does, then apply it here on the
@@ -180,33 +284,32 @@ class Uploader:
         try:
             data = await asyncio.to_thread(self._encode, delta)
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
-            self._fail(up, exc, key)
+            self._fail(up, exc)
             return
+        root = up.store_id.root
         while True:
             up.attempts += 1
             try:
                 async with self._sem:
                     up.state = UploadState.UPLOADING
-                    store = self._objstore_for(up.store_id.root)
+                    store = self._objstore_for(root)
                     await create_checkpoint_file(store, up.store_id, up.ref, DELTA, data)
-            except ObjectExistsError as exc:
-                self._fail(up, exc, key)
+            except _PERMANENT as exc:
+                self._fail(up, exc)
                 return
-            except ObjectStoreError as exc:
+            except Exception as exc:  # anything else may heal: retried until the daemon stops
                 self.counters["retries"] += 1
                 up.error = exc
                 up.state = UploadState.QUEUED
-                log.warning("upload of %s failed (attempt %d), retrying in %.2fs: %s", key, up.attempts, delay, exc)
+                self._attempt_failed(up, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max)
                 continue
-            except Exception as exc:
-                self._fail(up, exc, key)
-                return
             up.state = UploadState.DURABLE
             up.error = None
             self.counters["durable"] += 1
             self.counters["bytes_uploaded"] += len(data)
+            self._healed(root)
             log.debug("uploaded %s (%d bytes)", key, len(data))
             if self.on_durable is not None:
                 try:
@@ -215,11 +318,47 @@ class Uploader:
                     log.exception("on_durable listener failed for %s", key)
             return
 
-    def _fail(self, up: _Upload, exc: BaseException, key: str) -> None:
+    def _attempt_failed(self, up: _Upload, exc: Exception, delay: float) -> None:
+        root = up.store_id.root
+        if isinstance(exc, _DEGRADING):
+            deg = self._degraded.get(root)
+            if deg is None:
+                self._degraded[root] = _Degraded(exc)
+                log.error("object store %s is degraded: %s: %s; uploads are retried, waiters get this error "
+                          "until one succeeds", root, type(exc).__name__, exc)
+                self._notify_root(root)
+            else:
+                deg.error, deg.count = exc, deg.count + 1
+            log.debug("upload of %s failed (attempt %d), retrying in %.2fs: %s", up.key, up.attempts, delay, exc)
+        elif isinstance(exc, ObjectStoreError):
+            log.warning("upload of %s failed (attempt %d), retrying in %.2fs: %s", up.key, up.attempts, delay, exc)
+        else:  # not an object-store error: unexpected, so loud (with its traceback), and retried
+            log.error("upload of %s failed (attempt %d), retrying in %.2fs: %s: %s", up.key, up.attempts, delay,
+                      type(exc).__name__, exc, exc_info=exc)
+        self._notify(up.store_id)
+
+    def _healed(self, root: str) -> None:
+        deg = self._degraded.pop(root, None)
+        if deg is not None:
+            log.warning("object store %s is healthy again (it had refused %d attempts since %s)", root, deg.count,
+                        time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(deg.since)))
+            self._notify_root(root)
+
+    def _fail(self, up: _Upload, exc: BaseException) -> None:
         up.state = UploadState.FAILED
-        up.error = exc
+        up.error = _typed(up, exc)
         self.counters["failed"] += 1
-        log.error("upload of %s failed for good: %s", key, exc)
+        log.error("upload of %s failed for good: %s: %s", up.key, type(up.error).__name__, up.error)
+        self._notify(up.store_id)
+
+    def _notify(self, store_id: StoreId) -> None:
+        ev = self._changed.pop(store_id, None)
+        if ev is not None:
+            ev.set()
+
+    def _notify_root(self, root: str) -> None:
+        for store_id in [s for s in self._changed if s.root == root]:
+            self._notify(store_id)
 
     def _trim(self) -> None:
         """Forget the oldest durable entries beyond ``keep_done`` (failed ones are kept)."""
@@ -255,23 +394,49 @@ class Uploader:
         st = self.state(store_id, ref)
         return st is None or st is UploadState.DURABLE
 
-    async def wait_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float) -> bool:
-        """True once the delta of ``ref`` is durable; False on timeout or when it is unknown here.
-
-        A failed upload raises its error.
-        """
+    def verdict(self, store_id: StoreId, ref: CheckpointRef) -> bool | None:
+        """True when ``ref`` is durable (and so loadable), None while it may still become durable,
+        False when this uploader does not know it; raises the typed error when it will not become
+        durable or its root is degraded."""
         up = self._status.get((store_id, ref))
         if up is None:
             return False
-        if not up.done.is_set():
-            try:
-                await asyncio.wait_for(asyncio.shield(up.done.wait()), timeout)
-            except TimeoutError:
-                return False
+        if up.state is UploadState.DURABLE:
+            return True
         if up.state is UploadState.FAILED:
-            assert up.error is not None  # _fail always sets it
+            assert isinstance(up.error, StateStoreError)  # _fail types it
             raise up.error
-        return up.state is UploadState.DURABLE
+        failed = self._failed_ancestor(up)
+        if failed is not None:
+            raise _dependent_error(up, failed)
+        deg = self._degraded.get(store_id.root)
+        if deg is not None:
+            raise type(deg.error)(f"{store_id} at {ref} is not durable: the object store refuses this daemon's "
+                                  f"uploads: {deg.error}", up.key)
+        return None
+
+    async def wait_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float) -> bool:
+        """True once the delta of ``ref`` is durable; False on timeout or when it is unknown here.
+
+        Raises the typed error as soon as ``ref`` will not become durable (its upload, or one its
+        lineage needs, failed for good; the daemon stopped first) or its root is degraded.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            v = self.verdict(store_id, ref)
+            if v is not None:
+                return v
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            ev = self._changed.get(store_id)
+            if ev is None:
+                ev = self._changed[store_id] = asyncio.Event()
+            try:
+                await asyncio.wait_for(ev.wait(), remaining)
+            except TimeoutError:
+                return bool(self.verdict(store_id, ref))
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload has finished (or ``timeout``); True if all did."""
@@ -282,11 +447,40 @@ class Uploader:
         return True
 
     async def close(self) -> None:
-        """Cancel the workers (call ``drain`` first to keep queued uploads)."""
+        """Cancel the workers (call ``drain`` first to keep queued uploads): every upload not
+        finished fails with ``UploadFailedError`` (its waiters are answered) and is listed by
+        ``not_durable``. Nothing can be submitted afterwards."""
+        self._closed = True
         tasks = list(self._workers.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for up in self._status.values():
+            if not up.finished:
+                why = f": the last attempt failed with {type(up.error).__name__}: {up.error}" if up.error else ""
+                up.state = UploadState.FAILED
+                up.error = UploadFailedError(f"{up.key} was not uploaded before the daemon stopped{why}", up.key)
+                up.delta = None
+                up.lineage = ()
+                up.done.set()
+                self.counters["failed"] += 1
+        for store_id in list(self._changed):
+            self._notify(store_id)
+
+    def not_durable(self) -> list[tuple[StoreId, CheckpointRef, BaseException | None]]:
+        """Every acknowledged commit this uploader knows of that is not durable (pending or failed),
+        in commit order, with its error."""
+        return [(up.store_id, up.ref, up.error) for up in self._status.values() if up.state is not UploadState.DURABLE]
+
+    def degraded(self) -> dict[str, dict[str, Any]]:
+        """Degraded roots: the error that degraded each, since when (epoch seconds), how many
+        attempts it refused, and how many uploads wait there."""
+        out: dict[str, dict[str, Any]] = {}
+        for root, deg in self._degraded.items():
+            waiting = sum(len(q) for sid, q in self._by_store.items() if sid.root == root)
+            out[root] = {"error": type(deg.error).__name__, "message": str(deg.error), "since": round(deg.since, 3),
+                         "refused": deg.count, "uploads_waiting": waiting}
+        return out
 
     def stats(self) -> dict[str, Any]:
         states = {s.value: 0 for s in UploadState}
@@ -298,5 +492,19 @@ class Uploader:
             "waiting_admission": len(self._waiting),
             "stores_uploading": len(self._workers),
             "states": states,
+            "degraded_roots": len(self._degraded),
             **self.counters,
         }
+
+
+def _typed(up: _Upload, exc: BaseException) -> StateStoreError:
+    """The error a failed upload is answered with: typed, naming the file."""
+    if isinstance(exc, ObjectStoreError) and exc.key == up.key:
+        return exc
+    return UploadFailedError(f"the upload of {up.key} failed for good: {type(exc).__name__}: {exc}", up.key)
+
+
+def _dependent_error(up: _Upload, failed: _Upload) -> UploadFailedError:
+    return UploadFailedError(
+        f"{up.store_id} at {up.ref} cannot become durable: its lineage needs {failed.key}, whose upload failed "
+        f"for good ({type(failed.error).__name__}: {failed.error})", failed.key)
