@@ -1,6 +1,7 @@
 """The blocking client against a real daemon process: API, fork safety, many processes, kill -9."""
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -13,12 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statestore_async.testing.daemon import start_daemon, stop_daemon
-
 from statestore_async import errors
-from statestore_async.wire import protocol as P
-from statestore_async.client.clients import Client, StoreHandle, _split
+from statestore_async.client.clients import AsyncClient, Client, StoreHandle
+from statestore_async.client.pipeline import Await, Send, pipeline
+from statestore_async.client.pipeline import split as _split
 from statestore_async.ids import StoreId
+from statestore_async.testing.daemon import start_daemon, stop_daemon
+from statestore_async.wire import protocol as P
 
 
 def key(i: int) -> bytes:
@@ -60,6 +62,89 @@ def test_split_keeps_order_and_limits(items, max_batch, budget):
     assert [x for r in runs for x in r] == items
     assert all(len(r) <= max_batch and 4 + sum(map(size, r)) <= budget for r in runs)
     assert all(runs) or runs == [[]]
+
+
+def _drive(frames, window, answer):
+    """Run ``pipeline`` with ``answer(rid)`` as the IO (raising: an error answer); the steps taken."""
+    steps, log = pipeline(frames, window), []
+    step = next(steps)
+    try:
+        while True:
+            log.append(step)
+            if isinstance(step, Send):
+                step = steps.send(None)
+                continue
+            try:
+                value = answer(step.rid)
+            except Exception as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(value)
+    except StopIteration as done:
+        return log, done.value
+
+
+def test_pipeline_keeps_the_window_and_answers_in_order():
+    frames = [(rid, b"r%d" % rid) for rid in range(1, 6)]
+    log, answers = _drive(frames, 2, lambda rid: rid * 10)
+    assert log == [Send(1, b"r1", False), Send(2, b"r2", True), Await(1), Send(3, b"r3", True), Await(2),
+                   Send(4, b"r4", True), Await(3), Send(5, b"r5", True), Await(4), Await(5)]
+    assert answers == [10, 20, 30, 40, 50]
+    assert _drive(iter(frames[:1]), 8, lambda rid: "one") == ([Send(1, b"r1", False), Await(1)], ["one"])
+
+
+def test_pipeline_reads_every_answer_after_an_error_and_stops_on_a_lost_connection():
+    def answer(rid):
+        if rid in (2, 4):
+            raise errors.StoreStateError(f"no {rid}")
+        return rid
+
+    frames = [(rid, b"") for rid in range(1, 6)]
+    awaited = []
+
+    def answer_logged(rid):
+        awaited.append(rid)
+        return answer(rid)
+
+    with pytest.raises(errors.StoreStateError, match="no 2"):
+        _drive(frames, 3, answer_logged)
+    assert awaited == [1, 2, 3, 4, 5]
+    awaited.clear()
+
+    def lost(rid):
+        awaited.append(rid)
+        raise P.ConnectionLostError("gone")
+
+    with pytest.raises(P.ConnectionLostError):
+        _drive(frames, 3, lost)
+    assert awaited == [1]
+
+
+async def test_async_pipelines_of_several_tasks_share_the_slots(tmp_path):
+    """Each request holds a slot until its answer arrives: pipelines of several tasks, together over
+    max_inflight, never wait for each other's slots."""
+    sockdir = tempfile.mkdtemp(prefix="ssc-", dir="/tmp")
+    sock = f"{sockdir}/d.sock"
+    proc = start_daemon(sock, "--max-batch", "10", "--max-inflight", "2", "--log-level", "warning",
+                        log_path=str(tmp_path / "daemon.log"))
+    try:
+        async with AsyncClient(sock, timeout=30) as c:
+            handles = [await c.open(StoreId(f"file://{tmp_path}/root", "slots", p), 0) for p in range(3)]
+            items = [(key(i), b"v%d" % i) for i in range(95)]
+            keys = pa.array([k for k, _ in items], type=pa.binary())
+            puts = asyncio.gather(*(h.put_many(items) for h in handles))
+            assert await asyncio.wait_for(puts, 60) == [95, 95, 95]
+            gets = asyncio.gather(*(h.get_many([k for k, _ in items]) for h in handles),
+                                  *(h.get_many_arrow(keys) for h in handles))
+            got = await asyncio.wait_for(gets, 60)
+            assert got[:3] == [[v for _, v in items]] * 3
+            assert [a.to_pylist() for a in got[3:]] == [[v for _, v in items]] * 3
+            for h in handles:
+                await h.abort()
+            assert await c.ping(b"still fine") == b"still fine"
+    finally:
+        stop_daemon(proc)
+        shutil.rmtree(sockdir, ignore_errors=True)
 
 
 def test_round_trip_with_transparent_splitting(daemon):
@@ -251,7 +336,7 @@ def test_rows_in_and_out_with_spark_key_groups(daemon):
     sock, root = daemon
     c = Client(sock)
     sid = StoreId(root, "rows", 0)
-    items = [(("user-%d" % i, i % 3), {"count": i, "tags": ["a", "b"][: i % 3], "avg": i / 7}) for i in range(2500)]
+    items = [((f"user-{i}", i % 3), {"count": i, "tags": ["a", "b"][: i % 3], "avg": i / 7}) for i in range(2500)]
     with c.open(sid, 0) as h:
         assert h.put_rows(items, key_types=["string", "int"], num_key_groups=128) == 2500
         h.remove_rows([("user-0", 0)], key_types=["string", "int"], num_key_groups=128)
