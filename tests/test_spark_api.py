@@ -355,6 +355,37 @@ def test_output_is_computed_once_and_released(spark, daemon, tmp_path, materiali
         assert not list((tmp_path / "out").iterdir())
 
 
+def test_faults_need_the_testing_hook_maker(tmp_path):
+    """Without faults every hook point is a no-op; faults need ``statestore_async.testing.faults``
+    installed, whose hook pickles by reference (Spark's workers import it) and fires only where armed."""
+    import pickle
+
+    from pyspark import cloudpickle
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from statestore_async.spark.runtime import FaultSite, InjectedFault
+    from statestore_async.testing import faults
+
+    out = StructType([StructField("key", StringType()), StructField("count", LongType()), StructField("sum", LongType())])
+    fault = {"point": "after_commit", "batch": 1, "partition": 0, "action": "fail"}
+    make = lambda f: StatefulOperator(str(tmp_path), "f", ["key"], CountSum(), out, 2, faults=f)
+    assert make(())._fault_hook is None
+    with pytest.raises(errors.InterfaceError, match="no fault hook maker is installed"):
+        make([fault])
+    hook = lambda site: None
+    assert make(hook)._fault_hook is hook  # a FaultHook of one's own needs no maker
+    faults.install()
+    try:
+        plan = pickle.loads(cloudpickle.dumps(make([fault])._fault_hook))
+    finally:
+        faults.uninstall()
+    assert type(plan) is faults.FaultPlan
+    plan(FaultSite("after_commit", 1, 1, 0))  # another partition
+    plan(FaultSite("after_commit", 1, 0, 1))  # another attempt
+    with pytest.raises(InjectedFault, match="after_commit of batch 1 partition 0"):
+        plan(FaultSite("after_commit", 1, 0, 0))
+
+
 def test_materialize_auto_is_checkpoint_in_local_mode(spark, tmp_path):
     assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2).materialize_mode(spark) == "checkpoint"
     assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2,

@@ -1,10 +1,10 @@
 """Crashes of the node's daemon inside a batch (kill -9 before commit, after commit, before the fence).
 
-Each run: a query with a test hook that SIGKILLs the daemon during batch 2, which fails the batch
-(or not, when the uploads won the race); then the query is restarted from its Spark checkpoint
-with a fresh operator. The next task finds no daemon and starts one (placement), which loads the
-state from the files the last manifest names. Outputs per batch and the final state must equal
-Spark's own aggregation.
+Each run: a query with a fault (``statestore_async.testing.faults``) that SIGKILLs the daemon
+during batch 2, which fails the batch (or not, when the uploads won the race); then the query is
+restarted from its Spark checkpoint with a fresh operator. The next task finds no daemon and
+starts one (placement), which loads the state from the files the last manifest names. Outputs per
+batch and the final state must equal Spark's own aggregation.
 """
 from __future__ import annotations
 
@@ -15,9 +15,18 @@ from statestore_async.files.manifest import list_manifest_versions
 from statestore_async.spark import StatefulOperator, daemon_pid, load_state
 from statestore_async.spark.examples import CountSum
 from statestore_async.spark.placement import _zombie
+from statestore_async.testing import faults
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 OUT = "key string, count bigint, sum bigint"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fault_hooks():
+    """The operators of this module may be given ``faults``: their hook maker is installed."""
+    faults.install()
+    yield
+    faults.uninstall()
 
 
 @pytest.fixture(scope="module")

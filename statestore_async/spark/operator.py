@@ -57,7 +57,7 @@ from statestore_async.objectstore import ObjectStore, open_object_store
 from statestore_async.spark.coordinator import Coordinator
 from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor
 from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
-from statestore_async.spark.runtime import Fault, TaskReport, TaskSpec, fire, run_partition
+from statestore_async.spark.runtime import Fault, FaultHook, TaskReport, TaskSpec, fault_hook_for, fault_point, run_partition
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -214,6 +214,9 @@ class StatefulOperator:
     blocks Spark recomputes by running the stateful stage again (that run's commit is in no
     manifest); ``"auto"`` (default) — ``"checkpoint"`` in local mode (an executor is lost only with
     the driver), ``"cache"`` on a cluster.
+    ``faults`` (tests): ``runtime.Fault`` records or dicts of their fields, which need the hook maker
+    of ``statestore_async.testing.faults`` installed (``InterfaceError`` otherwise), or a
+    ``runtime.FaultHook``; without faults every hook point is a no-op.
     """
 
     def __init__(self, checkpoint_root: str, operator_id: str, key_columns: str | Sequence[str],
@@ -222,7 +225,8 @@ class StatefulOperator:
                  value_columns: Sequence[str] | None = None, socket_path: str | None = None,
                  daemon_env: dict[str, str] | None = None, fence_timeout: float = 60.0,
                  s3_options: dict[str, Any] | None = None, output_path: str | None = None,
-                 pre_aggregate: Sequence[Column] | None = None, faults: Iterable[Fault | Mapping[str, Any]] = (),
+                 pre_aggregate: Sequence[Column] | None = None,
+                 faults: Iterable[Fault | Mapping[str, Any]] | FaultHook = (),
                  clock: Callable[[], float] = time.time, coordinate: bool = True, materialize: str = "auto") -> None:
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
@@ -252,7 +256,12 @@ class StatefulOperator:
         self.fence_timeout = fence_timeout
         self.s3_options = s3_options
         self.output_path = output_path
-        self.faults = tuple(Fault(**f) if isinstance(f, dict) else f for f in faults)
+        if callable(faults):
+            self.faults: tuple[Fault, ...] = ()
+            self._fault_hook: FaultHook | None = faults
+        else:
+            self.faults = tuple(Fault(**f) if isinstance(f, Mapping) else f for f in faults)
+            self._fault_hook = fault_hook_for(self.faults)  # None (no fault): the hook points do nothing
         self.clock = clock  # seconds; the TTL clock of a batch is read once, on the driver
         self.pre_aggregate = list(pre_aggregate) if pre_aggregate else None
         self.coordinator = Coordinator() if coordinate else None
@@ -343,12 +352,12 @@ class StatefulOperator:
         try:
             reports: list[TaskReport] = acc.value
             refs = self._collect_reports(reports, prog)
-            fire(self.faults, "before_fence", batch_id, socket_path=self.socket_path)
+            fault_point(self._fault_hook, "before_fence", batch_id, socket_path=self.socket_path)
             with _timed(prog, "fence"):
                 self._fence(refs)
             with _timed(prog, "manifest"):
                 self._commit(plan, refs)
-            fire(self.faults, "after_manifest", batch_id, socket_path=self.socket_path)
+            fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
             with _timed(prog, "sink"):
                 if sink is not None:
                     sink(output.result, batch_id)
@@ -372,7 +381,7 @@ class StatefulOperator:
                         num_key_groups=self.num_key_groups, batch_id=batch_id,
                         refs=tuple(base.ref(p) for p in range(self.num_partitions)),
                         now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
-                        faults=self.faults,
+                        fault_hook=self._fault_hook,
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate))
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec)

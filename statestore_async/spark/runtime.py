@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -36,14 +34,19 @@ class RoutingError(InterfaceError):
     """A task received rows of a key group its state partition does not own."""
 
 
+# -- the fault hook point -----------------------------------------------------------------------
+# Tests make a daemon, a task or the driver fail at named points of a batch. The product only calls
+# ``fault_point`` there: nothing happens unless the operator was given ``faults``, and only the hook
+# maker that ``statestore_async.testing.faults`` installs (``install_fault_hook_maker``) can turn
+# those into a hook. Task points: ``before_commit``, ``after_commit``; driver points:
+# ``before_fence``, ``after_manifest``.
+
+
 @dataclass(frozen=True)
 class Fault:
-    """A test hook: at ``point`` of ``batch`` (and ``partition``, ``attempt`` when set) do ``action``.
-
-    Task points: ``before_commit``, ``after_commit``. Driver points: ``before_fence``,
-    ``after_manifest``. Actions: ``kill_daemon`` (SIGKILL this node's daemon), ``fail`` (raise),
-    ``kill_self`` (SIGKILL the current process).
-    """
+    """A fault a test arms on an operator: at ``point`` of ``batch`` (and ``partition``, ``attempt``
+    when set) do ``action``. Data only: the installed hook maker decides what actions exist and do
+    (``statestore_async.testing.faults``: ``kill_daemon``, ``kill_self``, ``fail``)."""
 
     point: str
     batch: int
@@ -53,29 +56,50 @@ class Fault:
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a ``fail`` test hook."""
+    """What a ``fail`` fault raises."""
 
 
-def fire(faults, point: str, batch: int, partition: int | None = None, attempt: int = 0,
-         socket_path: str | None = None) -> None:
-    for f in faults:
-        if f.point != point or f.batch != batch:
-            continue
-        if f.partition is not None and f.partition != partition:
-            continue
-        if f.attempt is not None and f.attempt != attempt:
-            continue
-        if f.action == "kill_daemon":
-            pid = placement.daemon_pid(socket_path)
-            if pid:
-                os.kill(pid, signal.SIGKILL)
-                time.sleep(0.1)
-        elif f.action == "kill_self":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif f.action == "fail":
-            raise InjectedFault(f"test hook: fail at {point} of batch {batch} partition {partition} attempt {attempt}")
-        else:
-            raise InterfaceError(f"unknown fault action {f.action!r}")
+@dataclass(frozen=True)
+class FaultSite:
+    """Where a hook point is reached: the point, the batch and, in a task, its partition and attempt."""
+
+    point: str
+    batch: int
+    partition: int | None = None
+    attempt: int = 0
+    socket_path: str | None = None  # the operator's daemon socket (None: $STATESTORE_SOCKET or the default)
+
+
+# Called at every hook point of an operator with faults. It travels to the tasks in the TaskSpec:
+# it must pickle, and Spark's Python workers must be able to import its module.
+FaultHook = Callable[[FaultSite], None]
+
+_fault_hook_maker: Callable[[tuple[Fault, ...]], FaultHook] | None = None
+
+
+def install_fault_hook_maker(maker: Callable[[tuple[Fault, ...]], FaultHook] | None) -> None:
+    """Set this process's maker of fault hooks (None: none; operators with ``faults`` are refused)."""
+    global _fault_hook_maker
+    _fault_hook_maker = maker
+
+
+def fault_hook_for(faults: tuple[Fault, ...]) -> FaultHook | None:
+    """The hook of an operator's ``faults``: None when there are none (its hook points do nothing),
+    else the installed maker's; ``InterfaceError`` when faults are armed and no maker is installed."""
+    if not faults:
+        return None
+    if _fault_hook_maker is None:
+        raise InterfaceError(
+            "faults were given but no fault hook maker is installed in this process: call "
+            "statestore_async.testing.faults.install() first (or pass a FaultHook callable as faults)")
+    return _fault_hook_maker(faults)
+
+
+def fault_point(hook: FaultHook | None, point: str, batch: int, partition: int | None = None, attempt: int = 0,
+                socket_path: str | None = None) -> None:
+    """A hook point: nothing when ``hook`` is None (no fault armed), else ``hook(FaultSite(...))``."""
+    if hook is not None:
+        hook(FaultSite(point, batch, partition, attempt, socket_path))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +118,7 @@ class TaskSpec:
     now_ms: int                        # the batch's TTL clock, read once on the driver
     socket_path: str | None = None     # this node's daemon (None: $STATESTORE_SOCKET or the default)
     daemon_env: dict[str, str] | None = None  # environment of a daemon the task has to start
-    faults: tuple[Fault, ...] = field(default=())
+    fault_hook: FaultHook | None = None  # tests only (see fault_point); None: every hook point is a no-op
     releases: dict[str, tuple[int, ...]] | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
     keys_unique: bool = False          # one row per key already (the JVM pre-aggregated): no grouping needed
 
@@ -242,14 +266,14 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
             out, puts, removes = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle, timings)
         t = time.perf_counter()
         write_all(handle, puts, removes)
-        fire(spec.faults, "before_commit", spec.batch_id, partition, attempt, spec.socket_path)
+        fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path)
         ref = handle.commit()
         timings["write"] = time.perf_counter() - t
     node = _coordinate(client, spec, partition)
     timings["total"] = time.perf_counter() - t0
     if report is not None:
         report(TaskReport(partition=partition, ref=ref, attempt=attempt, timings=timings, node=node))
-    fire(spec.faults, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
+    fault_point(spec.fault_hook, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
     return out
 
 
@@ -370,5 +394,8 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
         result.append(ref)
 
 
-__all__ = ["TaskSpec", "TaskReport", "Fault", "InjectedFault", "RoutingError", "run_partition", "group_rows", "store_keys",
-           "open_partition_store", "CheckpointRef"]
+__all__ = [
+    "CheckpointRef", "Fault", "FaultHook", "FaultSite", "InjectedFault", "RoutingError", "TaskReport", "TaskSpec",
+    "fault_hook_for", "fault_point", "group_rows", "install_fault_hook_maker", "open_partition_store",
+    "run_partition", "store_keys",
+]
