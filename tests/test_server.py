@@ -197,7 +197,10 @@ async def test_hot_reopen_reads_nothing(make_daemon, root):
         assert d.registry.counters["loads"] == 0
 
 
-async def test_eviction_under_a_tiny_budget_then_reload_gives_equal_data(make_daemon, root):
+async def test_eviction_under_a_tiny_budget_then_reload_gives_equal_data(make_daemon, root, monkeypatch):
+    # the test enforces the budget itself: the daemon's own check (50 ms after a commit or an upload)
+    # would evict stores before the first assertion whenever the commits take longer than that
+    monkeypatch.setattr(server, "BUDGET_CHECK_DELAY", 3600)
     d = await make_daemon(memory_budget=60_000)
     data = {p: [(key(i), b"p%d-%d" % (p, i) * 10) for i in range(200)] for p in range(4)}
     refs = {}
