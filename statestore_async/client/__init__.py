@@ -1,4 +1,5 @@
 """Clients of the daemon: the blocking ``Client`` (one per Python worker process) and ``AsyncClient``."""
-from statestore_async.client.clients import AsyncClient, Client
+from statestore_async.client.aio import AsyncClient
+from statestore_async.client.blocking import Client
 
 __all__ = ["AsyncClient", "Client"]
