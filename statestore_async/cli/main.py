@@ -48,7 +48,11 @@ def _setting_options(fn: _F) -> _F:
 @click.option("--print-config", is_flag=True, help="print the effective settings as TOML and exit")
 @_setting_options
 def serve(config_path: str | None, print_config: bool, **settings: str | None) -> None:
-    """Run the daemon until SIGTERM/SIGINT (then finish requests and drain uploads)."""
+    """Run the daemon until SIGTERM/SIGINT (then finish requests and drain uploads).
+
+    Exit status: 0 when every acknowledged commit was durable at the end; 3 when some were not
+    (the drain timed out or uploads failed: the versions are in the log); 2 for a bad setting or a
+    daemon that cannot start."""
     from statestore_async.daemon.server import run
 
     try:
@@ -75,11 +79,24 @@ def _socket(path: str | None) -> str:
     return path or load_config(env=os.environ).socket
 
 
+#: ``health`` exit status when the daemon answers but is degraded or stopping (with ``--ready``)
+EXIT_DEGRADED = 3
+
+
 @main.command()
 @_socket_option
 @click.option("--timeout", default=5.0, show_default=True, help="seconds to wait for the daemon")
-def health(socket_path: str | None, timeout: float) -> None:
-    """Exit 0 when the daemon answers HELLO and PING, 1 otherwise (liveness/readiness probe)."""
+@click.option("--ready", is_flag=True,
+              help=f"readiness: also exit {EXIT_DEGRADED} when the daemon is degraded or stopping")
+def health(socket_path: str | None, timeout: float, ready: bool) -> None:
+    """Liveness (and, with --ready, readiness) probe.
+
+    Exit 0 when the daemon answers HELLO, PING and STATS, 1 when it does not. A daemon that answers
+    but is degraded (an object store refuses its uploads: credentials, permissions, a missing
+    bucket, a full disk) prints "degraded:" and its reasons; it exits 0 — restarting it would lose
+    the commits it holds and cure nothing — unless --ready is given: then it exits 3, as it does
+    for a daemon that is stopping.
+    """
     from statestore_async.client.clients import Client
 
     path = _socket(socket_path)
@@ -88,12 +105,20 @@ def health(socket_path: str | None, timeout: float) -> None:
         token = os.urandom(8)
         if client.ping(token) != token:
             raise StateStoreError("PING answered with other bytes")
+        report = client.stats().get("health") or {"status": "ok", "reasons": []}
     except (StateStoreError, OSError) as exc:
         click.echo(f"unhealthy: {path}: {exc}", err=True)
         sys.exit(1)
     finally:
         client.close()
-    click.echo(f"ok: {path}")
+    status = report.get("status", "ok")
+    if status == "ok":
+        click.echo(f"ok: {path}")
+        return
+    reasons = "; ".join(report.get("reasons") or []) or status
+    click.echo(f"{status}: {path}: {reasons}", err=ready)
+    if ready:
+        sys.exit(EXIT_DEGRADED)
 
 
 @main.command()

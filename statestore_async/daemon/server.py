@@ -12,7 +12,12 @@ TCP). Each connection is an ``asyncio.Protocol`` that feeds a sans-IO ``ServerPr
 * a peer that goes away has its open versions aborted.
 
 ``stop()`` (SIGTERM/SIGINT under ``run``): stop accepting, let in-flight requests finish, close the
-connections, drain the uploader within ``drain_timeout``.
+connections, drain the uploader, all within ``drain_timeout``. ``serve`` exits 0 only when every
+acknowledged commit is durable; otherwise it logs the versions that are not and exits
+``EXIT_NOT_DURABLE``.
+
+``health()`` (in STATS, read by ``statestore-async health``): ``ok``, ``stopping``, or ``degraded``
+with the reasons — an object-store root that refuses uploads in a way retrying does not heal.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import stat
 import struct
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Self, cast
 
@@ -39,7 +45,7 @@ from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.snapshotter import SnapshotWorker
 from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader, _Upload
 from statestore_async.engine.store import State, StoreVersion
-from statestore_async.errors import InterfaceError, ObjectStoreError, StateStoreError
+from statestore_async.errors import InterfaceError, ObjectStoreError, StateStoreError, StoreStateError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore.base import ObjectStore
@@ -77,6 +83,11 @@ GIL_SWITCH_INTERVAL = 0.0005
 BUDGET_CHECK_DELAY = 0.05
 # With exit_when_idle, a daemon idle that long but with an upload still running looks again this often.
 IDLE_RECHECK = 1.0
+# serve's exit code when it stopped with acknowledged commits not durable (drain timed out, uploads
+# failed): they are lost unless the client side replays them (docs/GUARANTEES.md)
+EXIT_NOT_DURABLE = 3
+# versions listed per store in the log line of a stop that left commits not durable
+LIST_NOT_DURABLE = 200
 
 log = logging.getLogger("statestore_async.daemon")
 
@@ -127,6 +138,23 @@ def prepare_socket_path(path: str, socket_mode: int) -> None:
 
 
 # --- one connection -------------------------------------------------------------------------------
+class _Finished:
+    """A handle its connection committed or aborted: what a late request on it is told. It keeps
+    the store's id, never the store (nor the version's changes)."""
+
+    __slots__ = ("state", "store_id", "version")
+
+    def __init__(self, w: StoreVersion) -> None:
+        self.store_id = w.store_id
+        self.version = w.version
+        self.state = w.state
+
+    def error(self, op: str) -> StateStoreError:
+        # the engine's words for a finished version
+        return StoreStateError(f"cannot {op} store {self.store_id} version {self.version}: "
+                               f"it is already {self.state.value}")
+
+
 class _Connection(asyncio.Protocol):
     #: set by ``connection_made``, which asyncio calls before any other callback
     transport: asyncio.Transport
@@ -138,9 +166,11 @@ class _Connection(asyncio.Protocol):
         self.max_inflight = cfg.max_inflight
         self.peer: tuple[int, int, int] | None = None
         self.closed = False
-        self.handles: dict[int, StoreVersion] = {}
+        self.handles: dict[int, StoreVersion] = {}  # the versions this connection has open (UPDATING)
         self._next_handle = 0
-        self._finished: list[int] = []
+        # the last MAX_FINISHED_HANDLES handles it committed or aborted, oldest first: what is needed
+        # to answer a late request on one with the right error, and nothing that keeps a store alive
+        self._finished: OrderedDict[int, _Finished] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reading_paused = False
         self._write_ok = asyncio.Event()
@@ -151,7 +181,7 @@ class _Connection(asyncio.Protocol):
     @property
     def open_versions(self) -> int:
         """Versions this connection has open for update (each holds its store's writer slot)."""
-        return sum(1 for w in self.handles.values() if w.state is State.UPDATING)
+        return len(self.handles)
 
     # -- transport callbacks --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -202,6 +232,7 @@ class _Connection(asyncio.Protocol):
                 self.daemon.counters["aborted_on_disconnect"] += 1
                 log.info("peer %s went away: aborted its open version of %s at %s", self.peer, w.store_id, w.version)
         self.handles.clear()
+        self._finished.clear()
         for t in list(self._tasks):
             if not getattr(t, "keep_on_close", False):
                 t.cancel()
@@ -257,16 +288,23 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self._process()
 
-    def _writer(self, handle: int) -> StoreVersion:
+    def _writer(self, handle: int, op: str) -> StoreVersion:
+        """The open version of ``handle``; for a finished one, the error ``op`` on it gets."""
         w = self.handles.get(handle)
         if w is None:
+            finished = self._finished.get(handle)
+            if finished is not None:
+                raise finished.error(op)
             raise UnknownHandleError(f"handle {handle} was not opened on this connection")
         return w
 
-    def _finish(self, handle: int) -> None:
-        self._finished.append(handle)
-        if len(self._finished) > MAX_FINISHED_HANDLES:
-            self.handles.pop(self._finished.pop(0), None)
+    def _finish(self, handle: int, w: StoreVersion) -> None:
+        """``handle``'s version is committed or aborted: forget it but for a small tombstone."""
+        self.handles.pop(handle, None)
+        finished = self._finished
+        finished[handle] = _Finished(w)
+        if len(finished) > MAX_FINISHED_HANDLES:
+            finished.popitem(last=False)
 
     def _handle(self, ev: Any) -> None:  # a request event, dispatched on its exact class (not narrowed)
         d = self.daemon
@@ -278,20 +316,20 @@ class _Connection(asyncio.Protocol):
             if cls is GetMany:
                 keys = ev.keys
                 if type(keys) is PackedList:
-                    self._writelines(proto.send_values_packed(rid, self._writer(ev.handle).get_many_packed(keys)))
+                    self._writelines(proto.send_values_packed(rid, self._writer(ev.handle, "get from")
+                                                              .get_many_packed(keys)))
                 else:
-                    self._write(proto.send_values(rid, self._writer(ev.handle).get_many(keys)))
+                    self._write(proto.send_values(rid, self._writer(ev.handle, "get from").get_many(keys)))
             elif cls is PutMany:
-                self._writer(ev.handle).put_many(ev.items)
+                self._writer(ev.handle, "put to").put_many(ev.items)
                 self._write(proto.send_count(rid, Op.PUT_MANY, len(ev.items)))
             elif cls is RemoveMany:
-                self._writer(ev.handle).remove_many(ev.keys)
+                self._writer(ev.handle, "remove from").remove_many(ev.keys)
                 self._write(proto.send_count(rid, Op.REMOVE_MANY, len(ev.keys)))
             elif cls is Commit:
                 self._commit(ev)
             elif cls is Abort:
-                self._writer(ev.handle).abort()
-                self._finish(ev.handle)
+                self._abort(ev.handle)
                 self._write(proto.send_aborted(rid))
             elif cls is Open:
                 if d.stopping:
@@ -335,6 +373,17 @@ class _Connection(asyncio.Protocol):
             log.exception("request %s failed", cls.__name__)
             self._write(proto.send_error(rid, _OPCODE.get(cls, 0), exc))
 
+    def _abort(self, handle: int) -> None:
+        w = self.handles.get(handle)
+        if w is None:
+            finished = self._finished.get(handle)
+            if finished is not None and finished.state is State.ABORTED:
+                return  # aborting twice is fine, as in the engine
+            self._writer(handle, "abort")  # raises
+            return
+        w.abort()
+        self._finish(handle, w)
+
     def _opened(self, rid: int, w: StoreVersion) -> None:
         if self.closed:
             w.abort()
@@ -364,7 +413,7 @@ class _Connection(asyncio.Protocol):
         d = self.daemon
         uploader = d.uploader
         assert uploader is not None  # set by start(), before any connection
-        w = self._writer(ev.handle)
+        w = self._writer(ev.handle, "commit")
         ref = w.prepare_commit(ev.ckptid)  # every check a commit makes; raises before anything is done
         answered = uploader.would_admit(w.upload_bound())
         if answered:
@@ -385,7 +434,7 @@ class _Connection(asyncio.Protocol):
             os.sched_yield()
         try:
             delta = w.commit(ref.ckptid, defer=answered)
-            self._finish(ev.handle)
+            self._finish(ev.handle, w)
             up = uploader.enqueue(delta)
             if answered:
                 asyncio.get_running_loop().call_later(DEFERRED_APPLY_DELAY, delta.apply)
@@ -413,7 +462,7 @@ class _Connection(asyncio.Protocol):
         self._write(self.proto.send_committed(rid, ref))
 
     def _scan(self, ev: Scan) -> None:
-        pairs = list(self._writer(ev.handle).scan(ev.prefix))
+        pairs = list(self._writer(ev.handle, "scan").scan(ev.prefix))
         if ev.limit is not None:
             del pairs[ev.limit:]
         if len(pairs) <= SCAN_CHUNK_ITEMS:
@@ -439,7 +488,12 @@ class _Connection(asyncio.Protocol):
     async def _await_durable(self, ev: AwaitDurable) -> None:
         try:
             durable = await self.daemon.await_durable(ev.store_id, ev.ref, ev.timeout)
-        except StateStoreError as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # every waiter gets an answer: never a timeout for an error
+            if not isinstance(exc, StateStoreError):
+                log.exception("AWAIT_DURABLE of %s at %s failed", ev.store_id, ev.ref)
+            self.daemon.counters["errors"] += 1
             self._write(self.proto.send_error(ev.request_id, Op.AWAIT_DURABLE, exc))
             return
         self._write(self.proto.send_durable(ev.request_id, durable))
@@ -484,6 +538,8 @@ class Daemon:
         self._started = time.monotonic()
         self.counters = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "aborted_on_disconnect": 0,
                          "commits_waited": 0, "max_inflight_seen": 0}
+        #: after ``stop``: True when every acknowledged commit was durable
+        self.clean_stop: bool | None = None
         self.requests_by_op: dict[str, int] = {}
 
     def limits(self) -> dict[str, Any]:
@@ -569,7 +625,11 @@ class Daemon:
             self.registry.enforce_budget()
 
     async def await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float) -> bool:
-        """True once ``ref``'s file is in the object store (asking the store when the uploader never saw it)."""
+        """True once ``ref``'s file is in the object store (asking the store when the uploader never saw it).
+
+        The uploader creates a delta only after every delta of its lineage is durable, so a file
+        there is a loadable state. Raises the typed error when ``ref`` will not become durable or
+        its root is degraded (see ``Uploader.wait_durable``)."""
         if ref.is_empty_state:
             return True
         uploader = self.uploader
@@ -585,8 +645,20 @@ class Daemon:
                 raise
         return False
 
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "degraded" | "stopping", "reasons": [...], "degraded_roots": {...}}``:
+        degraded while an object-store root refuses uploads in a way retrying does not heal by
+        itself (credentials, permissions, a missing bucket, a full disk); uploads are retried and
+        the first success there clears it."""
+        degraded = self.uploader.degraded() if self.uploader is not None else {}
+        reasons = [f"{root}: {d['error']}: {d['message']} ({d['uploads_waiting']} uploads waiting, "
+                   f"{d['refused']} attempts refused)" for root, d in degraded.items()]
+        status = "stopping" if self.stopping else "degraded" if degraded else "ok"
+        return {"status": status, "reasons": reasons, "degraded_roots": degraded}
+
     def stats(self) -> dict[str, Any]:
         return {
+            "health": self.health(),
             "daemon": {"version": __version__, "pid": os.getpid(), "uptime": round(time.monotonic() - self._started, 3),
                        "open_connections": len(self.connections), "stopping": self.stopping,
                        "open_versions": sum(c.open_versions for c in self.connections), **self.counters,
@@ -600,29 +672,37 @@ class Daemon:
         }
 
     async def stop(self) -> bool:
-        """Stop accepting, finish in-flight requests, close connections, drain uploads. True if drained."""
+        """Stop accepting, finish in-flight requests, close connections, drain uploads, all within
+        ``drain_timeout``. True when every acknowledged commit is durable (``clean_stop``); else
+        the versions that are not are logged."""
         if self.stopping:
-            return True
+            return bool(self.clean_stop)
         self.stopping = True
         cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.drain_timeout
         log.info("stopping: %d connections, %d bytes queued for upload", len(self.connections),
                  self.uploader.queued_bytes if self.uploader else 0)
         if self._server is not None:
             self._server.close()
-        await asyncio.gather(*(c.finish(cfg.drain_timeout) for c in list(self.connections)))
+        await asyncio.gather(*(c.finish(max(0.0, deadline - loop.time())) for c in list(self.connections)))
         if self._budget_check is not None:
             self._budget_check.cancel()
             self._budget_check = None
         self.watch_idle()
         drained = True
         if self.uploader is not None:
-            drained = await self.uploader.drain(cfg.drain_timeout)
+            drained = await self.uploader.drain(max(0.0, deadline - loop.time()))
         if self.maintenance is not None:
             await self.maintenance.close()
+        not_durable: list[tuple[StoreId, CheckpointRef, BaseException | None]] = []
         if self.uploader is not None:
             if not drained:
                 log.error("drain timed out after %.1fs: %s", cfg.drain_timeout, self.uploader.stats())
             await self.uploader.close()
+            not_durable = self.uploader.not_durable()
+            _log_not_durable(not_durable)
+        self.clean_stop = drained and not not_durable
         await self.objstores.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
@@ -635,8 +715,12 @@ class Daemon:
                 os.unlink(cfg.socket)
         except FileNotFoundError:
             pass
-        log.info("stopped (uploads drained: %s)", drained)
-        return drained
+        if self.clean_stop:
+            log.info("stopped (uploads drained: True): every acknowledged commit is durable")
+        else:
+            log.error("stopped with %d acknowledged commits not durable (uploads drained: %s)", len(not_durable),
+                      drained)
+        return self.clean_stop
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -644,6 +728,19 @@ class Daemon:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def _log_not_durable(items: list[tuple[StoreId, CheckpointRef, BaseException | None]]) -> None:
+    """One error line per store: the versions (``version_ckptid``) not durable and the last error."""
+    by_store: dict[StoreId, list[tuple[CheckpointRef, BaseException | None]]] = {}
+    for store_id, ref, err in items:
+        by_store.setdefault(store_id, []).append((ref, err))
+    for store_id, refs in by_store.items():
+        shown = " ".join(f"{r.version}_{r.ckptid}" for r, _ in refs[:LIST_NOT_DURABLE])
+        more = f" and {len(refs) - LIST_NOT_DURABLE} more" if len(refs) > LIST_NOT_DURABLE else ""
+        last = refs[-1][1]
+        log.error("NOT DURABLE: %s %s: %d acknowledged versions: %s%s (%s)", store_id.root, store_id.prefix,
+                  len(refs), shown, more, f"{type(last).__name__}: {last}" if last else "not uploaded")
 
 
 # --- metrics and logs -----------------------------------------------------------------------------
@@ -657,6 +754,8 @@ _GAUGES = (
     ("statestore_memory_budget_bytes", "memory budget (idle stores above it are evicted)", "registry",
      "memory_budget"),
     ("statestore_upload_queue_bytes", "bytes waiting for upload", "uploader", "queued_bytes"),
+    ("statestore_degraded_roots", "object-store roots refusing uploads in a way retrying does not heal "
+     "(credentials, permissions, bucket, full disk): the daemon is degraded", "uploader", "degraded_roots"),
 )
 _COUNTERS = (
     ("statestore_requests", "requests served", "daemon", "requests"),
@@ -715,7 +814,8 @@ def configure_logging(config: DaemonConfig) -> None:
 # --- running it -----------------------------------------------------------------------------------
 async def serve(config: DaemonConfig, *, open_objstore: Callable[[str], ObjectStore] | None = None) -> int:
     """Run the daemon until SIGTERM or SIGINT (or, with ``exit_when_idle``, until it is idle that long);
-    then stop gracefully. Returns the exit code (0)."""
+    then stop gracefully. Returns the exit code: 0 when every acknowledged commit is durable,
+    ``EXIT_NOT_DURABLE`` otherwise (the versions are in the log)."""
     daemon = Daemon(config, open_objstore=open_objstore)
     await daemon.start()
     # Everything loaded so far lives as long as the process (botocore's service models alone are
@@ -736,8 +836,8 @@ async def serve(config: DaemonConfig, *, open_objstore: Callable[[str], ObjectSt
             w.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
-        await daemon.stop()
-    return 0
+        clean = await daemon.stop()
+    return 0 if clean else EXIT_NOT_DURABLE
 
 
 def run(config: DaemonConfig) -> int:

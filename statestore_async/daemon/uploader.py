@@ -27,7 +27,7 @@ What it promises:
   first success there clears it.
 * **A store's folder is swept once.** Before this daemon's first upload to a store, incomplete
   multipart uploads (or a local store's temp files) left under its folder by a killed process are
-  aborted (``abort_incomplete_uploads``; best effort).
+  aborted (``abort_incomplete_uploads``; best effort: a failed look is tried again before its next upload).
 """
 from __future__ import annotations
 
@@ -238,18 +238,20 @@ class Uploader:
         """Before the first upload to ``store_id``: abort what killed writers left in its folder."""
         if store_id in self._swept:
             return
-        self._swept.add(store_id)
         try:
             store = self._objstore_for(store_id.root)
             abort: Callable[[str], Awaitable[int]] | None = getattr(store, "abort_incomplete_uploads", None)
             if abort is None:
+                self._swept.add(store_id)
                 return
             n = await abort(store_id.prefix + "/")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # best effort: a lifecycle rule covers what stays (docs/GUARANTEES.md)
+            # looked for again before the store's next upload
             log.warning("cannot look for incomplete uploads under %s/%s: %s", store_id.root, store_id.prefix, exc)
             return
+        self._swept.add(store_id)
         if n:
             self.counters["multipart_aborted"] += n
             log.info("aborted %d incomplete uploads under %s/%s left by an earlier writer", n, store_id.root,

@@ -59,7 +59,7 @@ async def create_checkpoint_file(objstore: ObjectStore, store_id: StoreId, ref: 
             return 0
         raise CheckpointConflictError(
             f"{key} exists with other content ({len(there)} bytes, {len(data)} meant): two writers used "
-            f"checkpoint id {ref.ckptid}; nothing was overwritten") from None
+            f"checkpoint id {ref.ckptid}; nothing was overwritten", key) from None
 
 
 async def write_delta(objstore: ObjectStore, delta: Delta, **codec_options: Unpack[CodecOptions]) -> tuple[str, int]:

@@ -109,6 +109,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self.port = 0
         self._conns: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
 
     @property
     def endpoint_url(self) -> str:
@@ -151,6 +152,9 @@ class FaultProxy:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._conns.add(writer)
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         up_w = None
         try:
             if self._in_outage():
@@ -199,6 +203,8 @@ class FaultProxy:
             _reset(writer)
         finally:
             self._conns.discard(writer)
+            if task is not None:
+                self._handlers.discard(task)
             if up_w is not None:
                 up_w.close()
             if not writer.is_closing():
@@ -233,7 +239,12 @@ class FaultProxy:
             assert self._server is not None  # set by start() before _loop runs
             self._server.close()
             self._cut_all()
-            await asyncio.sleep(0)
+            # end the connections still being served (one waiting out a latency, or for the
+            # server's answer) while the loop runs: not as coroutines destroyed with the loop
+            handlers = list(self._handlers)
+            for t in handlers:
+                t.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
