@@ -82,7 +82,7 @@ async def test_every_operation(make_daemon, root):
         assert await h2.get_many([key(6), key(7)]) == [b"v6", None]
         await h2.abort()
         with pytest.raises(P.UnknownHandleError):
-            await c._call("send_get_many", 999, [key(1)])
+            await c.call(lambda p: p.send_get_many(999, [key(1)]))
         stats = await c.stats()
         assert stats["registry"]["stores"] == 1 and stats["uploader"]["durable"] == 1
         assert stats["daemon"]["requests_by_op"]["Commit"] == 1
@@ -124,7 +124,7 @@ async def test_batches_over_the_limit_are_split_by_the_client_and_refused_raw(ma
         assert d.requests_by_op["PutMany"] >= 10
         # a raw request over max_batch: a coded error, nothing applied
         with pytest.raises(P.LimitExceededError):
-            await c._call("send_put_many", h.handle, [(key(1000 + i), b"x") for i in range(11)])
+            await c.call(lambda p: p.send_put_many(h.handle, [(key(1000 + i), b"x") for i in range(11)]))
         assert await h.get_many([key(1000)]) == [None]
         with pytest.raises(P.LimitExceededError):
             await h.put_many([(key(1), b"x" * 5000)])

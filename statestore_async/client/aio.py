@@ -301,12 +301,6 @@ class AsyncClient:
         return await self.call(lambda p: p.send_await_durable(store_id, ref, float(timeout)),
                                timeout=max(self.timeout, timeout + 5))
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """A raw request by ``ClientProtocol`` method name, for tests that send what a handle would
-        refuse (tests/test_server.py). Prefer ``call(lambda p: p.send_...(...))``."""
-        encode = getattr(ClientProtocol, method)
-        return await self.call(lambda p: encode(p, *args))
-
 
 class AsyncStoreHandle:
     """One open version of a store, asyncio flavour (``async with`` aborts when not committed)."""
