@@ -19,6 +19,8 @@ task in a batch is told nothing that batch.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 
 def location_of(socket_path: str) -> str:
@@ -29,7 +31,7 @@ def location_of(socket_path: str) -> str:
 class Coordinator:
     """Partition owners and per-location holdings, from the reports of committed tasks."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._owner: dict[int, str] = {}  # partition -> location of the task that last committed it
         self._held: dict[str, set[int]] = {}  # location -> partitions its daemon holds, as last reported
         self.counters = {"moves": 0, "released": 0, "kept": 0}
@@ -43,7 +45,7 @@ class Coordinator:
                 out[loc] = stale
         return out
 
-    def observe(self, reports) -> None:
+    def observe(self, reports: Iterable[tuple[int, Mapping[str, Any]]]) -> None:
         """Take one batch's reports: ``(partition, node)`` with ``node`` = ``{"location": …}``, plus
         ``held`` / ``released`` / ``kept`` when the task asked its daemon (``Client.release``)."""
         held_now: dict[str, set[int]] = {}

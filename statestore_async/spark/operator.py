@@ -105,11 +105,10 @@ def _arrow_schema(output_schema: str | StructType) -> tuple[StructType, pa.Schem
     from pyspark.sql.pandas.types import to_arrow_schema
     from pyspark.sql.types import StructType, _parse_datatype_string
 
-    if isinstance(output_schema, str):
-        output_schema = _parse_datatype_string(output_schema)
-    if not isinstance(output_schema, StructType):
-        raise InterfaceError(f"output_schema is a StructType or a DDL string, got {output_schema!r}")
-    return output_schema, to_arrow_schema(output_schema)
+    schema = _parse_datatype_string(output_schema) if isinstance(output_schema, str) else output_schema
+    if not isinstance(schema, StructType):
+        raise InterfaceError(f"output_schema is a StructType or a DDL string, got {schema!r}")
+    return schema, to_arrow_schema(schema)
 
 
 def s3_options_from_env() -> dict | None:
@@ -416,6 +415,7 @@ class StatefulOperator:
             from pyspark import TaskContext
 
             ctx = TaskContext.get()
+            assert ctx is not None  # set in every task
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
             out = run_partition(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
             yield from out.to_batches(max_chunksize=65536)
@@ -436,7 +436,7 @@ class StatefulOperator:
         """``"checkpoint"`` or ``"cache"``: ``materialize``, with ``"auto"`` resolved for this session."""
         if self.materialize != "auto":
             return self.materialize
-        return "checkpoint" if spark.sparkContext.master.startswith("local") else "cache"
+        return "checkpoint" if (spark.sparkContext.master or "").startswith("local") else "cache"
 
     def _collect_reports(self, reports: list[TaskReport], prog: BatchProgress) -> dict[int, CheckpointRef]:
         """Step 4: the committed checkpoint of every partition that had rows, from the tasks' reports
@@ -576,7 +576,7 @@ def _release_checkpoint(df: DataFrame) -> None:
     garbage collector lets Spark's cleaner find the RDD (for a streaming query: many batches' outputs)."""
     try:
         df._jdf.logicalPlan().rdd().unpersist(False)
-    except Exception as exc:  # noqa: BLE001 - a plan that is not the checkpoint's LogicalRDD: leave it to the cleaner
+    except Exception as exc:  # a plan that is not the checkpoint's LogicalRDD: leave it to the cleaner
         log.warning("could not release the output's checkpoint blocks now (Spark's cleaner will): %s", exc)
 
 
@@ -586,4 +586,4 @@ def _remove_local_folder(folder: str) -> None:
         shutil.rmtree(folder.removeprefix("file://").removeprefix("file:"), ignore_errors=True)
 
 
-__all__ = ["StatefulOperator", "OperatorConfigError", "FenceTimeoutError", "DuplicateReportError", "BatchProgress"]
+__all__ = ["BatchProgress", "DuplicateReportError", "FenceTimeoutError", "OperatorConfigError", "StatefulOperator"]

@@ -63,7 +63,7 @@ def start_daemon(path: str, *, env: dict | None = None, args: list[str] | None =
                 return
             for p in _STARTED:
                 p.poll()
-            log = open(os.path.join(folder, "daemon.log"), "ab")
+            log = open(os.path.join(folder, "daemon.log"), "ab")  # noqa: SIM115 - the child keeps it; closed below
             cmd = [sys.executable, "-m", "statestore_async.cli", "serve", "--socket", path, *(args or [])]
             child_env = {**os.environ, **(env or {})}
             # left alone, a daemon a task started would outlive the Spark application: it exits once

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +28,13 @@ from statestore_async.spark.coordinator import location_of
 from statestore_async.spark.processor import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
 from statestore_async.spark.routing import KG_COLUMN
 
+if TYPE_CHECKING:
+    from statestore_async.client.clients import Client, StoreHandle
+
 log = logging.getLogger(__name__)
+# a processor's state changes: per key lists of (key, value) and keys, or (vectorized) Arrow arrays
+Puts: TypeAlias = list[tuple[bytes, bytes]] | tuple[pa.Array, pa.Array]
+Removes: TypeAlias = list[bytes] | pa.Array | None
 
 
 class RoutingError(InterfaceError):
@@ -132,15 +139,15 @@ class TaskReport:
     ref: CheckpointRef                 # the checkpoint the task committed
     attempt: int                       # Spark's attempt number of the task
     timings: dict[str, float]          # seconds per phase (group, read, process, write, total); rows, keys
-    node: dict | None = None           # where it ran and its daemon's answer to RELEASE; None: coordinator off
+    node: dict[str, Any] | None = None  # where it ran and its daemon's answer to RELEASE; None: coordinator off
 
 
-def get_all(handle, keys: list[bytes]) -> list:
+def get_all(handle: StoreHandle, keys: list[bytes]) -> list[bytes | None]:
     """Every key's value in one call (the client splits it at the daemon's batch limit and pipelines)."""
     return handle.get_many(keys)
 
 
-def write_all(handle, puts, removes) -> None:
+def write_all(handle: StoreHandle, puts: Puts, removes: Removes) -> None:
     """All puts and all removals, one call each: lists of (key, value) and keys, or Arrow arrays
     (``puts`` a (keys, values) pair, ``removes`` keys; the vectorized path)."""
     if isinstance(puts, tuple):
@@ -192,7 +199,7 @@ def _stable_order(codes: np.ndarray) -> np.ndarray:
     return lo[np.argsort((codes[lo] >> 16).astype(np.uint16), kind="stable")]
 
 
-def group_rows(table: pa.Table, key_columns) -> tuple[np.ndarray, np.ndarray]:
+def group_rows(table: pa.Table, key_columns: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """(order, offsets): ``table.take(order)`` is sorted by key; key i is rows offsets[i]:offsets[i+1]."""
     n = table.num_rows
     if n == 0:
@@ -219,7 +226,7 @@ def _check_routing(kg: np.ndarray, partition: int, spec: TaskSpec) -> None:
             "the shuffle did not keep the routing (is the stage changed after the operator's repartition?)")
 
 
-def _output_table(out: list, schema: pa.Schema) -> pa.Table:
+def _output_table(out: list[Sequence[Any]], schema: pa.Schema) -> pa.Table:
     if not out:
         return schema.empty_table()
     cols = list(zip(*out))
@@ -228,7 +235,7 @@ def _output_table(out: list, schema: pa.Schema) -> pa.Table:
     return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(cols, schema)], schema=schema)
 
 
-def _table_of(batches: list) -> pa.Table:
+def _table_of(batches: list[pa.RecordBatch]) -> pa.Table | None:
     return pa.Table.from_batches(batches) if batches else None
 
 
@@ -259,6 +266,8 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     client = placement.connect(spec.socket_path, env=spec.daemon_env)
     base = spec.refs[partition]
     sid = StoreId(spec.root, spec.operator_id, partition)
+    puts: Puts
+    removes: Removes
     with client.open(sid, base.version, base.ckptid or None) as handle:
         if isinstance(processor, VectorizedProcessor):
             out, puts, removes = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs, handle, timings)
@@ -277,13 +286,13 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     return out
 
 
-def _coordinate(client, spec: TaskSpec, partition: int) -> dict | None:
+def _coordinate(client: Client, spec: TaskSpec, partition: int) -> dict[str, Any] | None:
     """Where this task ran, and (the coordinator being on) its daemon's answer to RELEASE of the
     partitions the driver says another location owns now. Best effort: never fails the task."""
     if spec.releases is None:
         return None
     loc = location_of(placement.socket_path_for(spec.socket_path))
-    node = {"location": loc}
+    node: dict[str, Any] = {"location": loc}
     # a copy at or below the state this batch starts from: one this batch committed (its partition
     # back on this node, run by another task) is newer, and stays
     stale = [(p, spec.refs[p].version + 1) for p in spec.releases.get(loc, ())
@@ -295,8 +304,11 @@ def _coordinate(client, spec: TaskSpec, partition: int) -> dict | None:
     return node
 
 
-def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table, offsets,
-                 kgs, handle, timings: dict):
+def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table,
+                 offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
+                 timings: dict[str, float]) -> tuple[pa.Table, list[tuple[bytes, bytes]], list[bytes]]:
+    """A ``StatefulProcessor`` over the partition's keys: every key's state read in one call, then
+    ``handle_rows`` per key; returns the output table and the state's puts and removals."""
     h = StateHandle()
     processor.init(h)
     variables = list(h.variables.values())
@@ -338,8 +350,9 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
     return table, puts, removes
 
 
-def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table, offsets,
-                    kgs, handle, timings: dict):
+def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table,
+                    offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
+                    timings: dict[str, float]) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None]:
     """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
@@ -374,7 +387,8 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
 
 @contextlib.contextmanager
 def open_partition_store(root: str, operator_id: str, partition_id: int, version: int, ckptid: str | None = None,
-                         *, socket_path: str | None = None, store_name: str = "default", result: list | None = None):
+                         *, socket_path: str | None = None, store_name: str = "default",
+                         result: list[CheckpointRef] | None = None) -> Iterator[StoreHandle]:
     """A store handle of one partition at ``version``: committed on success, aborted on an exception.
 
     For mapPartitions / mapInArrow / pandas UDF code that manages its own keys (see
