@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 import pyarrow as pa
@@ -19,7 +17,7 @@ from statestore_async.client.clients import AsyncClient, Client, StoreHandle
 from statestore_async.client.pipeline import Await, Send, pipeline
 from statestore_async.client.pipeline import split as _split
 from statestore_async.ids import StoreId
-from statestore_async.testing.daemon import start_daemon, stop_daemon
+from statestore_async.testing.daemon import DaemonProcesses
 from statestore_async.wire import protocol as P
 
 
@@ -30,16 +28,10 @@ def key(i: int) -> bytes:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     """A daemon process (max_batch 1000 so that big batches are split); yields (socket, root)."""
-    sockdir = tempfile.mkdtemp(prefix="ssc-", dir="/tmp")
-    sock = f"{sockdir}/d.sock"
     tmp = tmp_path_factory.mktemp("clients")
-    log_path = tmp / "daemon.log"
-    proc = start_daemon(sock, "--max-batch", "1000", "--log-level", "warning", log_path=str(log_path))
-    try:
-        yield sock, f"file://{tmp}/root"
-    finally:
-        stop_daemon(proc)
-        shutil.rmtree(sockdir, ignore_errors=True)
+    with DaemonProcesses(tmp / "daemons") as daemons:
+        d = daemons.start("--max-batch", "1000", "--log-level", "warning")
+        yield d.socket, f"file://{tmp}/root"
 
 
 _blob = st.binary(max_size=12)
@@ -120,31 +112,24 @@ def test_pipeline_reads_every_answer_after_an_error_and_stops_on_a_lost_connecti
     assert awaited == [1]
 
 
-async def test_async_pipelines_of_several_tasks_share_the_slots(tmp_path):
+async def test_async_pipelines_of_several_tasks_share_the_slots(tmp_path, daemon_process):
     """Each request holds a slot until its answer arrives: pipelines of several tasks, together over
     max_inflight, never wait for each other's slots."""
-    sockdir = tempfile.mkdtemp(prefix="ssc-", dir="/tmp")
-    sock = f"{sockdir}/d.sock"
-    proc = start_daemon(sock, "--max-batch", "10", "--max-inflight", "2", "--log-level", "warning",
-                        log_path=str(tmp_path / "daemon.log"))
-    try:
-        async with AsyncClient(sock, timeout=30) as c:
-            handles = [await c.open(StoreId(f"file://{tmp_path}/root", "slots", p), 0) for p in range(3)]
-            items = [(key(i), b"v%d" % i) for i in range(95)]
-            keys = pa.array([k for k, _ in items], type=pa.binary())
-            puts = asyncio.gather(*(h.put_many(items) for h in handles))
-            assert await asyncio.wait_for(puts, 60) == [95, 95, 95]
-            gets = asyncio.gather(*(h.get_many([k for k, _ in items]) for h in handles),
-                                  *(h.get_many_arrow(keys) for h in handles))
-            got = await asyncio.wait_for(gets, 60)
-            assert got[:3] == [[v for _, v in items]] * 3
-            assert [a.to_pylist() for a in got[3:]] == [[v for _, v in items]] * 3
-            for h in handles:
-                await h.abort()
-            assert await c.ping(b"still fine") == b"still fine"
-    finally:
-        stop_daemon(proc)
-        shutil.rmtree(sockdir, ignore_errors=True)
+    sock = daemon_process("--max-batch", "10", "--max-inflight", "2", "--log-level", "warning").socket
+    async with AsyncClient(sock, timeout=30) as c:
+        handles = [await c.open(StoreId(f"file://{tmp_path}/root", "slots", p), 0) for p in range(3)]
+        items = [(key(i), b"v%d" % i) for i in range(95)]
+        keys = pa.array([k for k, _ in items], type=pa.binary())
+        puts = asyncio.gather(*(h.put_many(items) for h in handles))
+        assert await asyncio.wait_for(puts, 60) == [95, 95, 95]
+        gets = asyncio.gather(*(h.get_many([k for k, _ in items]) for h in handles),
+                              *(h.get_many_arrow(keys) for h in handles))
+        got = await asyncio.wait_for(gets, 60)
+        assert got[:3] == [[v for _, v in items]] * 3
+        assert [a.to_pylist() for a in got[3:]] == [[v for _, v in items]] * 3
+        for h in handles:
+            await h.abort()
+        assert await c.ping(b"still fine") == b"still fine"
 
 
 def test_round_trip_with_transparent_splitting(daemon):
