@@ -218,6 +218,7 @@ print(ref.version, ref.ckptid)
 """
 
 
+@pytest.mark.slow
 def test_32_client_processes_each_with_its_own_store(daemon):
     sock, root = daemon
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, sock, root, str(p)], stdout=subprocess.PIPE)
