@@ -17,15 +17,20 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from statestore_async.spark.runtime import FaultHook, FaultSite
 
 OPERATOR = "user_totals"
 PARTITIONS = 2
@@ -101,6 +106,23 @@ def _run(spark: Any, src: str, checkpoint: str, fn: Callable[[Any, int], None], 
     return q.exception()
 
 
+@dataclass(frozen=True)
+class KillDaemonBeforeCommit:
+    """The demo's crash, a ``runtime.FaultHook``: SIGKILL the node's daemon when partition 0 of
+    ``batch`` is about to commit (first attempt). It reaches the tasks in their ``TaskSpec``."""
+
+    batch: int
+
+    def __call__(self, site: FaultSite) -> None:
+        from statestore_async.spark import placement
+
+        if (site.point, site.batch, site.partition, site.attempt) == ("before_commit", self.batch, 0, 0):
+            pid = placement.daemon_pid(site.socket_path)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
+
+
 def _collect(out: dict[int, Totals]) -> Callable[[Any, int], None]:
     def sink(df: Any, batch_id: int) -> None:
         out[batch_id] = {r[0]: (r[1], r[2]) for r in df.collect()}
@@ -142,7 +164,7 @@ def main(directory: str, root: str | None, batches: int, rows: int, users: int, 
         if err is not None:
             raise SystemExit(f"the oracle query failed: {err}")
 
-        def operator(faults: Sequence[dict[str, Any]] = ()) -> StatefulOperator:
+        def operator(faults: FaultHook | tuple[()] = ()) -> StatefulOperator:
             return StatefulOperator(root, OPERATOR, ["user"], CountSum(), OUTPUT, PARTITIONS, KEY_GROUPS,
                                     socket_path=sock, fence_timeout=20, faults=faults)
 
@@ -150,9 +172,8 @@ def main(directory: str, root: str | None, batches: int, rows: int, users: int, 
         ckpt = os.path.join(work, "query-ckpt")
         console.print(f"\n[bold]run 1[/]: the stateful query; the daemon is killed (SIGKILL) inside batch {crash_at}, "
                       "before its tasks commit")
-        faults = [{"point": "before_commit", "batch": crash_at, "action": "kill_daemon", "partition": 0}]
-        err = _run(spark, os.path.join(work, "input"), ckpt, operator(faults if crash_at >= 0 else ()).foreach_batch(
-            _collect(got)))
+        crash = KillDaemonBeforeCommit(crash_at) if crash_at >= 0 else ()
+        err = _run(spark, os.path.join(work, "input"), ckpt, operator(crash).foreach_batch(_collect(got)))
         if err is not None:
             console.print(f"  [bold red]query failed[/]: {str(err).splitlines()[0][:160]}…")
         console.print("\n[bold]run 2[/]: restart the query from its Spark checkpoint; a task starts a new daemon, "
