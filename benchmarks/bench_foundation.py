@@ -19,12 +19,12 @@ import pyarrow as pa
 from rich.console import Console
 from rich.table import Table
 
-from statestore_async.codecs import twins, arrowcodec
+from statestore_async.codecs import arrowcodec, twins
+from statestore_async.codecs.keylayout import store_key
 from statestore_async.engine.store import VersionedStore
+from statestore_async.files.loader import load_store
 from statestore_async.files.transfer import write_snapshot
 from statestore_async.ids import StoreId
-from statestore_async.codecs.keylayout import store_key
-from statestore_async.files.loader import load_store
 from statestore_async.objectstore import LocalObjectStore
 
 
@@ -142,7 +142,8 @@ async def snapshot_rows(store):
             t_load = time.perf_counter() - t
             assert len(loaded) == len(store)
             return [
-                (f"snapshot write ({len(store):,} keys)", f"{raw / t_write / 1e6:.0f} MB/s raw", f"{t_write:.2f} s, file {size / 1e6:.1f} MB"),
+                (f"snapshot write ({len(store):,} keys)", f"{raw / t_write / 1e6:.0f} MB/s raw",
+                 f"{t_write:.2f} s, file {size / 1e6:.1f} MB"),
                 (f"snapshot load ({len(store):,} keys)", f"{raw / t_load / 1e6:.0f} MB/s raw", f"{t_load:.2f} s"),
             ]
     finally:

@@ -118,7 +118,7 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
     try:
         op = StatefulOperator("file://" + root, "w", ["key"], processor, OUT, 2, 4096, socket_path=sock,
                               fence_timeout=120, pre_aggregate=pre_aggregate)
-        sink = lambda df, b: df.write.format("noop").mode("overwrite").save()  # noqa: E731
+        sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
         prog = run_query(spark, src, os.path.join(work, "ckpt"),
                          lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
         fig = figure(prog)

@@ -214,7 +214,7 @@ class StandaloneCluster:
         self.current = getattr(self, "current", {})
         self.current[node] = name
 
-    def start(self) -> "StandaloneCluster":
+    def start(self) -> StandaloneCluster:
         self._spawn("master", ["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port",
                                str(self.port), "--webui-port", str(free_port())], self._env())
         self._wait_log("master", "I have been elected leader")

@@ -8,13 +8,13 @@ import math
 
 import numpy as np
 import pytest
+from conftest import implementations, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statestore_async.codecs import twins, arrowcodec, valuecodec
+from statestore_async.codecs import arrowcodec, twins, valuecodec
 from statestore_async.errors import DecodeError, EncodeError
 from statestore_async.spark.runtime import store_keys
-from conftest import implementations, resolve_impl
 
 pa = pytest.importorskip("pyarrow")
 

@@ -7,14 +7,14 @@ import asyncio
 import struct
 
 import pytest
+from conftest import implementations, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from statestore_async.codecs import twins, arrowframes
 from statestore_async.client.clients import AsyncClient, Client
+from statestore_async.codecs import arrowframes, twins
 from statestore_async.errors import DecodeError, EncodeError, InterfaceError
 from statestore_async.ids import StoreId
-from conftest import implementations, resolve_impl
 
 pa = pytest.importorskip("pyarrow")
 

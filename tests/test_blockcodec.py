@@ -7,10 +7,10 @@ import struct
 import pytest
 import xxhash
 import zstandard
+from conftest import implementations, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import implementations, resolve_impl
 from statestore_async.codecs import twins
 from statestore_async.errors import CorruptBlockError, DecodeError, EncodeError, InterfaceError
 

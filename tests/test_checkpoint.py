@@ -5,17 +5,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from statestore_async.files import checkpoint
-from statestore_async.files.checkpoint import (
-    CheckpointParser, blocks_for_key_groups, decode_blocks, encode_delta, encode_snapshot, read_checkpoint,
-    read_index,
-)
+from statestore_async.codecs.keylayout import key_group_of, store_key
 from statestore_async.engine.store import VersionedStore
 from statestore_async.errors import CorruptFileError
+from statestore_async.files import checkpoint
+from statestore_async.files.checkpoint import (
+    CheckpointParser,
+    blocks_for_key_groups,
+    decode_blocks,
+    encode_delta,
+    encode_snapshot,
+    read_checkpoint,
+    read_index,
+)
+from statestore_async.files.manifest import Manifest
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import StoreId
-from statestore_async.codecs.keylayout import key_group_of, store_key
-from statestore_async.files.manifest import Manifest
 
 SID = StoreId("file:///tmp/ckpt", "agg", 3)
 

@@ -10,7 +10,7 @@ import botocore.session
 import pytest
 
 from statestore_async.client.clients import AsyncClient
-from statestore_async.errors import ObjectNotFoundError
+from statestore_async.errors import ObjectNotFoundError, StateStoreError
 from statestore_async.files.loader import load_store
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
@@ -190,7 +190,7 @@ async def test_recovery_from_s3_alone_snapshot_plus_20_deltas(make_daemon, seawe
     fresh = await make_daemon(seaweedfs.endpoint_url)
     async with AsyncClient(fresh.config.socket) as c:
         h = await c.open(sid, ref.version, ref.ckptid)
-        got = dict([(k, v) async for k, v in h.scan(b"")])
+        got = {k: v async for k, v in h.scan(b"")}
         await h.abort()
     assert got == model
     async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
@@ -294,7 +294,7 @@ async def test_a_daemon_killed_before_upload_loses_only_versions_never_reported_
     async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
         store, _ = await load_store(st, sid, durable)  # what was reported durable is there
         assert store.get(key(10)) == b"v0-10-0"
-        with pytest.raises(Exception):
+        with pytest.raises(StateStoreError):
             await load_store(st, sid, lost[-1])
         with pytest.raises(ObjectNotFoundError):
             await st.head(file_key(sid, lost[1], SNAPSHOT))

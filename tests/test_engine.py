@@ -3,12 +3,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from statestore_async.codecs.keylayout import store_key
 from statestore_async.engine.store import State, VersionedStore
 from statestore_async.errors import (
-    InterfaceError, KeyFormatError, StoreStateError, VersionNotFoundError, WriterConflictError,
+    InterfaceError,
+    KeyFormatError,
+    StoreStateError,
+    VersionNotFoundError,
+    WriterConflictError,
 )
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
-from statestore_async.codecs.keylayout import store_key
 
 SID = StoreId("file:///tmp/ckpt", "agg", 0)
 
@@ -195,7 +199,7 @@ def test_frozen_view_does_not_change_while_commits_go_on():
         w = s.open(1)
         w.put(k(5), b"other")
         w.commit()
-        seen = {kk: view.get(kk) for kk in view.keys()}
+        seen = {kk: view.get(kk) for kk in view.keys()}  # noqa: SIM118 - a FrozenView, not a dict
         assert seen == frozen
     assert s._views == []
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import struct
 
 import pytest
+from conftest import implementations, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statestore_async.codecs import twins
 from statestore_async.errors import DecodeError, EncodeError
-from conftest import implementations, resolve_impl
 
 IMPLS = implementations("framing")
 blobs = st.binary(max_size=40)

@@ -6,16 +6,16 @@ import sys
 
 import pytest
 
+from statestore_async.codecs.keylayout import store_key
 from statestore_async.engine.store import VersionedStore
 from statestore_async.errors import CorruptFileError, LineageError, VersionNotFoundError
-from statestore_async.files.transfer import write_delta, write_snapshot
-from statestore_async.files.names import DELTA, SNAPSHOT, file_key
-from statestore_async.ids import CheckpointRef, StoreId
-from statestore_async.codecs.keylayout import store_key
 from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import Manifest, read_manifest, write_manifest
-from statestore_async.objectstore import LocalObjectStore
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.retention import cleanup_store
+from statestore_async.files.transfer import write_delta, write_snapshot
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore import LocalObjectStore
 
 
 class NoListStore(LocalObjectStore):

@@ -10,7 +10,11 @@ import pytest
 from conftest import free_port
 
 from statestore_async.errors import (
-    InterfaceError, ObjectExistsError, ObjectNotFoundError, ObjectStoreError, ObjectStoreUnavailableError,
+    InterfaceError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    ObjectStoreUnavailableError,
     StorageFullError,
 )
 from statestore_async.objectstore import LocalObjectStore, open_object_store
@@ -244,7 +248,7 @@ def test_s3_timestamps_parse_like_botocore(value):
 
     expected = parse_timestamp(value)
     if expected.tzinfo is None:  # S3 times are UTC: ours always says so
-        expected = expected.replace(tzinfo=datetime.timezone.utc)
+        expected = expected.replace(tzinfo=datetime.UTC)
     assert _parse_timestamp(value) == expected and _parse_timestamp(value).tzinfo is not None
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import struct
 
 import pytest
+from conftest import implementations, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from statestore_async.codecs import twins
 from statestore_async.errors import StateStoreError
-from conftest import implementations, resolve_impl
 
 IMPLS = implementations("overlay")
 FR = twins.reference("framing")
@@ -61,7 +61,7 @@ def test_removes_are_tombstones(ov, start, ks):
                lambda o: ov.remove_packed(o, FR.encode_list(ks), 0, 2, OVERHEAD)[1]):
         o = dict(start)
         delta = rm(o)
-        assert o == {**start, **{k: None for k in ks}}
+        assert o == {**start, **dict.fromkeys(ks)}
         assert delta == _accounted(o) - _accounted(start)
 
 
@@ -162,7 +162,7 @@ def test_apply_changes_ref_and_native_agree(data, changes):
             else:
                 expected[key] = v
         assert d == expected
-        size = lambda m: sum(len(a) + len(b) + 50 for a, b in m.items())  # noqa: E731
+        size = lambda m: sum(len(a) + len(b) + 50 for a, b in m.items())
         assert data_delta == size(d) - size(data)
         assert set(records) == {key for key, v in changes.items() if v is not None or key in data}
         assert list(records) == [key for key in changes if key in records]  # the changes' order

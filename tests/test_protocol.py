@@ -9,8 +9,8 @@ import pytest
 
 from statestore_async import errors
 from statestore_async.codecs import framing
-from statestore_async.wire import protocol as P
 from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.wire import protocol as P
 
 SID = StoreId("file:///tmp/root", "op", 3, "name")
 CK = "ab" * 16

@@ -7,17 +7,16 @@ import os
 
 import pytest
 
-from statestore_async.files.checkpoint import read_checkpoint
+from statestore_async.daemon.snapshotter import SnapshotWorker
 from statestore_async.engine.store import VersionedStore
 from statestore_async.errors import VersionNotFoundError
-from statestore_async.files.transfer import write_delta
-from statestore_async.files.names import SNAPSHOT, file_key, file_name
-from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.files.checkpoint import read_checkpoint
 from statestore_async.files.loader import load_store
+from statestore_async.files.names import SNAPSHOT, file_key, file_name, is_checkpoint_file
+from statestore_async.files.transfer import write_delta
+from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore import open_object_store
-from statestore_async.files.names import is_checkpoint_file
 from statestore_async.objectstore.cache import CachingObjectStore
-from statestore_async.daemon.snapshotter import SnapshotWorker
 
 pytestmark = pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 

@@ -15,8 +15,8 @@ import sys
 import time
 
 import pytest
-
 from spark_cluster import StandaloneCluster, dict_oracle, final_count_sum, read_outputs, write_batches
+
 from statestore_async.spark import daemon_pid, load_state
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]

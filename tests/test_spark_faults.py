@@ -9,8 +9,8 @@ batch and the final state must equal Spark's own aggregation.
 from __future__ import annotations
 
 import pytest
-
 from spark_cluster import Daemon, collector, dict_oracle, final_count_sum, run_stream, write_batches
+
 from statestore_async.files.manifest import list_manifest_versions
 from statestore_async.spark import StatefulOperator, daemon_pid, load_state
 from statestore_async.spark.examples import CountSum

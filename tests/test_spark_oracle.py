@@ -8,8 +8,8 @@ checked with adaptive query execution on.
 from __future__ import annotations
 
 import pytest
-
 from spark_cluster import Daemon, collector, dict_oracle, final_count_sum, run_stream, spark_oracle, write_batches
+
 from statestore_async.spark import OperatorConfigError, StatefulOperator, load_state, read_state
 from statestore_async.spark.coordinator import location_of
 from statestore_async.spark.examples import CountSum, VectorizedCountSum

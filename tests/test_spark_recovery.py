@@ -19,12 +19,12 @@ import subprocess
 import sys
 
 import pytest
-
 import spark_cluster
 from spark_cluster import Daemon, dict_oracle, final_count_sum, read_outputs, write_batches
+
+from statestore_async.files.manifest import read_manifest
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import CheckpointRef, StoreId
-from statestore_async.files.manifest import read_manifest
 from statestore_async.objectstore import open_object_store
 from statestore_async.spark import load_state
 

@@ -11,16 +11,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import xxhash
+from conftest import implementations, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import implementations, resolve_impl
 from statestore_async.codecs import twins
 from statestore_async.errors import EncodeError, InterfaceError
 
 REF = twins.reference("sparkhash")
 IMPLS = implementations("sparkhash")
-UTC = dt.timezone.utc
+UTC = dt.UTC
 I64 = (-(1 << 63), (1 << 63) - 1)
 I32 = (-(1 << 31), (1 << 31) - 1)
 

@@ -5,12 +5,12 @@ import pytest
 from click.testing import CliRunner
 
 from statestore_async.cli.main import main
-from statestore_async.engine.store import VersionedStore
-from statestore_async.files.transfer import write_delta, write_snapshot
-from statestore_async.files.names import DELTA, file_key
-from statestore_async.ids import StoreId
 from statestore_async.codecs.keylayout import store_key
+from statestore_async.engine.store import VersionedStore
 from statestore_async.files.manifest import Manifest, list_manifest_versions, write_manifest
+from statestore_async.files.names import DELTA, file_key
+from statestore_async.files.transfer import write_delta, write_snapshot
+from statestore_async.ids import StoreId
 from statestore_async.objectstore import LocalObjectStore
 
 

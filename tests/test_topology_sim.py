@@ -41,8 +41,8 @@ import pytest
 import yaml
 
 from statestore_async.client.clients import Client
-from statestore_async.ids import StoreId
 from statestore_async.files.names import file_key
+from statestore_async.ids import StoreId
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "statestore-async"
@@ -131,9 +131,8 @@ def rewrite(value: str, mounts: dict[str, Path]) -> str:
     """An absolute container path under a mount -> the host path; anything else unchanged."""
     best = None
     for mp in mounts:
-        if value == mp or value.startswith(mp + "/"):
-            if best is None or len(mp) > len(best):
-                best = mp
+        if (value == mp or value.startswith(mp + "/")) and (best is None or len(mp) > len(best)):
+            best = mp
     if best is None:
         return value
     return str(mounts[best]) + value[len(best):]

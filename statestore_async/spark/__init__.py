@@ -11,25 +11,67 @@ Spark is imported only inside this package (and lazily: importing it does not st
 See ``docs/SPARK.md``.
 """
 from statestore_async.spark.operator import (
-    BatchProgress, DuplicateReportError, FenceTimeoutError, OperatorConfigError, StatefulOperator,
+    BatchProgress,
+    DuplicateReportError,
+    FenceTimeoutError,
+    OperatorConfigError,
+    StatefulOperator,
 )
 from statestore_async.spark.placement import (
-    DaemonUnavailableError, connect, daemon_pid, start_daemon, stop_daemon,
+    DaemonUnavailableError,
+    connect,
+    daemon_pid,
+    start_daemon,
+    stop_daemon,
 )
 from statestore_async.spark.processor import (
-    KeyState, ListState, MapState, StatefulProcessor, StateHandle, ValueState, VectorizedProcessor,
+    KeyState,
+    ListState,
+    MapState,
+    StatefulProcessor,
+    StateHandle,
+    ValueState,
+    VectorizedProcessor,
 )
 from statestore_async.spark.reader import decode_record, load_state, read_state
 from statestore_async.spark.routing import murmur3_int, route_values, with_routing
 from statestore_async.spark.runtime import (
-    Fault, InjectedFault, RoutingError, group_rows, open_partition_store, store_keys,
+    Fault,
+    InjectedFault,
+    RoutingError,
+    group_rows,
+    open_partition_store,
+    store_keys,
 )
 
 __all__ = [
-    "StatefulOperator", "BatchProgress", "OperatorConfigError", "FenceTimeoutError", "DuplicateReportError",
-    "StatefulProcessor", "VectorizedProcessor", "StateHandle", "KeyState", "ValueState", "ListState", "MapState",
-    "open_partition_store", "read_state", "load_state", "decode_record",
-    "connect", "start_daemon", "stop_daemon", "daemon_pid", "DaemonUnavailableError",
-    "route_values", "murmur3_int", "with_routing", "group_rows", "store_keys",
-    "Fault", "InjectedFault", "RoutingError",
+    "BatchProgress",
+    "DaemonUnavailableError",
+    "DuplicateReportError",
+    "Fault",
+    "FenceTimeoutError",
+    "InjectedFault",
+    "KeyState",
+    "ListState",
+    "MapState",
+    "OperatorConfigError",
+    "RoutingError",
+    "StateHandle",
+    "StatefulOperator",
+    "StatefulProcessor",
+    "ValueState",
+    "VectorizedProcessor",
+    "connect",
+    "daemon_pid",
+    "decode_record",
+    "group_rows",
+    "load_state",
+    "murmur3_int",
+    "open_partition_store",
+    "read_state",
+    "route_values",
+    "start_daemon",
+    "stop_daemon",
+    "store_keys",
+    "with_routing",
 ]

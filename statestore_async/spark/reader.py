@@ -9,11 +9,11 @@ import asyncio
 import json
 
 from statestore_async.codecs import valuecodec
-from statestore_async.errors import VersionNotFoundError
-from statestore_async.ids import DEFAULT_STORE_NAME, StoreId
 from statestore_async.codecs.keylayout import key_group_of
+from statestore_async.errors import VersionNotFoundError
 from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import list_manifest_versions, read_manifest
+from statestore_async.ids import DEFAULT_STORE_NAME, StoreId
 from statestore_async.objectstore import open_object_store
 
 
