@@ -357,11 +357,15 @@ def job_main(argv: list[str]) -> int:
 
 
 def run_job(args: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
-    """Run ``job_main`` in a child process (its own Spark driver); returns the completed process."""
+    """Run ``job_main`` in a child process (its own Spark driver); returns the completed process.
+
+    The child runs under ``python -m statestore_async.testing.faults``, so its ``--faults`` may arm
+    faults (with none, the hooks cost nothing)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, os.path.join(here, "spark_cluster.py"), "job", *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults",
+                             os.path.join(here, "spark_cluster.py"), "job", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

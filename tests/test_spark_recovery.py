@@ -15,12 +15,9 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
-import spark_cluster
-from spark_cluster import Daemon, dict_oracle, final_count_sum, read_outputs, write_batches
+from spark_cluster import Daemon, dict_oracle, final_count_sum, read_outputs, run_job, write_batches
 
 from statestore_async.files.manifest import read_manifest
 from statestore_async.files.names import DELTA, file_key
@@ -41,25 +38,6 @@ def data(tmp_path_factory):
 def _args(src, tmp_path, sock, faults=(), master="local[2]"):
     return ["--master", master, "--src", src, "--root", f"file://{tmp_path}/state", "--ckpt", str(tmp_path / "ckpt"),
             "--out", str(tmp_path / "out"), "--socket", sock, "--faults", json.dumps(list(faults))]
-
-
-def run_job(args: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
-    """``spark_cluster.run_job`` with the fault hook maker installed in the child driver, so that its
-    ``--faults`` may arm faults: ``python -m statestore_async.testing.faults spark_cluster.py job …``."""
-    script = os.path.abspath(spark_cluster.__file__)
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([os.path.dirname(script), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults", script, "job", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the driver's JVM and Python workers, if any are left
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 async def _manifest(root, version):
