@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import pyarrow as pa
 
-from statestore_async.codecs import twins, valuecodec
+from statestore_async.codecs import keylayout, twins, valuecodec
 from statestore_async.codecs.arrowframes import to_array
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ def encode_tuples(
     rows = list(zip(*[a.to_pylist() for a in arrays])) if arrays else [()] * n
     encoded = (valuecodec.encode_keys if key else valuecodec.encode_rows)([(*head, *r) for r in rows])
     if prefixes is not None:
-        encoded = [int(g).to_bytes(2, "big") + e for g, e in zip(prefixes.tolist(), encoded)]
+        encoded = [keylayout.prefix(int(g)) + e for g, e in zip(prefixes.tolist(), encoded)]
     return pa.array(encoded, type=pa.large_binary() if sum(map(len, encoded)) > 0x7FFFFFFF else pa.binary())
 
 

@@ -5,6 +5,9 @@ A key is ``kg (2 bytes, big-endian) + payload``. The key group ``kg`` comes from
 so every piece of state of one grouping key lives in one key group, snapshots can keep their
 records grouped by key group, and a rescale can read just the key groups a partition owns
 (DESIGN §8). Prefix scans include the 2 key-group bytes. ``G`` is at most 65536.
+
+This module is the one owner of that layout in Python: everything that builds or cuts a store
+key's key-group prefix calls it (the compiled codecs in ``_ext/`` read the same two bytes in C).
 """
 from __future__ import annotations
 
@@ -38,3 +41,23 @@ def key_group_of(key: bytes) -> int:
 def split_key(key: bytes) -> tuple[int, bytes]:
     """``(key_group, payload)`` of a store key."""
     return key_group_of(key), bytes(key[KEY_GROUP_BYTES:])
+
+
+def prefix(key_group: int) -> bytes:
+    """The key-group prefix of every store key in ``key_group`` (no range check: hot paths)."""
+    return key_group.to_bytes(KEY_GROUP_BYTES, "big")
+
+
+def prefixes(num_key_groups: int) -> tuple[bytes, ...]:
+    """``prefix(g)`` for every key group ``g`` of ``num_key_groups``, indexable by ``g``."""
+    return tuple(prefix(g) for g in range(check_num_key_groups(num_key_groups)))
+
+
+def payload(key: bytes) -> bytes:
+    """A store key without its key-group prefix."""
+    return key[KEY_GROUP_BYTES:]
+
+
+def key_group_or_zero(key: bytes) -> int:
+    """The key group of ``key``, 0 for a key shorter than the prefix (a block index's convention)."""
+    return (key[0] << 8) | key[1] if len(key) >= KEY_GROUP_BYTES else 0

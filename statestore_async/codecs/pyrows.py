@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from statestore_async.codecs import sparkhash, valuecodec
-from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, KEY_GROUP_BYTES, check_num_key_groups
+from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups, payload, prefix
 
 
 def encode_keys(rows: Sequence[tuple[object, ...]], key_types: Sequence[str] | None = None,
@@ -24,12 +24,12 @@ def encode_keys(rows: Sequence[tuple[object, ...]], key_types: Sequence[str] | N
         return []
     kgs = sparkhash.key_groups(sparkhash.hash_rows(rows, key_types), num_key_groups).tolist()
     payloads = valuecodec.encode_keys(rows)
-    return [kg.to_bytes(KEY_GROUP_BYTES, "big") + p for kg, p in zip(kgs, payloads)]
+    return [prefix(kg) + p for kg, p in zip(kgs, payloads)]
 
 
 def decode_key(key: bytes) -> tuple[Any, ...]:
     """The key row of a store key made by ``encode_keys``."""
-    row: tuple[Any, ...] = valuecodec.decode_row(memoryview(key)[KEY_GROUP_BYTES:])
+    row: tuple[Any, ...] = valuecodec.decode_row(payload(memoryview(key)))
     return row
 
 

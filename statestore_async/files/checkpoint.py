@@ -31,7 +31,7 @@ import xxhash
 
 from statestore_async import __version__
 from statestore_async.codecs import blockcodec
-from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
+from statestore_async.codecs.keylayout import key_group_or_zero
 from statestore_async.engine import overlay
 from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
@@ -105,8 +105,7 @@ class Footer:
     blocks: list[BlockIndexEntry] = field(default_factory=list)
 
 
-def _kg(key: bytes) -> int:
-    return (key[0] << 8) | key[1] if len(key) >= KEY_GROUP_BYTES else 0
+_kg = key_group_or_zero
 
 
 # ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import asyncio
 import json
 
 from statestore_async.codecs import valuecodec
-from statestore_async.codecs.keylayout import key_group_of
+from statestore_async.codecs.keylayout import key_group_of, payload
 from statestore_async.errors import VersionNotFoundError
 from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import list_manifest_versions, read_manifest
@@ -18,24 +18,26 @@ from statestore_async.objectstore import open_object_store
 
 
 def _open(root: str, s3_options: dict | None):
-    if "://" not in root:
-        import os
+    """``(root URI, its object store)``: a relative root is refused (``runtime.checkpoint_root``), a
+    local one opened without creating its folder (reading never creates anything: a missing root
+    has no manifest)."""
+    from statestore_async.spark.runtime import checkpoint_root
 
-        root = "file://" + os.path.abspath(root)
+    root = checkpoint_root(root)
     if root.startswith("s3://"):
         if s3_options is None:
             from statestore_async.spark.operator import s3_options_from_env
 
             s3_options = s3_options_from_env()
         return root, open_object_store(root, s3_options=s3_options)
-    return root, open_object_store(root)
+    return root, open_object_store(root, create=False)
 
 
 async def _manifest(store, operator_id: str, version: int | None):
     if version is None:
         versions = await list_manifest_versions(store, operator_id)
         if not versions:
-            raise VersionNotFoundError(f"operator {operator_id!r} has no manifest yet")
+            raise VersionNotFoundError(f"operator {operator_id!r} has no manifest under {store.uri}")
         version = versions[-1]
     return await read_manifest(store, operator_id, version)
 
@@ -45,7 +47,7 @@ def decode_record(key: bytes, value: bytes) -> tuple[int, str, tuple, object]:
 
     A state declared with a TTL keeps ``(expires_at_ms, value)`` as its value.
     """
-    name, *grouping = valuecodec.decode_row(key[2:])
+    name, *grouping = valuecodec.decode_row(payload(key))
     return key_group_of(key), name, tuple(grouping), valuecodec.decode_row(value)
 
 
