@@ -15,14 +15,18 @@ Every wait is for a condition, with a generous deadline; every process started i
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import time
 import urllib.request
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from statestore_async import errors
+from statestore_async.client import AsyncClient
 from statestore_async.ids import StoreId
 
 DEADLINE = 60.0  # seconds any awaited condition may take on a busy 2-core machine
@@ -117,3 +121,92 @@ def test_stats_and_metrics_carry_every_key_on_an_empty_daemon(daemon_process, tm
         status, busy_samples = scrape(port)
         assert status == 200 and set(busy_samples) == set(samples)
         assert busy_samples["statestore_stores"] == 1
+
+
+# --- the memory budget bounds what the daemon keeps --------------------------------------------------
+async def wait_evicted(d, sids, what: str) -> None:
+    """Enforce the budget until none of ``sids`` is held (a snapshot's view keeps a store a moment)."""
+    def gone():
+        d.registry.enforce_budget()
+        return all(d.registry.get(sid) is None for sid in sids)
+    await async_wait_for(gone, what)
+
+
+async def test_evicted_stores_are_collectable_while_their_connection_stays_open(daemon_factory, tmp_path):
+    """Finished handles on an open connection, durable uploads, snapshots and retention hold no
+    store: once evicted, a store (its map, history and deltas) is garbage."""
+    d = await daemon_factory(snapshot_interval=1, retention_versions=2)  # a snapshot (and cleanup) each commit
+    root = f"file://{tmp_path}/root"
+    sids = [StoreId(root, "collect", p) for p in range(6)]
+    watched: list[weakref.ref] = []
+    last = {}
+    async with AsyncClient(d.config.socket) as c:
+        handles = []
+        for sid in sids:
+            ref = None
+            for v in range(3):
+                h = await c.open(sid, v, ref.ckptid if ref else None)
+                await h.put_many([(key(i), b"%d-%d" % (v, i) * 20) for i in range(300)])
+                ref = await h.commit()
+                handles.append(h)
+                watched.append(weakref.ref(d.registry.get(sid)))
+            h = await c.open(sid, ref.version, ref.ckptid)
+            assert await h.get_many([key(1)]) == [b"2-1" * 20]
+            await h.abort()  # an aborted handle as well as committed ones
+            handles.append(h)
+            assert await c.await_durable(sid, ref, DEADLINE)
+            last[sid] = ref
+        await async_wait_for(lambda: not d.maintenance.stats()["in_progress"], "snapshots to finish")
+        assert d.maintenance.counters["snapshots"] >= len(sids)
+        d.registry.memory_budget = 1  # every idle, durable store goes
+        await wait_evicted(d, sids, "the stores to be evicted")
+        gc.collect()
+        alive = list({id(s): s for s in (w() for w in watched) if s is not None}.values())
+        assert not alive, (f"{len(alive)} of {len(sids)} evicted stores are still referenced, by "
+                           f"{[type(r).__name__ for r in gc.get_referrers(alive[0])]}")
+        del alive
+        # the connection is still open and still knows its finished handles: a late request on one
+        # is told what happened to it (not 'unknown handle'), from a record that holds no store
+        with pytest.raises(errors.StoreStateError, match="already COMMITTED"):
+            await c.call(lambda p: p.send_put_many(handles[0].handle, [(key(1), b"late")]))
+        with pytest.raises(errors.StoreStateError, match="already ABORTED"):
+            await c.call(lambda p: p.send_get_many(handles[3].handle, [key(1)]))
+        await c.call(lambda p: p.send_abort(handles[3].handle))  # aborting twice stays fine
+        # and a reopen loads the state again, equal
+        h = await c.open(sids[0], 3, last[sids[0]].ckptid)
+        assert await h.get_many([key(7)]) == [b"2-7" * 20]
+        await h.abort()
+        assert d.registry.counters["loads"] == 1
+
+
+async def test_the_cyclic_collector_is_on_whenever_the_snapshot_builder_yields(daemon_factory, tmp_path):
+    """The inline snapshot builder pauses the cyclic collector during each step only: whenever the
+    event loop runs something else (a request, this test's poller), the collector is on."""
+    assert gc.isenabled()
+    d = await daemon_factory(snapshot_interval=1)
+    sid = StoreId(f"file://{tmp_path}/root", "gc", 0)
+    samples: list[tuple[int, bool]] = []
+    stop = asyncio.Event()
+
+    async def poll():
+        while not stop.is_set():
+            samples.append((d.maintenance.stats()["in_progress"], gc.isenabled()))
+            await asyncio.sleep(0)
+
+    poller = asyncio.get_running_loop().create_task(poll())
+    try:
+        async with AsyncClient(d.config.socket) as c:
+            h = await c.open(sid, 0)
+            # many records: the snapshot takes many steps (2048 records or one 64 KiB block each)
+            await h.put_many([(key(i), b"%06d" % i * 8) for i in range(40_000)])
+            ref = await h.commit()
+            assert await c.await_durable(sid, ref, DEADLINE)
+            await async_wait_for(lambda: d.maintenance.counters["snapshots"] >= 1
+                                 and not d.maintenance.stats()["in_progress"], "the snapshot")
+    finally:
+        stop.set()
+        await poller
+    during = [enabled for busy, enabled in samples if busy]
+    assert during, "the poller never ran while the snapshot was being built"
+    assert all(during), f"the collector was off at {during.count(False)} of {len(during)} yields of the snapshot builder"
+    assert gc.isenabled()

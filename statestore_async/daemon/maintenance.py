@@ -23,14 +23,14 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from statestore_async.engine.store import VersionedStore
+from statestore_async.engine.store import FrozenView
 from statestore_async.errors import StateStoreError
-from statestore_async.files.checkpoint import FileHeader
+from statestore_async.files.checkpoint import FileHeader, snapshot_steps
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.retention import cleanup_store
-from statestore_async.files.transfer import create_checkpoint_file, snapshot_bytes
+from statestore_async.files.transfer import create_checkpoint_file
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore.base import ObjectStore
 
@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # in the commit latency tail).
 STEP_RECORDS = 2048
 STEP_BLOCK_BYTES = 64 << 10
+_DONE = object()  # the end of snapshot_steps
 
 
 class _Pacer:
@@ -90,12 +91,13 @@ class _Pacer:
 
 @contextlib.contextmanager
 def _no_cyclic_gc() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a snapshot is encoded.
+    """Pause Python's cyclic garbage collector during one synchronous step of a snapshot.
 
-    A frozen view lists every key of the store, and the snapshot sorts its records into per-group
-    lists: hundreds of thousands of references that every collection of their generation would
-    walk (2-3 ms each at 200k keys) in the middle of someone's COMMIT. Nothing encoded makes
-    reference cycles; the lists are gone when the collector comes back on.
+    A step sorts thousands of records into per-group lists: allocations that would trigger
+    collections walking them in the middle of the step. Never held across an await: with the
+    collector off across the snapshot's pauses, the requests served in between (a busy daemon
+    snapshots nearly all the time) left their reference cycles — and any store they reached —
+    uncollected, and the daemon's memory grew without bound.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -148,12 +150,14 @@ class Maintenance:
         so retention need not GET its header back (each S3 request costs the loop ~1 ms)."""
         if self._closed:
             return
+        store = self._registry.get(store_id)
+        if store is None:
+            return  # not in memory (dropped already): nothing is kept for it
         if lineage is not None:
             self._headers.setdefault(store_id, {})[file_key(store_id, ref, DELTA)] = FileHeader(
                 DELTA, store_id.to_json(), ref, tuple(lineage), "zstd", time.time())
         self._chain_bytes[store_id] = self._chain_bytes.get(store_id, 0) + nbytes
-        store = self._registry.get(store_id)
-        if store is None or store_id in self._busy:
+        if store_id in self._busy:
             return
         if (store.deltas_since_snapshot() >= self.snapshot_interval
                 or self._chain_bytes[store_id] >= self.snapshot_delta_bytes):
@@ -163,6 +167,9 @@ class Maintenance:
             task.add_done_callback(self._tasks.discard)
 
     async def _snapshot(self, store_id: StoreId, ref: CheckpointRef) -> None:
+        # The store is looked up by id, never held across an await: the registry may evict it
+        # meanwhile (a snapshot in progress must not keep an evicted store alive). Only the frozen
+        # view holds it, while the records are encoded, and the registry evicts no store with a view.
         try:
             async with self._sem:
                 store = self._registry.get(store_id)
@@ -176,18 +183,27 @@ class Maintenance:
                         return
                     if ref.version == 0 or store.has_snapshot(ref):
                         return
+                    del store
                     size = await self._worker.snapshot(store_id, ref, objstore)
                 else:
                     # in memory: a snapshot is self-contained, take the head now
                     ref = store.head
                     if ref.version == 0 or store.has_snapshot(ref):
                         return
-                    size = await self._snapshot_here(store, objstore)
-                store.mark_snapshot(ref)
-                self._chain_bytes[store_id] = 0
+                    view = store.freeze()
+                    del store
+                    size = await self._snapshot_here(view, objstore)
                 self.counters["snapshots"] += 1
                 self.counters["snapshot_bytes"] += size
                 log.info("snapshot of %s at %s: %d bytes", store_id, ref, size)
+                store = self._registry.get(store_id)
+                if store is None:
+                    # evicted meanwhile: keep nothing of it (``forget`` ran); a reload reads the
+                    # files, this snapshot included, and its next snapshot cleans up
+                    return
+                store.mark_snapshot(ref)
+                del store
+                self._chain_bytes[store_id] = 0
                 await self._cleanup(objstore, store_id, ref)
         except StateStoreError as exc:
             self.counters["snapshot_errors"] += 1
@@ -198,16 +214,30 @@ class Maintenance:
         finally:
             self._busy.discard(store_id)
 
-    async def _snapshot_here(self, store: VersionedStore, objstore: ObjectStore) -> int:
-        """Encode the head's snapshot in this process, in bounded steps between requests."""
-        with _no_cyclic_gc():
-            view = store.freeze()
-            try:
-                data = await snapshot_bytes(view, give_way=_Pacer(served=self._served), chunk=STEP_RECORDS,
-                                            block_bytes=STEP_BLOCK_BYTES)
-            finally:
-                view.release()
-        return await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)
+    async def _snapshot_here(self, view: FrozenView, objstore: ObjectStore) -> int:
+        """Encode the snapshot of ``view`` (released here) in this process, in bounded steps
+        between requests, and create its file."""
+        store_id, ref = view.store_id, view.ref
+        try:
+            parts: list[bytes] = []
+            steps = snapshot_steps(view, chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
+            give_way = _Pacer(served=self._served)
+            while True:
+                # the collector is off during each step only, never across an await: requests
+                # served in between make garbage (cycles too) that must be collectable
+                with _no_cyclic_gc():
+                    item = next(steps, _DONE)
+                if item is _DONE:
+                    break
+                if item is None:
+                    await give_way()
+                else:
+                    parts = cast("list[bytes]", item)
+        finally:
+            view.release()
+        data = await asyncio.to_thread(b"".join, parts)  # a large join releases the GIL
+        del parts
+        return await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)
 
     async def _cleanup(self, objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef) -> None:
         min_version = ref.version - self.retention_versions + 1

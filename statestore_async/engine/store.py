@@ -41,6 +41,8 @@ MAX_LINEAGE = 1000
 
 # key -> value, or None for a removed key (a tombstone): an overlay, a commit's changes or records
 Changes: TypeAlias = dict[bytes, bytes | None]
+# the map a finished StoreVersion reads from (never, its state checks come first): none of the store's
+_NO_DATA: dict[bytes, bytes] = {}
 
 
 class State(enum.Enum):
@@ -152,13 +154,12 @@ class FrozenView:
     """
 
     def __init__(self, store: VersionedStore):
-        self._store = store
+        self._store: VersionedStore | None = store  # None once released: a view kept around holds no store
         self.store_id = store.store_id
         self.ref = store.head
         self.lineage = store.lineage
         self._keys = list(store._data)
         self._shadow: Changes = {}  # key -> its frozen value where a later change saved it (None: absent)
-        self._released = False
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -178,17 +179,24 @@ class FrozenView:
         """The frozen value of ``key`` (None if it was not in the frozen state)."""
         if key in self._shadow:
             return self._shadow[key]
-        return self._store._data.get(key)
+        return self._live()._data.get(key)
 
     def group(self, start: int, stop: int, groups: list[list[bytes] | None]) -> None:
         """Sort the frozen records of ``keys()[start:stop]`` into ``groups`` by key group
         (``overlay.group_records``; ``overlay.gather_records`` hands them out in order)."""
-        _overlay.group_records(self._keys, start, stop, self._shadow, self._store._data, groups)
+        _overlay.group_records(self._keys, start, stop, self._shadow, self._live()._data, groups)
+
+    def _live(self) -> VersionedStore:
+        if self._store is None:
+            raise StoreStateError(f"the frozen view of store {self.store_id} at {self.ref} was released")
+        return self._store
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._store._views.remove(self)
+        """End the view: the store stops saving pre-images for it, and the view lets go of the store."""
+        store = self._store
+        if store is not None:
+            store._views.remove(self)
+            self._store = None
             self._shadow = {}
             self._keys = []
 
@@ -460,25 +468,25 @@ class VersionedStore:
         overlay, commit, delta = pending
         records, _ = self._apply(overlay, commit)
         object.__setattr__(delta, "_records", records)
+        object.__setattr__(delta, "_store", None)  # applied: the delta no longer keeps the store alive
 
 
 class StoreVersion:
     """One writer's open version: reads see the overlay first, then the committed map."""
 
-    __slots__ = ("_base", "_overlay", "_overlay_bytes", "_result", "_store", "parent", "state")
+    __slots__ = ("_base", "_overlay", "_overlay_bytes", "_result", "_store", "parent", "state", "store_id")
 
     def __init__(self, store: VersionedStore):
-        self._store = store
+        # None and empty once the version is committed or aborted: a finished version someone
+        # keeps (a connection's handle, a caller's variable) holds neither the store nor its map.
+        self._store: VersionedStore | None = store
         self._base = store._data
+        self.store_id = store.store_id
         self._overlay: Changes = {}
         self._overlay_bytes = 0
         self.state = State.UPDATING
         self.parent = store.head
         self._result: Delta | None = None
-
-    @property
-    def store_id(self) -> StoreId:
-        return self._store.store_id
 
     @property
     def version(self) -> int:
@@ -489,11 +497,24 @@ class StoreVersion:
     def num_changes(self) -> int:
         return len(self._overlay)
 
-    def _check_updating(self, op: str) -> None:
-        if self.state is not State.UPDATING:
+    def _check_updating(self, op: str) -> VersionedStore:
+        store = self._store
+        if self.state is not State.UPDATING or store is None:
             raise StoreStateError(
                 f"cannot {op} store {self.store_id} version {self.version}: it is already {self.state.value}"
             )
+        return store
+
+    def _finished(self, state: State) -> None:
+        """Committed or aborted: let go of the changes, the store and its map; free the writer slot."""
+        store = self._store
+        self.state = state
+        self._overlay = {}
+        self._overlay_bytes = 0
+        self._base = _NO_DATA
+        self._store = None
+        if store is not None:
+            store._writer = None
 
     # --- reads --------------------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
@@ -582,8 +603,7 @@ class StoreVersion:
         """What ``commit(ckptid)`` will make, checked now: the new state's ref (its checkpoint id
         fresh when None). Raises what ``commit`` would; once it returned, ``commit(ref.ckptid)``
         only applies the changes (O(changed keys)) and cannot fail on what it was given."""
-        self._check_updating("commit")
-        return self._store._child(ckptid)
+        return self._check_updating("commit")._child(ckptid)
 
     def upload_bound(self) -> int:
         """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count:
@@ -601,14 +621,10 @@ class StoreVersion:
         ``VersionedStore.apply_pending`` — called by the owner when idle, and by every read of the
         store or of the delta's records before that — so the commit itself costs O(1).
         """
-        self._check_updating("commit")
-        store = self._store
+        store = self._check_updating("commit")
         delta = store._commit(self._overlay, ckptid, defer, self._change_bytes() if defer else 0)
-        self.state = State.COMMITTED
         self._result = delta
-        self._overlay = {}
-        self._overlay_bytes = 0
-        store._writer = None
+        self._finished(State.COMMITTED)
         return delta
 
     def abort(self) -> None:
@@ -616,10 +632,7 @@ class StoreVersion:
         if self.state is State.ABORTED:
             return
         self._check_updating("abort")
-        self.state = State.ABORTED
-        self._overlay = {}
-        self._overlay_bytes = 0
-        self._store._writer = None
+        self._finished(State.ABORTED)
 
     @property
     def result(self) -> Delta | None:
