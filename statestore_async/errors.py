@@ -62,10 +62,40 @@ class WriterConflictError(InterfaceError):
     code = 12
 
 
+class OwnerConflictError(WriterConflictError):
+    """An operator's state is owned by another writer (a streaming query): one writer per state.
+    Raised before anything is written; the message names the owner and how to take over from a
+    writer known to be dead."""
+
+    code = 19
+
+
 class KeyFormatError(InterfaceError):
     """A key that does not follow the store key layout (see ``statestore_async.codecs.keylayout``)."""
 
     code = 13
+
+
+class OutputRowError(InterfaceError):
+    """A processor's output row that does not fit the operator's output schema (wrong shape, a
+    value of another type, a fraction or a number out of range for an integer column); the message
+    names the column, the grouping key and the value."""
+
+    code = 14
+
+
+class StateDeclarationError(InterfaceError):
+    """A state variable declared with another kind or TTL setting than the one its stored values
+    were written with (the operator records each variable's declaration)."""
+
+    code = 15
+
+
+class SocketPathError(InterfaceError):
+    """A daemon socket path that cannot hold a socket (too long, a file or folder is there, a
+    parent is not a folder); the message names the path and how to fix it."""
+
+    code = 16
 
 
 # --- codecs --------------------------------------------------------------------------------------
@@ -252,3 +282,10 @@ class ShuttingDownError(StateStoreError):
     """The daemon is stopping and takes no new work."""
 
     code = 59
+
+
+class RetriesExhaustedError(ConnectionLostError):
+    """The connection to the daemon was lost on every one of a bounded number of tries (each
+    reconnected, restarting the daemon when needed); the last loss is the ``__cause__``."""
+
+    code = 60
