@@ -54,13 +54,17 @@ def _os_error(exc: OSError, key: str, what: str) -> ObjectStoreError:
 
 
 class LocalObjectStore(ObjectStore):
-    """An object store over the directory ``root`` (created if missing)."""
+    """An object store over the directory ``root`` (created if missing, unless ``create=False``:
+    read-only tools open a root without creating it; a missing root then reads as empty, and a
+    write creates the folders it needs)."""
 
-    def __init__(self, root: str | os.PathLike[str], *, threads: int = 4, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, threads: int = 4, fsync: bool = True,
+                 create: bool = True) -> None:
         self.root = Path(root).absolute()
         self.uri = self.root.as_uri()
         self.fsync = fsync
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="localstore")
         self._closed = False
         self.counts: Counter[str] = Counter()  # requests by kind: PUT, GET, HEAD, LIST, DELETE
