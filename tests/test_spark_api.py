@@ -62,7 +62,7 @@ class Profile(StatefulProcessor):
     """Uses every kind of state: a value with a TTL, a list and a map."""
 
     def init(self, handle):
-        self.last = handle.value_state("last", ttl=1.5)
+        self.last = handle.value_state("last", ttl_seconds=1.5)
         self.seen = handle.list_state("seen")
         self.hist = handle.map_state("hist")
 

@@ -55,9 +55,18 @@ from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name
 from statestore_async.objectstore import ObjectStore, open_object_store
 from statestore_async.spark.coordinator import Coordinator
-from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor
+from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor, check_picklable, merge_declarations
 from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
-from statestore_async.spark.runtime import Fault, FaultHook, TaskReport, TaskSpec, fault_hook_for, fault_point, run_partition
+from statestore_async.spark.runtime import (
+    Fault,
+    FaultHook,
+    TaskReport,
+    TaskSpec,
+    fault_hook_for,
+    fault_point,
+    run_partition,
+)
+from statestore_async.spark.runtime import checkpoint_root as checkpoint_root_uri
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -196,7 +205,7 @@ class BatchProgress:
 class StatefulOperator:
     """A stateful foreachBatch operator; see the module docstring for the per-batch protocol.
 
-    ``checkpoint_root``: ``file:///…``, a local path, or ``s3://bucket/prefix`` (the daemons reach it
+    ``checkpoint_root``: ``file:///…``, an absolute path, or ``s3://bucket/prefix`` (the daemons reach it
     with their own S3 settings; the driver with ``s3_options`` or ``STATESTORE_S3_*`` + AWS chain).
     ``key_columns``: the grouping columns; ``value_columns``: the columns handed to the processor
     (default: every other input column). ``num_partitions`` (N) and ``num_key_groups`` (G) are
@@ -240,9 +249,8 @@ class StatefulOperator:
         check_num_key_groups(num_key_groups)
         if num_key_groups < num_partitions:
             raise InterfaceError(f"num_key_groups ({num_key_groups}) must be >= num_partitions ({num_partitions})")
-        if "://" not in checkpoint_root:
-            checkpoint_root = "file://" + os.path.abspath(checkpoint_root)
-        self.root = checkpoint_root.rstrip("/")
+        self.root = checkpoint_root_uri(checkpoint_root)  # a relative path: refused
+        check_picklable(processor)
         self.operator_id = _check_name("operator_id", str(operator_id))
         self.key_columns = tuple(key_columns)
         self.value_columns = tuple(value_columns) if value_columns is not None else None
@@ -355,7 +363,7 @@ class StatefulOperator:
             with _timed(prog, "fence"):
                 self._fence(refs)
             with _timed(prog, "manifest"):
-                self._commit(plan, refs)
+                self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)))
             fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
             with _timed(prog, "sink"):
                 if sink is not None:
@@ -382,7 +390,7 @@ class StatefulOperator:
                         now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
                         fault_hook=self._fault_hook,
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
-                        keys_unique=bool(self.pre_aggregate))
+                        keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"))
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec)
 
     def routed(self, df: DataFrame) -> tuple[DataFrame, tuple[str, ...]]:
@@ -486,15 +494,19 @@ class StatefulOperator:
 
         self._run(fence)
 
-    def _commit(self, plan: BatchPlan, refs: dict[int, CheckpointRef]) -> None:
+    def _commit(self, plan: BatchPlan, refs: dict[int, CheckpointRef], states: dict | None = None) -> None:
         """Step 6, after the fence: write manifest ``batch_id + 1`` (replacing one an earlier attempt
-        of the batch wrote): each partition's reported checkpoint, else the one ``plan.base`` names.
-        From here on the batch's state counts (once Spark records the batch)."""
+        of the batch wrote): each partition's reported checkpoint, else the one ``plan.base`` names;
+        ``states``: the state variables' declarations (``processor.merge_declarations``), which the
+        next batch's tasks check theirs against. From here on the batch's state counts (once Spark
+        records the batch)."""
         stores = tuple(refs.get(p, plan.base.ref(p)) for p in range(self.num_partitions))
+        metadata = {"layout": LAYOUT, "key_columns": list(self.key_columns),
+                    "processor": type(self.processor).__qualname__, "batch_id": plan.batch_id}
+        if states:
+            metadata["states"] = states
         manifest = Manifest(self.operator_id, plan.batch_id + 1, self.num_partitions, self.num_key_groups,
-                            {DEFAULT_STORE_NAME: stores},
-                            metadata={"layout": LAYOUT, "key_columns": list(self.key_columns),
-                                      "processor": type(self.processor).__qualname__, "batch_id": plan.batch_id})
+                            {DEFAULT_STORE_NAME: stores}, metadata=metadata)
 
         async def write(store: ObjectStore) -> None:
             await write_manifest(store, manifest)

@@ -25,20 +25,76 @@ Storage of one state variable of one grouping key — one store record, so any a
 * with a TTL the value is ``encode_row((expires_at_ms, value))``: past its expiry it reads as absent
   and is removed when a batch touches its key. An update refreshes the expiry. The clock is the
   driver's wall clock at the start of the batch (``batch_time_ms``), the same for every task of it.
-  Declaring or dropping a TTL changes the value layout: keep it fixed for an operator's life.
+
+A TTL has a unit: ``ttl=timedelta(minutes=1)``, ``ttl_seconds=60`` or ``ttl_ms=60_000`` (PySpark's
+``TTLConfig`` takes milliseconds); a bare number (``ttl=60_000``) is refused. Declaring or dropping a
+TTL changes the value layout, and so does changing a variable's kind: every task records its
+declarations (``declarations``), the operator keeps them in the manifest's metadata
+(``"states"``), and a task whose processor declares a recorded variable differently refuses to run
+(``StateDeclarationError``, ``check_declarations``). Changing the length of a TTL is fine.
 
 Vectorized processors get a whole state partition at once (see ``VectorizedProcessor``).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import warnings
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from typing import Any
 
 from statestore_async.codecs import valuecodec
-from statestore_async.errors import InterfaceError
+from statestore_async.errors import InterfaceError, StateDeclarationError
 from statestore_async.ids import _check_name
 
-VALUE, LIST, MAP = "value", "list", "map"
+VALUE, LIST, MAP, VECTORIZED = "value", "list", "map", "vectorized"
 _DELETE = object()  # a pending removal
+# a ttl_seconds this large (1000 days) was most likely meant in milliseconds
+TTL_SECONDS_WARN = 86_400 * 1000
+# a declaration: {"kind": VALUE | LIST | MAP | VECTORIZED, "ttl": whether values carry an expiry}
+Declaration = dict[str, Any]
+
+
+def ttl_to_ms(name: str, ttl: timedelta | None = None, ttl_seconds: float | None = None,
+              ttl_ms: int | None = None) -> int | None:
+    """A state variable's TTL in milliseconds (None: no TTL) from exactly one of its spellings.
+
+    ``ttl`` must be a ``datetime.timedelta``: a bare number has no unit (PySpark's ``TTLConfig``
+    takes milliseconds, older releases of this API took seconds) and is refused, naming both
+    readings. ``ttl_seconds`` and ``ttl_ms`` are numbers > 0; ``ttl_seconds`` of 1000 days or more
+    warns (it looks like milliseconds).
+    """
+    given = [(k, v) for k, v in (("ttl", ttl), ("ttl_seconds", ttl_seconds), ("ttl_ms", ttl_ms)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InterfaceError(f"state {name!r}: give one of ttl, ttl_seconds, ttl_ms, got {', '.join(k for k, _ in given)}")
+    arg, value = given[0]
+    if arg == "ttl":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise InterfaceError(
+                f"state {name!r}: ttl={value!r} has no unit ({value} ms is {_human(value / 1000)}, {value} s is "
+                f"{_human(value)}): write ttl=timedelta(seconds=...), ttl_seconds={value!r} or ttl_ms={value!r}")
+        if not isinstance(value, timedelta):
+            raise InterfaceError(f"state {name!r}: ttl is a datetime.timedelta, got {type(value).__name__} {value!r}")
+        ms = value / timedelta(milliseconds=1)
+    else:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise InterfaceError(f"state {name!r}: {arg} is a finite number, got {value!r}")
+        ms = value * 1000 if arg == "ttl_seconds" else value
+        if arg == "ttl_seconds" and value >= TTL_SECONDS_WARN:
+            warnings.warn(f"state {name!r}: ttl_seconds={value!r} is {_human(value)}: did you mean ttl_ms={value!r} "
+                          f"({_human(value / 1000)})?", stacklevel=4)
+    if not ms >= 1:
+        raise InterfaceError(f"state {name!r}: the TTL must be at least 1 ms, got {arg}={value!r}")
+    return round(ms)
+
+
+def _human(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} seconds"
 
 
 class _StateVar:
@@ -46,9 +102,9 @@ class _StateVar:
 
     kind = ""
 
-    def __init__(self, name: str, ttl: float | None):
+    def __init__(self, name: str, ttl_ms: int | None):
         self.name = name
-        self.ttl_ms = None if ttl is None else int(ttl * 1000)
+        self.ttl_ms = ttl_ms
         self._raw: list = []         # encoded value per key of the batch (bytes | None)
         self._cache: dict = {}       # key index -> decoded value (or None: absent)
         self._writes: dict = {}      # key index -> new value, or _DELETE
@@ -115,6 +171,10 @@ class _StateVar:
             if i not in self._writes:
                 removes.append(keys[i])
         return puts, removes
+
+    def declaration(self) -> Declaration:
+        """What fixes the stored layout of this variable: its kind and whether it has a TTL."""
+        return {"kind": self.kind, "ttl": self.ttl_ms is not None}
 
     def exists(self) -> bool:
         """Whether the current key has a (live) value."""
@@ -203,23 +263,29 @@ class StateHandle:
     def __init__(self):
         self.variables: dict[str, _StateVar] = {}
 
-    def _add(self, cls, name: str, ttl: float | None):
+    def _add(self, cls, name: str, ttl: timedelta | None, ttl_seconds: float | None, ttl_ms: int | None):
         _check_name("state name", name)
         if name in self.variables:
             raise InterfaceError(f"state {name!r} is declared twice")
-        if ttl is not None and not ttl > 0:
-            raise InterfaceError(f"state {name!r}: ttl is a number of seconds > 0, got {ttl!r}")
-        var = self.variables[name] = cls(name, ttl)
+        var = self.variables[name] = cls(name, ttl_to_ms(name, ttl, ttl_seconds, ttl_ms))
         return var
 
-    def value_state(self, name: str, ttl: float | None = None) -> ValueState:
-        return self._add(ValueState, name, ttl)
+    # A TTL: ``ttl=timedelta(...)``, ``ttl_seconds=`` or ``ttl_ms=`` (see ``ttl_to_ms``).
+    def value_state(self, name: str, ttl: timedelta | None = None, *, ttl_seconds: float | None = None,
+                    ttl_ms: int | None = None) -> ValueState:
+        return self._add(ValueState, name, ttl, ttl_seconds, ttl_ms)
 
-    def list_state(self, name: str, ttl: float | None = None) -> ListState:
-        return self._add(ListState, name, ttl)
+    def list_state(self, name: str, ttl: timedelta | None = None, *, ttl_seconds: float | None = None,
+                   ttl_ms: int | None = None) -> ListState:
+        return self._add(ListState, name, ttl, ttl_seconds, ttl_ms)
 
-    def map_state(self, name: str, ttl: float | None = None) -> MapState:
-        return self._add(MapState, name, ttl)
+    def map_state(self, name: str, ttl: timedelta | None = None, *, ttl_seconds: float | None = None,
+                  ttl_ms: int | None = None) -> MapState:
+        return self._add(MapState, name, ttl, ttl_seconds, ttl_ms)
+
+    def declarations(self) -> dict[str, Declaration]:
+        """Every declared variable's ``declaration()``, by name."""
+        return {name: v.declaration() for name, v in self.variables.items()}
 
 
 class KeyState:
@@ -278,3 +344,101 @@ class VectorizedProcessor:
     def process(self, keys, rows, offsets, state, exists):
         """Return ``(new_state_table, output_table)`` or ``(new_state_table, output_table, valid_mask)``."""
         raise NotImplementedError
+
+
+def vectorized_declarations(processor: VectorizedProcessor) -> dict[str, Declaration]:
+    """A ``VectorizedProcessor``'s one state variable, as ``StateHandle.declarations`` gives them.
+    Its records are ``encode_row(tuple of the state row)`` without expiry: the layout of a
+    ``value_state`` without a TTL holding tuples (the two may replace each other)."""
+    return {processor.state_name: {"kind": VECTORIZED, "ttl": False}}
+
+
+def _layout(d: Mapping[str, Any]) -> tuple[Any, bool]:
+    kind = d.get("kind")
+    return (VALUE if kind == VECTORIZED else kind), bool(d.get("ttl"))
+
+
+def _describe(d: Mapping[str, Any]) -> str:
+    kind = d.get("kind")
+    if kind == VECTORIZED:
+        return "the VectorizedProcessor's state"
+    return f"{kind}_state {'with' if d.get('ttl') else 'without'} a TTL"
+
+
+def check_declarations(recorded: Mapping[str, Declaration] | None, current: Mapping[str, Declaration],
+                       where: str = "") -> None:
+    """``StateDeclarationError`` when a state variable of ``current`` was recorded (by an earlier
+    batch of the operator) with another kind or another TTL setting (with or without: the length
+    may change). Variables new in ``current``, or only in ``recorded``, are fine. ``recorded`` None
+    (the first batch, or state written before declarations were recorded): nothing to check."""
+    if not recorded:
+        return
+    bad = [f"{name!r} was {_describe(recorded[name])} and is now {_describe(d)}"
+           for name, d in current.items() if name in recorded and _layout(recorded[name]) != _layout(d)]
+    if bad:
+        raise StateDeclarationError(
+            f"{where}state variable {'; '.join(bad)}. The stored values were written for the old declaration "
+            "(a TTL or a kind changes how a value is stored) and would be misread or reset. Keep the old "
+            "declaration, or declare the variable under a new name (reading the old one in handle_rows to "
+            "migrate it), or start a new operator_id.")
+
+
+def check_picklable(processor: object) -> None:
+    """``InterfaceError`` naming what makes ``processor`` unpicklable (an attribute, or the path to
+    it inside an attribute: ``self.cfg['conn']``) when cloudpickle, which Spark sends it to the
+    executors with, cannot pickle it. Runs once on the driver, when the operator is created."""
+    try:
+        from pyspark import cloudpickle as pickler
+    except ImportError:  # pragma: no cover - pyspark ships cloudpickle
+        import pickle as pickler  # type: ignore[no-redef]
+    try:
+        pickler.dumps(processor)
+        return
+    except Exception as exc:
+        first = exc
+    culprits = _unpicklable(pickler, processor, "self", 3)
+    what = "; ".join(f"{path} (a {type(value).__name__}: {_short(err)})" for path, value, err in culprits[:5])
+    name = type(processor).__name__
+    raise InterfaceError(
+        f"the processor {name} cannot be pickled (Spark pickles it to send it to the executors): "
+        + (f"{what}. Create such objects in {name}.init(), which runs in each task, rather than in __init__ "
+           "(or keep them out of the processor)" if culprits else f"{type(first).__name__}: {_short(first)}"))
+
+
+def _short(exc: object, limit: int = 160) -> str:
+    s = str(exc)
+    return s if len(s) <= limit else s[:limit] + "…"
+
+
+def _unpicklable(pickler: Any, obj: object, path: str, depth: int) -> list[tuple[str, object, Exception]]:
+    """The innermost parts of ``obj`` (attributes, dict values, sequence items, ``depth`` levels
+    down) that do not pickle, as (path, value, error)."""
+    if isinstance(obj, Mapping):
+        parts: Iterable[tuple[str, object]] = ((f"{path}[{k!r}]", v) for k, v in obj.items())
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        parts = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    elif isinstance(getattr(obj, "__dict__", None), dict):
+        parts = ((f"{path}.{k}", v) for k, v in vars(obj).items())
+    else:
+        return []
+    found: list[tuple[str, object, Exception]] = []
+    for p, v in parts:
+        try:
+            pickler.dumps(v)
+        except Exception as exc:
+            inner = _unpicklable(pickler, v, p, depth - 1) if depth > 1 else []
+            found.extend(inner or [(p, v, exc)])
+    return found
+
+
+def merge_declarations(recorded: Mapping[str, Declaration] | None,
+                       reported: Iterable[Mapping[str, Declaration] | None]) -> dict[str, Declaration] | None:
+    """What the next manifest records: the ``recorded`` declarations updated with the tasks'
+    (``reported``; equal to the recorded ones where both name a variable, ``check_declarations``
+    saw to it). A variable no longer declared stays recorded: its values stay in the store, and
+    declaring it again differently would misread them. None when nothing was ever declared."""
+    merged = dict(recorded or {})
+    for r in reported:
+        if r:
+            merged.update(r)
+    return merged or None

@@ -8,8 +8,10 @@ Also the low-level API ``open_partition_store`` for mapPartitions / mapInArrow /
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,11 +23,18 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statestore_async.codecs import arrowcodec, valuecodec
-from statestore_async.errors import InterfaceError, StateStoreError
+from statestore_async.errors import InterfaceError, OutputRowError, StateStoreError
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.spark import placement
 from statestore_async.spark.coordinator import location_of
-from statestore_async.spark.processor import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
+from statestore_async.spark.processor import (
+    KeyState,
+    StatefulProcessor,
+    StateHandle,
+    VectorizedProcessor,
+    check_declarations,
+    vectorized_declarations,
+)
 from statestore_async.spark.routing import KG_COLUMN
 
 if TYPE_CHECKING:
@@ -128,6 +137,9 @@ class TaskSpec:
     fault_hook: FaultHook | None = None  # tests only (see fault_point); None: every hook point is a no-op
     releases: dict[str, tuple[int, ...]] | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
     keys_unique: bool = False          # one row per key already (the JVM pre-aggregated): no grouping needed
+    # the state variables' declarations (``processor.Declaration``) the stored state was written with, as the
+    # manifest records them; a processor declaring one differently is refused. None: nothing recorded yet
+    declared: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,7 @@ class TaskReport:
     attempt: int                       # Spark's attempt number of the task
     timings: dict[str, float]          # seconds per phase (group, read, process, write, total); rows, keys
     node: dict[str, Any] | None = None  # where it ran and its daemon's answer to RELEASE; None: coordinator off
+    states: dict[str, dict[str, Any]] | None = None  # the processor's state declarations (the manifest records them)
 
 
 def get_all(handle: StoreHandle, keys: list[bytes]) -> list[bytes | None]:
@@ -226,13 +239,133 @@ def _check_routing(kg: np.ndarray, partition: int, spec: TaskSpec) -> None:
             "the shuffle did not keep the routing (is the stage changed after the operator's repartition?)")
 
 
-def _output_table(out: list[Sequence[Any]], schema: pa.Schema) -> pa.Table:
+# -- output rows -> the output table --------------------------------------------------------------
+# A per-key processor's rows are tuples (or lists, or Rows) in the output schema's column order.
+# Each column becomes one Arrow array in one pass (``pa.array``); an integer column is converted
+# without a target type and then cast with ``safe=True``, because ``pa.array([29.5],
+# type=pa.int64())`` truncates silently to 29 (pyarrow 26): the safe cast refuses a fraction and a
+# value out of the column's range. The slow search for the culprit runs only when a column fails.
+_PLAIN_ROWS = (tuple, list)
+_CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError,
+                      ValueError)
+
+
+def _column(values: Sequence[Any], type_: pa.DataType) -> pa.Array:
+    """One output column's values as an array of ``type_``: no silent narrowing (see above)."""
+    if not pa.types.is_integer(type_):
+        return pa.array(values, type=type_, from_pandas=False)
+    arr = pa.array(values, from_pandas=False)
+    if arr.type == type_:
+        return arr
+    t = arr.type
+    if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_null(t)):
+        raise TypeError(f"an integer column takes ints, got {t}")
+    return arr.cast(type_, safe=True)
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[:limit] + "…"
+
+
+class _RowKeys:
+    """Which grouping key produced output row ``i`` (``ends[k]``: rows of keys 0..k), for messages."""
+
+    def __init__(self, keys: Sequence[tuple] | None, ends: Sequence[int] | None) -> None:
+        self.keys, self.ends = keys, ends
+
+    def __call__(self, i: int) -> str:
+        if self.keys is None or self.ends is None:
+            return ""
+        k = bisect.bisect_right(self.ends, i)
+        return f" of key {_short(self.keys[k])}" if k < len(self.keys) else ""
+
+
+def _check_rows(out: list[Any], schema: pa.Schema, key_of: _RowKeys) -> None:
+    """``OutputRowError`` unless every row is a tuple, list or Row with one value per column (a Row
+    or namedtuple whose field names are the columns' in another order is refused too: rows are
+    matched by position). Cheap when the rows are fine: two passes of C (``map``)."""
+    width, names = len(schema), schema.names
+    types = set(map(type, out))
+    odd = [t for t in types if t not in _PLAIN_ROWS]
+    if not odd and set(map(len, out)) == {width}:
+        return
+    for i, row in enumerate(out):
+        if not isinstance(row, _PLAIN_ROWS):
+            hint = (" (did handle_rows return one row instead of an iterable of rows? yield each row)"
+                    if not isinstance(row, dict) else
+                    f" (a dict is not accepted: yield a tuple in the columns' order, e.g. tuple(row[c] for c in {names}))")
+            raise OutputRowError(f"output row {i}{key_of(i)} is a {type(row).__name__}, not a tuple: {_short(row)}{hint}")
+        if len(row) != width:
+            raise OutputRowError(
+                f"output rows have {len(row)} values, the output schema has {width} columns {names}: "
+                f"row {_short(row)}{key_of(i)}")
+        fields = getattr(row, "__fields__", None) or getattr(row, "_fields", None)
+        if fields is not None and list(fields) != names and sorted(fields) == sorted(names):
+            raise OutputRowError(
+                f"output row {_short(row)}{key_of(i)} names its fields {list(fields)}, the output schema's columns are "
+                f"{names}: rows are matched by position, yield the values in the columns' order")
+
+
+def _column_error(out: list[Sequence[Any]], j: int, field: pa.Field, key_of: _RowKeys, exc: Exception) -> OutputRowError:
+    """The error naming the first value of column ``j`` that does not convert (and its key and row)."""
+    for i, row in enumerate(out):
+        try:
+            _column([row[j]], field.type)
+        except _CONVERSION_ERRORS as one:
+            return OutputRowError(
+                f"output column {field.name!r} ({field.type}): value {_short(row[j])}{key_of(i)} does not fit: {one} "
+                f"(row {_short(row)})")
+    return OutputRowError(f"output column {field.name!r} ({field.type}): {exc}")
+
+
+def _output_table(out: list[Any], schema: pa.Schema, keys: Sequence[tuple] | None = None,
+                  ends: Sequence[int] | None = None) -> pa.Table:
+    """The per-key processor's output rows as a table of ``schema``; ``OutputRowError`` naming the
+    column, the grouping key (``keys[k]`` produced rows ``ends[k-1]:ends[k]``) and the value for a
+    row that does not fit."""
     if not out:
         return schema.empty_table()
-    cols = list(zip(*out))
-    if len(cols) != len(schema):
-        raise InterfaceError(f"output rows have {len(cols)} values, the output schema has {len(schema)} columns")
-    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(cols, schema)], schema=schema)
+    key_of = _RowKeys(keys, ends)
+    _check_rows(out, schema, key_of)
+    arrays = []
+    for j, (values, field) in enumerate(zip(zip(*out), schema)):
+        try:
+            arrays.append(_column(values, field.type))
+        except _CONVERSION_ERRORS as exc:
+            raise _column_error(out, j, field, key_of, exc) from None
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
+def _vectorized_output(output: pa.Table | None, schema: pa.Schema) -> pa.Table:
+    """A ``VectorizedProcessor``'s output table in ``schema``: its columns by name, each cast safely
+    (no fraction into an integer column, nothing out of range); ``OutputRowError`` naming the column,
+    the row and the value otherwise."""
+    if output is None:
+        return schema.empty_table()
+    if not isinstance(output, pa.Table):
+        raise OutputRowError(f"the vectorized output must be a pyarrow.Table, got {type(output).__name__}")
+    if output.schema == schema:
+        return output
+    missing = [n for n in schema.names if n not in output.column_names]
+    if missing:
+        raise OutputRowError(f"the vectorized output lacks the columns {missing} (it has {output.column_names}; the "
+                             f"output schema is {schema.names})")
+    columns = []
+    for field in schema:
+        col = output[field.name]
+        try:
+            columns.append(col.cast(field.type, safe=True))
+        except _CONVERSION_ERRORS as exc:
+            for i, v in enumerate(col.to_pylist()):
+                try:
+                    pa.array([v], type=col.type).cast(field.type, safe=True)
+                except _CONVERSION_ERRORS as one:
+                    row = {n: output[n][i].as_py() for n in output.column_names}
+                    raise OutputRowError(f"output column {field.name!r} ({field.type}): value {_short(v)} of row {i} "
+                                         f"does not fit: {one} (row {_short(row)})") from None
+            raise OutputRowError(f"output column {field.name!r} ({field.type}): {exc}") from None
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def _table_of(batches: list[pa.RecordBatch]) -> pa.Table | None:
@@ -270,9 +403,11 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     removes: Removes
     with client.open(sid, base.version, base.ckptid or None) as handle:
         if isinstance(processor, VectorizedProcessor):
-            out, puts, removes = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs, handle, timings)
+            out, puts, removes, states = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs, handle,
+                                                         timings)
         else:
-            out, puts, removes = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle, timings)
+            out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
+                                                      timings)
         t = time.perf_counter()
         write_all(handle, puts, removes)
         fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path)
@@ -281,7 +416,7 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     node = _coordinate(client, spec, partition)
     timings["total"] = time.perf_counter() - t0
     if report is not None:
-        report(TaskReport(partition=partition, ref=ref, attempt=attempt, timings=timings, node=node))
+        report(TaskReport(partition=partition, ref=ref, attempt=attempt, timings=timings, node=node, states=states))
     fault_point(spec.fault_hook, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
     return out
 
@@ -306,14 +441,17 @@ def _coordinate(client: Client, spec: TaskSpec, partition: int) -> dict[str, Any
 
 def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table,
                  offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
-                 timings: dict[str, float]) -> tuple[pa.Table, list[tuple[bytes, bytes]], list[bytes]]:
+                 timings: dict[str, float]) -> tuple[pa.Table, list[tuple[bytes, bytes]], list[bytes], dict[str, dict[str, Any]]]:
     """A ``StatefulProcessor`` over the partition's keys: every key's state read in one call, then
-    ``handle_rows`` per key; returns the output table and the state's puts and removals."""
+    ``handle_rows`` per key; returns the output table, the state's puts and removals, and the
+    state declarations (checked against ``spec.declared`` before any state is read)."""
     h = StateHandle()
     processor.init(h)
     variables = list(h.variables.values())
     if not variables:
         raise InterfaceError(f"{type(processor).__name__}.init declared no state")
+    states = h.declarations()
+    check_declarations(spec.declared, states, _where(processor, spec))
     keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
     n = len(keys)
     skeys = [arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(v.name,), key=True).to_pylist()
@@ -327,6 +465,7 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
     state = KeyState(h.variables)
     t = time.perf_counter()
     out: list = []
+    ends: list[int] = []  # output rows of keys 0..i: which key produced a row, for error messages
     off = offsets.tolist()
     fn = processor.handle_rows
     for i in range(n):
@@ -334,7 +473,11 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
             v._i = i
         res = fn(keys[i], rows[off[i]:off[i + 1]], state)
         if res is not None:
+            if isinstance(res, (dict, str, bytes)):
+                raise OutputRowError(f"{type(processor).__name__}.handle_rows returned a {type(res).__name__} for key "
+                                     f"{_short(keys[i])}: return or yield rows (tuples in the output schema's order)")
             out.extend(res)
+        ends.append(len(out))
     for v in variables:
         v._i = -1
     close = getattr(processor, "close", None)
@@ -345,18 +488,21 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
         p, r = v._changes(ks)
         puts.extend(p)
         removes.extend(r)
-    table = _output_table(out, spec.output_schema)
+    table = _output_table(out, spec.output_schema, keys, ends)
     timings["process"] = time.perf_counter() - t
-    return table, puts, removes
+    return table, puts, removes, states
 
 
 def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table,
                     offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
-                    timings: dict[str, float]) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None]:
+                    timings: dict[str, float],
+                    ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, dict[str, dict[str, Any]]]:
     """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
         raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
+    states = vectorized_declarations(processor)
+    check_declarations(spec.declared, states, _where(processor, spec))
     n = keys_table.num_rows
     skeys = arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(processor.state_name,), key=True)
     t = time.perf_counter()
@@ -377,12 +523,37 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
         valid = pa.array(np.asarray(valid, dtype=bool))
         puts = (skeys.filter(valid), enc.filter(valid))
         removes = skeys.filter(pc.and_(pc.invert(valid), pa.array(exists)))
-    if output is None:
-        output = spec.output_schema.empty_table()
-    elif output.schema != spec.output_schema:
-        output = output.select(spec.output_schema.names).cast(spec.output_schema)
+    output = _vectorized_output(output, spec.output_schema)
     timings["process"] = time.perf_counter() - t
-    return output, puts, removes
+    return output, puts, removes, states
+
+
+def _where(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec) -> str:
+    return f"{type(processor).__name__} of operator {spec.operator_id!r} at {spec.root}: "
+
+
+def checkpoint_root(root: str) -> str:
+    """A checkpoint root as the URI every process reads alike: ``s3://…`` and ``file:///abs`` as
+    given, an absolute path as ``file:///abs`` (without a trailing slash). A relative path is
+    refused (``InterfaceError`` naming it and the absolute URI it reads as here): the driver, the
+    executors and their daemons each have their own working directory, and would each resolve it
+    against theirs."""
+    if not isinstance(root, str) or not root.strip():
+        raise InterfaceError(f"the checkpoint root is a URI (file:///abs/path or s3://bucket/prefix), got {root!r}")
+    if "://" in root:
+        scheme, _, rest = root.partition("://")
+        if scheme == "file" and not rest.startswith(("/", "localhost/")):
+            raise InterfaceError(
+                f"checkpoint root {root!r}: a file URI has three slashes, file:///abs/path ({rest.partition('/')[0]!r} "
+                f"reads as a host name); did you mean 'file:///{rest}'?")
+        return root.rstrip("/")
+    path = root.removeprefix("file:")
+    if not os.path.isabs(path):
+        raise InterfaceError(
+            f"checkpoint root {root!r} is a relative path: the driver, the executors and their daemons would each "
+            f"resolve it against their own working directory. Give an absolute URI, e.g. "
+            f"{'file://' + os.path.abspath(path)!r} (its reading in this process's directory), or s3://bucket/prefix")
+    return ("file://" + os.path.abspath(path)).rstrip("/")
 
 
 @contextlib.contextmanager
@@ -396,6 +567,7 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
     appended to ``result`` when given; report it to the driver, which must check the file exists
     before it records the version (``StatefulOperator`` does all of this for you).
     """
+    root = checkpoint_root(root)
     client = placement.connect(socket_path)
     handle = client.open(StoreId(root, operator_id, partition_id, store_name), version, ckptid)
     try:
@@ -410,6 +582,6 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
 
 __all__ = [
     "CheckpointRef", "Fault", "FaultHook", "FaultSite", "InjectedFault", "RoutingError", "TaskReport", "TaskSpec",
-    "fault_hook_for", "fault_point", "group_rows", "install_fault_hook_maker", "open_partition_store",
+    "checkpoint_root", "fault_hook_for", "fault_point", "group_rows", "install_fault_hook_maker", "open_partition_store",
     "run_partition", "store_keys",
 ]
