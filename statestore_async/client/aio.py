@@ -7,6 +7,7 @@ from contextlib import aclosing
 from typing import Any, TypeVar
 
 from statestore_async.client.arrow import pair_columns, values_array
+from statestore_async.client.blocking import check_socket_path, connect_error
 from statestore_async.client.common import (
     DEFAULT_TIMEOUT,
     BatchRequest,
@@ -46,7 +47,7 @@ class AsyncClient:
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  name: str = "statestore_async.asyncclient"):
-        self.socket_path = socket_path or default_socket_path()
+        self.socket_path = check_socket_path(socket_path or default_socket_path())
         self.timeout = timeout
         self.name = name
         self._proto: ClientProtocol | None = None
@@ -68,7 +69,8 @@ class AsyncClient:
         try:
             self._reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
         except OSError as exc:
-            raise ConnectionLostError(f"cannot connect to the daemon at {self.socket_path}: {exc}") from None
+            check_socket_path(self.socket_path)  # what became of the path, if it cannot hold a socket now
+            raise connect_error(self.socket_path, exc) from None
         self._proto = proto = ClientProtocol()
         self._task = asyncio.get_running_loop().create_task(self._read_loop(self._reader, proto))
         self._slots = asyncio.Semaphore(1)

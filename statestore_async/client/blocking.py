@@ -1,9 +1,11 @@
 """The blocking ``Client`` (one per Spark Python worker process) and its ``StoreHandle``."""
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
+import stat
 import threading
 import time
 from collections import deque
@@ -24,7 +26,7 @@ from statestore_async.codecs import arrowframes, valuecodec
 from statestore_async.codecs import pyrows as rows
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS
 from statestore_async.config import default_socket_path
-from statestore_async.errors import InterfaceError
+from statestore_async.errors import InterfaceError, SocketPathError
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId
 from statestore_async.wire.protocol import (
     CLOSED,
@@ -37,6 +39,65 @@ from statestore_async.wire.protocol import (
 )
 
 _READ_SIZE = 1 << 20
+SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path holds 108 with the final NUL)
+
+
+def _socket_fix(path: str) -> str:
+    return (f"Point the client at the daemon's socket: socket_path= (a StatefulOperator's, or the Client's) or "
+            f"$STATESTORE_SOCKET; when neither is set the default is {default_socket_path()!r}. A daemon is started "
+            f"with `statestore-async serve --socket {path}`.")
+
+
+def check_socket_path(path: str) -> str:
+    """``path`` when it can be a daemon's socket, else ``SocketPathError`` naming it and the fix, at
+    once: an empty path, one longer than a Unix socket's path may be, a file or folder that is not a
+    socket, or a path under a file. A path that does not exist yet is fine (a daemon may create it),
+    and so is one this process may not look at (connecting says why)."""
+    if not path:
+        raise SocketPathError(f"the daemon socket path is empty. {_socket_fix('PATH')}")
+    size = len(os.fsencode(path))
+    if size > SOCKET_PATH_MAX:
+        raise SocketPathError(f"daemon socket {path!r} is {size} bytes long; a Unix socket's path holds at most "
+                              f"{SOCKET_PATH_MAX}: choose a shorter one. {_socket_fix('PATH')}")
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        parent = os.path.dirname(os.path.abspath(path))
+        while True:
+            try:
+                mode = os.stat(parent).st_mode
+            except FileNotFoundError:
+                parent = os.path.dirname(parent)
+                continue
+            except OSError:
+                return path
+            if not stat.S_ISDIR(mode):
+                raise SocketPathError(f"daemon socket {path!r} cannot exist: {parent!r} is a file, not a folder. "
+                                      f"{_socket_fix(path)}") from None
+            return path
+    except OSError:
+        return path
+    if stat.S_ISSOCK(mode):
+        return path
+    what = "a folder" if stat.S_ISDIR(mode) else "a file" if stat.S_ISREG(mode) else "not a socket"
+    inside = f" (the socket inside it, e.g. {os.path.join(path, 'daemon.sock')!r}?)" if stat.S_ISDIR(mode) else ""
+    raise SocketPathError(f"daemon socket {path!r} is {what}, not a socket{inside}. {_socket_fix(path)}")
+
+
+def connect_error(path: str, exc: OSError, timeout: float | None = None) -> ConnectionLostError:
+    """The error for a failed connect to ``path``, naming it, what the OS said, and the fix."""
+    if isinstance(exc, TimeoutError):
+        why = f"the daemon at {path!r} did not accept the connection within {timeout}s (it is overloaded or stuck)"
+    elif exc.errno == errno.ENOENT:
+        why = f"no daemon socket at {path!r} (no daemon runs there, or the path is wrong)"
+    elif exc.errno == errno.ECONNREFUSED:
+        why = f"{path!r} is a socket no daemon listens on (the daemon stopped or died)"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        why = (f"this user (uid {os.getuid()}) may not connect to {path!r}: the socket's or its folders' "
+               "permissions (the daemon's socket_mode)")
+    else:
+        why = f"cannot connect to the daemon at {path!r}"
+    return ConnectionLostError(f"{why}: {exc.strerror or exc}. {_socket_fix(path)}")
 
 
 class StaleHandleError(InterfaceError):
@@ -56,7 +117,7 @@ class Client:
 
     def __init__(self, socket_path: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  connect_timeout: float = 5.0, name: str = "statestore_async.client"):
-        self.socket_path = socket_path or default_socket_path()
+        self.socket_path = check_socket_path(socket_path or default_socket_path())
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name
@@ -107,7 +168,8 @@ class Client:
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
-            raise ConnectionLostError(f"cannot connect to the daemon at {self.socket_path}: {exc}") from None
+            check_socket_path(self.socket_path)  # what became of the path, if it cannot hold a socket now
+            raise connect_error(self.socket_path, exc, self.connect_timeout) from None
         sock.settimeout(self.timeout)
         proto = ClientProtocol()
         self._sock, self._proto, self._pid = sock, proto, os.getpid()
