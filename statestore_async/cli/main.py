@@ -187,9 +187,22 @@ def _cleanup(store_id: StoreId, refs: list[CheckpointRef], file_key: Callable[[S
 
 
 def _open_root(root: str) -> ObjectStore:
-    """The object store of a checkpoint root, with the S3 settings of the daemon config if readable."""
+    """The object store of a checkpoint root for ``inspect``, ``verify`` and ``gc``, with the S3
+    settings of the daemon config if readable. They never create anything but what they were asked
+    to: a local root is opened without creating its folder, and one that does not exist is an
+    error (a mistyped root), not an empty store."""
+    from urllib.parse import unquote, urlparse
+
+    from statestore_async.errors import ObjectNotFoundError
     from statestore_async.objectstore import open_object_store
 
+    parsed = urlparse(root)
+    if parsed.scheme in ("", "file"):
+        path = unquote(parsed.path) if parsed.scheme == "file" else root
+        if not os.path.isdir(path):
+            raise ObjectNotFoundError(f"no checkpoint root at {root!r}: {os.path.abspath(path)!r} is not a folder "
+                                      "(nothing was created)", root)
+        return open_object_store(root, create=False)
     try:
         s3 = load_config().s3_options()
     except StateStoreError:
