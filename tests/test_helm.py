@@ -321,9 +321,9 @@ def test_security_context(rendered, values):
 def test_probes_use_the_health_cli(rendered, values):
     r = rendered[values.name]
     socket = r.toml["socket"]
-    for probe in ("livenessProbe", "readinessProbe"):
+    for probe, flags in (("livenessProbe", []), ("readinessProbe", ["--ready"])):
         cmd = r.daemon[probe]["exec"]["command"]
-        assert cmd[:4] == ["statestore-async", "health", "--socket", socket], cmd
+        assert cmd[:4 + len(flags)] == ["statestore-async", "health", *flags, "--socket", socket], cmd
         assert "--timeout" in cmd
         # kubelet's own timeout is longer than the CLI's, so the CLI reports the failure
         assert r.daemon[probe]["timeoutSeconds"] > float(cmd[cmd.index("--timeout") + 1])
