@@ -40,8 +40,10 @@ class StoreRegistry:
         self._history = history
         self._stores: OrderedDict[StoreId, VersionedStore] = OrderedDict()  # least recently used first
         self._loading: dict[StoreId, asyncio.Future[None]] = {}
-        self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "evictions": 0,
-                         "writer_conflicts": 0, "released": 0}
+        self._loads_running = 0
+        self._load_finished = asyncio.Event()
+        self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
+                         "evictions": 0, "writer_conflicts": 0, "released": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -97,13 +99,33 @@ class StoreRegistry:
             ref = CheckpointRef(version, ckptid)
         return await self._load_and_open(store_id, ref)
 
+    async def _admit_load(self) -> None:
+        """Wait until a load may start: at once while the budget has room, else one at a time.
+
+        A load holds every file it reads (their records) until it has replayed them: transient
+        memory the budget does not see. Over budget, loads run one after another, so that what
+        they hold beyond the budget is one store's files, not one per waiting client."""
+        while self._loads_running and not self._has_room():
+            self.counters["loads_waited"] += 1
+            self._load_finished.clear()
+            await self._load_finished.wait()
+        self._loads_running += 1
+
+    def _has_room(self) -> bool:
+        return self.memory_bytes + self._uploader.queued_bytes < self.memory_budget
+
     async def _load_and_open(self, store_id: StoreId, ref: CheckpointRef) -> StoreVersion:
         done = asyncio.get_running_loop().create_future()
         self._loading[store_id] = done
         try:
             try:
-                store, report = await loader.load_store(self._objstores(store_id.root), store_id, ref,
-                                                        history=self._history)
+                await self._admit_load()
+                try:
+                    store, report = await loader.load_store(self._objstores(store_id.root), store_id, ref,
+                                                            history=self._history)
+                finally:
+                    self._loads_running -= 1
+                    self._load_finished.set()
             except BaseException:
                 self.counters["load_errors"] += 1
                 raise
@@ -135,8 +157,11 @@ class StoreRegistry:
                 and self._uploader.is_settled(store.store_id, store.head))
 
     def enforce_budget(self) -> int:
-        """Evict idle, durable stores (least recently used first) until under budget. Returns how many."""
-        total = self.memory_bytes
+        """Evict idle, durable stores (least recently used first) until under budget. Returns how many.
+
+        The budget covers the stores and the deltas waiting for upload (``Uploader.queued_bytes``):
+        a delta older than its store's history is held by the upload queue alone."""
+        total = self.memory_bytes + self._uploader.queued_bytes
         if total <= self.memory_budget:
             return 0
         evicted = 0

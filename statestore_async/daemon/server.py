@@ -562,7 +562,10 @@ class Daemon:
         # holds the GIL waits for the next switch: Python's default of 5 ms would be the latency
         # tail of COMMIT; 0.5 ms keeps it small at a negligible cost to the encoding threads.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-        self.uploader = Uploader(self.objstores, concurrency=cfg.upload_concurrency, queue_bytes=cfg.upload_queue_bytes)
+        # deltas waiting for upload count against the memory budget too: the queue never holds
+        # more than the budget (commits wait for room, as they do for upload_queue_bytes)
+        self.uploader = Uploader(self.objstores, concurrency=cfg.upload_concurrency,
+                                 queue_bytes=min(cfg.upload_queue_bytes, cfg.memory_budget))
         self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
