@@ -30,6 +30,7 @@ from statestore_async.spark.runtime import RoutingError, TaskSpec, run_partition
 OUT = "key string, count bigint, sum bigint"
 
 
+@pytest.mark.spark
 def test_murmur3_and_routes_match_spark(spark):
     from pyspark.sql import functions as F
 
@@ -85,6 +86,7 @@ def daemon():
         yield d
 
 
+@pytest.mark.spark
 def test_value_list_map_state_and_ttl(spark, daemon, tmp_path):
     from pyspark import cloudpickle
 
@@ -231,26 +233,38 @@ def test_autostart_is_race_free(tmp_path):
 
 def test_an_autostarted_daemon_exits_once_idle(sockdir):
     """A daemon a task starts goes away when no client has been connected for a while (600 s by
-    default, ``STATESTORE_EXIT_WHEN_IDLE`` otherwise), so it does not outlive the application forever."""
+    default, ``STATESTORE_EXIT_WHEN_IDLE`` otherwise), so it does not outlive the application forever;
+    while a client is connected it stays. Timed from the daemon's own clock and from the moment the
+    last client left, so a busy machine only makes it slower."""
     import time
 
+    idle = 3.0
     quick, default = f"{sockdir}/q/d.sock", f"{sockdir}/p/d.sock"
     try:
-        placement.start_daemon(quick, env={"STATESTORE_EXIT_WHEN_IDLE": "0.5"})
+        # the default one first: starting a daemon takes seconds on a busy machine, which must not
+        # count against the quick one's idle limit
         placement.start_daemon(default)
         with open(f"/proc/{placement.daemon_pid(default)}/environ", "rb") as f:
             assert f"STATESTORE_EXIT_WHEN_IDLE={placement.AUTOSTART_EXIT_WHEN_IDLE}".encode() in f.read().split(b"\0")
-        pid = placement.daemon_pid(quick)
+        placement.start_daemon(quick, env={"STATESTORE_EXIT_WHEN_IDLE": str(idle)})
         c = Client(quick)
-        c.ping()
-        time.sleep(1.5)
-        assert c.ping() == b"" and os.path.exists(quick)  # a client is connected: it stays
-        c.close()
-        deadline = time.monotonic() + 20
+        try:
+            pid = c.stats()["daemon"]["pid"]
+            connected = c.stats()["daemon"]["uptime"]  # the daemon's clock, a client connected from here on
+            deadline = time.monotonic() + 120
+            while c.stats()["daemon"]["uptime"] < connected + idle + 1.0:  # well past the idle limit, connected
+                assert time.monotonic() < deadline, "the daemon's clock did not advance"
+                time.sleep(0.05)
+            assert c.ping() == b"" and os.path.exists(quick)  # a client is connected: it stays
+            left = time.monotonic()  # (taken before the close: the daemon counts from a later moment)
+        finally:
+            c.close()
+        deadline = left + idle + 60
         # (watched without connecting: a connection is a client, and would keep it)
         while os.path.exists(f"/proc/{pid}") and not placement._zombie(pid):
             assert time.monotonic() < deadline, "the idle daemon did not exit"
-            time.sleep(0.1)
+            time.sleep(0.05)
+        assert time.monotonic() - left >= idle  # not before its idle limit ran out after the last client left
         assert not os.path.exists(quick)
         assert placement.daemon_pid(default) is not None
     finally:
@@ -326,6 +340,7 @@ class _Runs(CountSum):
         super().init(handle)
 
 
+@pytest.mark.spark
 @pytest.mark.parametrize("materialize", ["checkpoint", "cache", "output_path"])
 def test_output_is_computed_once_and_released(spark, daemon, tmp_path, materialize):
     """Whichever way the output waits for the sink, the stateful stage runs once per partition and
@@ -386,12 +401,14 @@ def test_faults_need_the_testing_hook_maker(tmp_path):
         plan(FaultSite("after_commit", 1, 0, 0))
 
 
+@pytest.mark.spark
 def test_materialize_auto_is_checkpoint_in_local_mode(spark, tmp_path):
     assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2).materialize_mode(spark) == "checkpoint"
     assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2,
                             materialize="cache").materialize_mode(spark) == "cache"
 
 
+@pytest.mark.spark
 def test_pre_aggregation_adds_no_shuffle_to_the_routing(spark, tmp_path):
     """With ``pre_aggregate`` the JVM's groupBy runs on the routing shuffle's partitions: the batch
     is shuffled once (a groupBy before the routing would shuffle it twice)."""
