@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -246,6 +247,7 @@ def _check_routing(kg: np.ndarray, partition: int, spec: TaskSpec) -> None:
 # type=pa.int64())`` truncates silently to 29 (pyarrow 26): the safe cast refuses a fraction and a
 # value out of the column's range. The slow search for the culprit runs only when a column fails.
 _PLAIN_ROWS = (tuple, list)
+_MISSING = object()  # the value of a column a short row lacks
 _CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError, TypeError,
                       ValueError)
 
@@ -284,12 +286,8 @@ class _RowKeys:
 def _check_rows(out: list[Any], schema: pa.Schema, key_of: _RowKeys) -> None:
     """``OutputRowError`` unless every row is a tuple, list or Row with one value per column (a Row
     or namedtuple whose field names are the columns' in another order is refused too: rows are
-    matched by position). Cheap when the rows are fine: two passes of C (``map``)."""
+    matched by position). A Python loop: run when the cheap checks of ``_output_table`` fail."""
     width, names = len(schema), schema.names
-    types = set(map(type, out))
-    odd = [t for t in types if t not in _PLAIN_ROWS]
-    if not odd and set(map(len, out)) == {width}:
-        return
     for i, row in enumerate(out):
         if not isinstance(row, _PLAIN_ROWS):
             hint = (" (did handle_rows return one row instead of an iterable of rows? yield each row)"
@@ -327,12 +325,18 @@ def _output_table(out: list[Any], schema: pa.Schema, keys: Sequence[tuple] | Non
     if not out:
         return schema.empty_table()
     key_of = _RowKeys(keys, ends)
-    _check_rows(out, schema, key_of)
+    if any(t not in _PLAIN_ROWS for t in set(map(type, out))):  # one pass of C
+        _check_rows(out, schema, key_of)  # dicts, scalars, Rows naming the columns out of order
+    # a short row leaves _MISSING in its missing columns, which no column converts; a long one adds a column
+    columns = list(itertools.zip_longest(*out, fillvalue=_MISSING))
+    if len(columns) != len(schema):
+        _check_rows(out, schema, key_of)
     arrays = []
-    for j, (values, field) in enumerate(zip(zip(*out), schema)):
+    for j, (values, field) in enumerate(zip(columns, schema)):
         try:
             arrays.append(_column(values, field.type))
         except _CONVERSION_ERRORS as exc:
+            _check_rows(out, schema, key_of)  # a short row: the arity is the error
             raise _column_error(out, j, field, key_of, exc) from None
     return pa.Table.from_arrays(arrays, schema=schema)
 
