@@ -17,14 +17,22 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from statestore_async.client.clients import StaleHandleError
 from statestore_async.codecs import arrowcodec, valuecodec
-from statestore_async.errors import InterfaceError, OutputRowError, StateStoreError
+from statestore_async.errors import (
+    ConnectionLostError,
+    InterfaceError,
+    OutputRowError,
+    RetriesExhaustedError,
+    ShuttingDownError,
+    StateStoreError,
+)
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.spark import placement
 from statestore_async.spark.coordinator import location_of
@@ -42,9 +50,14 @@ if TYPE_CHECKING:
     from statestore_async.client.clients import Client, StoreHandle
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 # a processor's state changes: per key lists of (key, value) and keys, or (vectorized) Arrow arrays
 Puts: TypeAlias = list[tuple[bytes, bytes]] | tuple[pa.Array, pa.Array]
 Removes: TypeAlias = list[bytes] | pa.Array | None
+# what a task's call to its daemon raises when the daemon is gone (killed, restarting, stopping), not
+# because of the request: the task retries its partition (``spec.daemon_retries`` times)
+DAEMON_LOST = (ConnectionLostError, StaleHandleError, ShuttingDownError)
+RETRY_PAUSES = (0.1, 0.5, 1.0)  # seconds before the 1st, 2nd, and every later retry
 
 
 class RoutingError(InterfaceError):
@@ -56,7 +69,9 @@ class RoutingError(InterfaceError):
 # ``fault_point`` there: nothing happens unless the operator was given ``faults``, and only the hook
 # maker that ``statestore_async.testing.faults`` installs (``install_fault_hook_maker``) can turn
 # those into a hook. Task points: ``before_commit``, ``after_commit``; driver points:
-# ``before_fence``, ``after_manifest``.
+# ``before_fence``, ``after_manifest``. A task that retries its partition after losing its daemon
+# reaches ``before_commit`` again (``FaultSite.retry`` counts its tries), as does a batch whose
+# stateful stage the driver runs again (a new job: ``attempt`` 0 again) for its points.
 
 
 @dataclass(frozen=True)
@@ -85,6 +100,7 @@ class FaultSite:
     partition: int | None = None
     attempt: int = 0
     socket_path: str | None = None  # the operator's daemon socket (None: $STATESTORE_SOCKET or the default)
+    retry: int = 0  # in a task: its try of the partition (0 first; more after losing its daemon)
 
 
 # Called at every hook point of an operator with faults. It travels to the tasks in the TaskSpec:
@@ -113,10 +129,10 @@ def fault_hook_for(faults: tuple[Fault, ...]) -> FaultHook | None:
 
 
 def fault_point(hook: FaultHook | None, point: str, batch: int, partition: int | None = None, attempt: int = 0,
-                socket_path: str | None = None) -> None:
+                socket_path: str | None = None, retry: int = 0) -> None:
     """A hook point: nothing when ``hook`` is None (no fault armed), else ``hook(FaultSite(...))``."""
     if hook is not None:
-        hook(FaultSite(point, batch, partition, attempt, socket_path))
+        hook(FaultSite(point, batch, partition, attempt, socket_path, retry))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +154,7 @@ class TaskSpec:
     fault_hook: FaultHook | None = None  # tests only (see fault_point); None: every hook point is a no-op
     releases: dict[str, tuple[int, ...]] | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
     keys_unique: bool = False          # one row per key already (the JVM pre-aggregated): no grouping needed
+    daemon_retries: int = 2            # tries of the partition after the first one, when the daemon is lost
     # the state variables' declarations (``processor.Declaration``) the stored state was written with, as the
     # manifest records them; a processor declaring one differently is refused. None: nothing recorded yet
     declared: dict[str, dict[str, Any]] | None = None
@@ -383,7 +400,8 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     Opens the store at ``spec.refs[partition]``, commits, calls ``report(TaskReport(...))`` after
     the commit (``timings``: seconds spent grouping, in the store, in the processor; ``node``: where
     it ran, for the coordinator, see ``_coordinate``). A partition without rows opens nothing and
-    reports nothing.
+    reports nothing. A daemon lost on the way (``DAEMON_LOST``) makes the task try again
+    (``_commit_partition``); only the commit it reports counts.
     """
     t0 = time.perf_counter()
     table = _table_of([b for b in batches if b.num_rows])
@@ -400,29 +418,63 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
         kgs = kg[firsts]
         keys_table, rows_table = keys_table.take(pa.array(firsts)), rows_table.take(pa.array(order))
     timings = {"rows": table.num_rows, "keys": len(kgs), "group": time.perf_counter() - t0}
-    client = placement.connect(spec.socket_path, env=spec.daemon_env)
-    base = spec.refs[partition]
-    sid = StoreId(spec.root, spec.operator_id, partition)
-    puts: Puts
-    removes: Removes
-    with client.open(sid, base.version, base.ckptid or None) as handle:
-        if isinstance(processor, VectorizedProcessor):
-            out, puts, removes, states = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs, handle,
-                                                         timings)
-        else:
-            out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
-                                                      timings)
-        t = time.perf_counter()
-        write_all(handle, puts, removes)
-        fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path)
-        ref = handle.commit()
-        timings["write"] = time.perf_counter() - t
+
+    def apply(client: Client, retry: int) -> tuple[pa.Table, CheckpointRef, dict[str, dict[str, Any]]]:
+        base = spec.refs[partition]
+        puts: Puts
+        removes: Removes
+        with client.open(StoreId(spec.root, spec.operator_id, partition), base.version, base.ckptid or None) as handle:
+            if isinstance(processor, VectorizedProcessor):
+                out, puts, removes, states = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs,
+                                                             handle, timings)
+            else:
+                out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
+                                                          timings)
+            t = time.perf_counter()
+            write_all(handle, puts, removes)
+            fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path, retry)
+            ref = handle.commit()
+            timings["write"] = time.perf_counter() - t
+        return out, ref, states
+
+    client, (out, ref, states) = _commit_partition(spec, partition, apply, timings)
     node = _coordinate(client, spec, partition)
     timings["total"] = time.perf_counter() - t0
     if report is not None:
         report(TaskReport(partition=partition, ref=ref, attempt=attempt, timings=timings, node=node, states=states))
     fault_point(spec.fault_hook, "after_commit", spec.batch_id, partition, attempt, spec.socket_path)
     return out
+
+
+def _commit_partition(spec: TaskSpec, partition: int, apply: Callable[[Client, int], T],
+                      timings: dict[str, float]) -> tuple[Client, T]:
+    """``apply(client, retry)`` — open the partition's store at the manifest's state, process, write,
+    commit — with the client of this node's daemon (``placement.connect``: it reconnects, and starts
+    a daemon when none answers). When the daemon is lost on the way (``DAEMON_LOST``: killed,
+    restarted, stopping), the open version died with the connection, so the task tries again from
+    the start, up to ``spec.daemon_retries`` more times: the state is reopened at the manifest's
+    state (the new daemon loads it from the files the manifest names), the rows are processed
+    again, and the commit gets a fresh checkpoint id (a commit whose answer was lost is in no
+    report, so in no manifest). ``RetriesExhaustedError`` (a ``ConnectionLostError``) when every
+    try lost it; ``timings["retries"]``: the tries after the first."""
+    tries = spec.daemon_retries + 1
+    for retry in range(tries):
+        try:
+            client = placement.connect(spec.socket_path, env=spec.daemon_env)
+            return client, apply(client, retry)
+        except DAEMON_LOST as exc:
+            where = placement.socket_path_for(spec.socket_path)
+            if retry + 1 >= tries:
+                raise RetriesExhaustedError(
+                    f"partition {partition} of operator {spec.operator_id!r}, batch {spec.batch_id}: the daemon at "
+                    f"{where} was lost on each of {tries} tries (the last: {type(exc).__name__}: {exc}); the task "
+                    "fails") from exc
+            timings["retries"] = retry + 1
+            log.warning("partition %d of operator %s, batch %d: lost the daemon at %s (%s: %s); trying again (%d of %d)",
+                        partition, spec.operator_id, spec.batch_id, where, type(exc).__name__, exc, retry + 1,
+                        tries - 1)
+            time.sleep(RETRY_PAUSES[min(retry, len(RETRY_PAUSES) - 1)])
+    raise AssertionError("unreachable: the last try returns or raises")
 
 
 def _coordinate(client: Client, spec: TaskSpec, partition: int) -> dict[str, Any] | None:
