@@ -7,14 +7,18 @@
 Per micro-batch ``b`` (``sink(output_df, b)`` is the user's sink), ``process_batch`` runs these
 steps, one method each:
 
-1. plan (``_plan``): read ``_commits/<b>.json`` (batch 0: the empty state) — which checkpoint of
+1. plan (``_plan``): claim the state for the streaming query running the batch (``_claim``: one
+   writer per state — a state another query owns is refused with ``OwnerConflictError`` before
+   anything is written); read ``_commits/<b>.json`` (batch 0: the empty state) — which checkpoint of
    each partition counts; its number of partitions and key groups must equal the operator's (else
    ``OperatorConfigError``); route in the JVM (``routing.with_routing``): key group
    ``pmod(xxhash64(keys), G)``, task ``i`` gets exactly state partition ``i``; build the ``TaskSpec``;
 2. run (``_run_tasks``, lazy): one ``mapInArrow`` task per partition (``runtime.run_partition``)
    opens its store at the state the manifest names, applies the processor, commits, and reports a
    ``TaskReport`` through an accumulator (the tasks run in a single result stage: Spark merges the
-   updates of exactly one successful attempt per task), with where it ran (``coordinator``:
+   updates of exactly one successful attempt per task); a task that loses its daemon retries its
+   partition (``daemon_retries`` times: it reconnects, restarting the daemon when needed, reopens
+   the manifest's state and runs its rows again; only the commit it reports counts), with where it ran (``coordinator``:
    optional, best effort — a task also asks its daemon to drop copies of partitions that another
    node owns now);
 3. materialize (``_materialize``, which runs the job): the output is computed once (a local
@@ -23,9 +27,11 @@ steps, one method each:
    the stateful stage;
 4. the reports (``_collect_reports``): the checkpoint each partition with rows committed;
 5. the driver's fence (``_fence``): every reported delta file must exist in the object store (HEAD,
-   not the report); after ``fence_timeout`` seconds it raises ``FenceTimeoutError``, the batch fails
-   and Spark replays it from the same manifest;
-6. commit (``_commit``): ``_commits/<b+1>.json`` is written (replacing the one of an earlier attempt of ``b``);
+   not the report); after ``fence_timeout`` seconds it raises ``FenceTimeoutError`` (a daemon died
+   before uploading what a task committed): steps 2–5 run again from the same manifest with fresh
+   checkpoint ids (``_compute``, ``daemon_retries`` times), then the batch fails and Spark replays it;
+6. commit (``_commit``): the owner is checked again, then ``_commits/<b+1>.json`` is written
+   (replacing the one of an earlier attempt of ``b``);
 7. ``sink(output_df, b)`` runs; then foreachBatch returns and Spark records the batch.
 
 A crash anywhere before step 7 ends makes Spark replay ``b``: the replay reads the same manifest
@@ -49,8 +55,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups
-from statestore_async.errors import InterfaceError, VersionError, VersionNotFoundError
-from statestore_async.files.manifest import Manifest, read_manifest, write_manifest
+from statestore_async.errors import InterfaceError, OwnerConflictError, VersionError, VersionNotFoundError
+from statestore_async.files.manifest import (
+    Manifest,
+    OwnerRecord,
+    claim_owner,
+    delete_manifests_after,
+    read_manifest,
+    read_owner,
+    write_manifest,
+)
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name
 from statestore_async.objectstore import ObjectStore, open_object_store
@@ -80,6 +94,9 @@ Sink = Callable[["DataFrame", int], object]  # the user's sink: sink(output_df, 
 LAYOUT = "statestore_async.spark/1"
 FENCE_FAST_SECONDS = 3.0  # the fence checks for the batch's files every <= 50 ms this long, then every <= 0.5 s
 MATERIALIZE = ("auto", "checkpoint", "cache")  # how the output waits for the sink (see StatefulOperator)
+# the local property Spark sets on the thread that runs a streaming query's batch: the query's id
+# (``query.id``), kept in its checkpoint location, so the same across restarts of the query
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
 
 
 class OperatorConfigError(InterfaceError):
@@ -120,6 +137,13 @@ def _arrow_schema(output_schema: str | StructType) -> tuple[StructType, pa.Schem
     return schema, to_arrow_schema(schema)
 
 
+def streaming_query_id(spark: SparkSession) -> str | None:
+    """The id of the streaming query whose batch runs on this thread (``query.id``: the same after a
+    restart from the same checkpoint location; a query started on a new one gets a new id), None
+    outside a streaming query (``process_batch`` called directly)."""
+    return spark.sparkContext.getLocalProperty(QUERY_ID_PROPERTY) or None
+
+
 def s3_options_from_env() -> dict | None:
     """S3 settings for the driver's object store from ``STATESTORE_S3_*`` (credentials: the AWS chain)."""
     from statestore_async.config import load_config
@@ -135,6 +159,8 @@ class BatchPlan:
     base: Manifest        # manifest ``batch_id``: the state the batch starts from
     routed: DataFrame     # the batch's rows, shuffled so that task i holds state partition i's rows (lazy)
     spec: TaskSpec        # what every task gets
+    query_id: str | None = None      # the streaming query running the batch (None: outside one)
+    owner: OwnerRecord | None = None  # its claim on the state (None: outside a query, the state unowned)
 
 
 @dataclass(frozen=True)
@@ -197,6 +223,7 @@ class BatchProgress:
     sink: float = 0.0
     total: float = 0.0
     partitions_committed: int = 0
+    reruns: int = 0        # runs of the stateful stage again after a fence timeout (a daemon lost deltas)
     refs: dict = field(default_factory=dict)
     tasks: dict = field(default_factory=dict)  # partition -> the task's timings (seconds) and counts
     locations: dict = field(default_factory=dict)  # partition -> where its task ran (coordinator on)
@@ -222,6 +249,19 @@ class StatefulOperator:
     blocks Spark recomputes by running the stateful stage again (that run's commit is in no
     manifest); ``"auto"`` (default) — ``"checkpoint"`` in local mode (an executor is lost only with
     the driver), ``"cache"`` on a cluster.
+    ``takeover``: one writer per state — the first streaming query that runs a batch owns the
+    operator's state (its ``query.id``, recorded under ``<root>/<operator>/_owner/``; restarts of
+    that query keep it); any other query is refused with ``OwnerConflictError`` before it writes
+    anything. ``takeover=<old query id>`` (or ``True``: whichever query owns it) hands the state to
+    this query when the owner is known to be dead for good: this query continues from the manifest
+    of the batch it starts at (a query on a new checkpoint location starts at batch 0: the empty
+    state), and the later manifests the old owner wrote are deleted. It takes over at this
+    operator's first batch only (an owner that takes over from it later is not taken back while it
+    runs); remove ``takeover=True`` once done (the named form only ever matches the dead query).
+    ``daemon_retries``: how often a task that lost its daemon (killed, restarted) retries its
+    partition, and how often the driver runs a batch's stateful stage again when a daemon died
+    before uploading what its tasks committed (the fence timed out); then the batch fails
+    (``RetriesExhaustedError``, ``FenceTimeoutError``).
     ``faults`` (tests): ``runtime.Fault`` records or dicts of their fields, which need the hook maker
     of ``statestore_async.testing.faults`` installed (``InterfaceError`` otherwise), or a
     ``runtime.FaultHook``; without faults every hook point is a no-op.
@@ -235,7 +275,8 @@ class StatefulOperator:
                  s3_options: dict[str, Any] | None = None, output_path: str | None = None,
                  pre_aggregate: Sequence[Column] | None = None,
                  faults: Iterable[Fault | Mapping[str, Any]] | FaultHook = (),
-                 clock: Callable[[], float] = time.time, coordinate: bool = True, materialize: str = "auto") -> None:
+                 clock: Callable[[], float] = time.time, coordinate: bool = True, materialize: str = "auto",
+                 takeover: bool | str = False, daemon_retries: int = 2) -> None:
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
         if materialize not in MATERIALIZE:
@@ -246,6 +287,10 @@ class StatefulOperator:
             raise InterfaceError("key_columns must name at least one column")
         if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
             raise InterfaceError(f"num_partitions must be an int >= 1, got {num_partitions!r}")
+        if not (isinstance(takeover, bool) or (isinstance(takeover, str) and takeover)):
+            raise InterfaceError(f"takeover is a bool or the id of the query to take over from, got {takeover!r}")
+        if isinstance(daemon_retries, bool) or not isinstance(daemon_retries, int) or daemon_retries < 0:
+            raise InterfaceError(f"daemon_retries must be an int >= 0, got {daemon_retries!r}")
         check_num_key_groups(num_key_groups)
         if num_key_groups < num_partitions:
             raise InterfaceError(f"num_key_groups ({num_key_groups}) must be >= num_partitions ({num_partitions})")
@@ -273,6 +318,9 @@ class StatefulOperator:
         self.pre_aggregate = list(pre_aggregate) if pre_aggregate else None
         self.coordinator = Coordinator() if coordinate else None
         self.materialize = materialize
+        self.takeover = takeover
+        self.daemon_retries = daemon_retries
+        self._owner: OwnerRecord | None = None  # this operator's last claim (the next batches only look for a newer one)
         self._io = _DriverIO(self._objstore)
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
@@ -343,25 +391,19 @@ class StatefulOperator:
         only place it can be read (its blocks are released when the sink returns). Returns the
         batch's ``BatchProgress``.
 
-        The steps of the module docstring: ``_plan``, ``_run_tasks``, ``_materialize`` (the Spark job
-        runs here), ``_collect_reports``, ``_fence``, ``_commit``, the sink, then ``_observe`` and ``_record``.
-        An exception anywhere before the sink returns leaves manifest ``batch_id + 1`` unwritten or
-        replaceable: Spark replays the batch from the same manifest.
+        The steps of the module docstring: ``_plan`` (with ``_claim``), ``_compute`` (``_run_tasks``,
+        ``_materialize`` — the Spark job runs here —, ``_collect_reports``, ``_fence``), ``_commit``,
+        the sink, then ``_observe`` and ``_record``. An exception anywhere before the sink returns
+        leaves manifest ``batch_id + 1`` unwritten or replaceable: Spark replays the batch from the
+        same manifest.
         """
         t0 = time.perf_counter()
         prog = BatchProgress(batch_id=batch_id)
         spark = df.sparkSession
-        plan = self._plan(df, batch_id)
-        out, acc = self._run_tasks(plan, spark)
+        plan = self._plan(df, batch_id, streaming_query_id(spark))
         prog.plan = time.perf_counter() - t0
-        output = self._materialize(out, spark, batch_id)
-        prog.compute = time.perf_counter() - t0
+        output, reports, refs = self._compute(plan, spark, prog, t0)
         try:
-            reports: list[TaskReport] = acc.value
-            refs = self._collect_reports(reports, prog)
-            fault_point(self._fault_hook, "before_fence", batch_id, socket_path=self.socket_path)
-            with _timed(prog, "fence"):
-                self._fence(refs)
             with _timed(prog, "manifest"):
                 self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)))
             fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
@@ -373,11 +415,13 @@ class StatefulOperator:
         self._observe(reports)
         return self._record(prog, refs, t0)
 
-    def _plan(self, df: DataFrame, batch_id: int) -> BatchPlan:
-        """Step 1, on the driver, before Spark runs anything: read the manifest the batch starts from
-        (``base_manifest``: checked against the settings), check the key columns, route the rows
-        (``routed``: lazy) and build the tasks' ``TaskSpec``. Raises ``OperatorConfigError``,
-        ``VersionNotFoundError``, ``InterfaceError``; writes nothing."""
+    def _plan(self, df: DataFrame, batch_id: int, query_id: str | None = None) -> BatchPlan:
+        """Step 1, on the driver, before Spark runs anything: claim the state for ``query_id``
+        (``_claim``), read the manifest the batch starts from (``base_manifest``: checked against the
+        settings), check the key columns, route the rows (``routed``: lazy) and build the tasks'
+        ``TaskSpec``. Raises ``OwnerConflictError``, ``OperatorConfigError``,
+        ``VersionNotFoundError``, ``InterfaceError``; writes nothing but the claim (an owner record)."""
+        owner = self._claim(query_id, batch_id)
         base = self.base_manifest(batch_id)
         missing = [c for c in self.key_columns if c not in df.columns]
         if missing:
@@ -390,8 +434,72 @@ class StatefulOperator:
                         now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
                         fault_hook=self._fault_hook,
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
-                        keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"))
-        return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec)
+                        keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
+                        daemon_retries=self.daemon_retries)
+        return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner)
+
+    def _claim(self, query_id: str | None, batch_id: int) -> OwnerRecord | None:
+        """One writer per state: ``OwnerConflictError`` unless the streaming query ``query_id`` owns
+        the operator's state, claiming it when nobody does (or taking it over, see ``takeover``; a
+        takeover then deletes the manifests after ``batch_id`` that the old owner wrote). Later
+        batches of this operator only look for a newer owner record (one GET). Outside a streaming
+        query (``query_id`` None) a batch may run only on a state that no query owns, and claims
+        nothing. Returns the claim (None outside a query)."""
+        op, root, takeover = self.operator_id, self.root, self.takeover
+        known = self._owner if self._owner is not None and self._owner.owner == query_id else None
+
+        async def claim(store: ObjectStore) -> OwnerRecord | None:
+            if query_id is None:
+                current = await read_owner(store, op)
+                if current is not None:
+                    raise OwnerConflictError(
+                        f"operator {op!r} at {root} is owned by streaming query {current.owner} (epoch "
+                        f"{current.epoch}); a batch run outside any streaming query (no {QUERY_ID_PROPERTY} "
+                        "on this thread) may not write a query's state")
+                return None
+            if known is not None:
+                current = await read_owner(store, op, known)
+                if current is not None and current.epoch != known.epoch:
+                    raise OwnerConflictError(
+                        f"operator {op!r} at {root} was taken over by {current.owner!r} (epoch {current.epoch}) "
+                        f"while query {query_id} ran it: this query stops before batch {batch_id} writes anything")
+                return known
+            try:
+                record = await claim_owner(store, op, query_id, takeover=takeover, from_version=batch_id)
+            except OwnerConflictError:
+                current = await read_owner(store, op)
+                owner, epoch = (current.owner, current.epoch) if current is not None else ("?", "?")
+                raise OwnerConflictError(
+                    f"operator {op!r} at {root} belongs to streaming query {owner} (owner epoch {epoch}), not to "
+                    f"this query ({query_id}): one writer per state, so this query is refused before its batch "
+                    f"{batch_id} writes anything"
+                    + (f" (takeover={takeover!r} does not name the owner)" if isinstance(takeover, str) else "")
+                    + f". Restarting query {owner} (from its checkpoint location) continues it. If that query is "
+                    f"dead for good, StatefulOperator(..., takeover={owner!r}) hands the state to this query, which "
+                    f"continues from the state of its batch {batch_id} (see docs/SPARK.md)") from None
+            if record.previous is not None:
+                # a takeover, now or by an earlier run of this query: the old owner's later manifests
+                # go (again, if a crash came between the claim and their deletion)
+                dropped = await delete_manifests_after(store, op, batch_id)
+                if dropped:
+                    log.warning("operator %s: query %s took over from %s at batch %d; deleted manifests %s of the "
+                                "old owner", op, query_id, record.previous, batch_id, dropped)
+            return record
+
+        record = self._run(claim)
+        if record is not None and record is not known:
+            log.info("operator %s at %s: owned by query %s (epoch %d)", op, root, record.owner, record.epoch)
+        self._owner = record if record is not None else self._owner
+        return record
+
+    def owner(self) -> OwnerRecord | None:
+        """The record of the streaming query that owns the operator's state now (None: none does)."""
+        op = self.operator_id
+
+        async def read(store: ObjectStore) -> OwnerRecord | None:
+            return await read_owner(store, op)
+
+        return self._run(read)
 
     def routed(self, df: DataFrame) -> tuple[DataFrame, tuple[str, ...]]:
         """``(routed, value_columns)``: the batch shuffled so task i holds state partition i's rows (and,
@@ -406,6 +514,38 @@ class StatefulOperator:
         values = self.value_columns or tuple(c for c in df.columns if c not in self.key_columns)
         return with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
                             columns=[*self.key_columns, *values]), values
+
+    def _compute(self, plan: BatchPlan, spark: SparkSession, prog: BatchProgress,
+                 t0: float) -> tuple[Materialized, list[TaskReport], dict[int, CheckpointRef]]:
+        """Steps 2 to 5: run the stateful stage (``_run_tasks``, ``_materialize``), collect the
+        reports and fence them; returns the output (the caller must ``release()`` it), the reports
+        and the committed checkpoints. A fence that times out means a daemon died before uploading
+        what a task had committed on it: the stage runs again from the same manifest, with fresh
+        checkpoint ids (the lost ones are in no manifest), up to ``daemon_retries`` times."""
+        for run in range(self.daemon_retries + 1):
+            prog.reruns = run
+            prog.tasks, prog.locations = {}, {}
+            out, acc = self._run_tasks(plan, spark)
+            output = self._materialize(out, spark, plan.batch_id)
+            prog.compute = time.perf_counter() - t0
+            try:
+                reports: list[TaskReport] = acc.value
+                refs = self._collect_reports(reports, prog)
+                fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
+                with _timed(prog, "fence"):
+                    self._fence(refs)
+            except FenceTimeoutError as exc:
+                output.release()
+                if run == self.daemon_retries:
+                    raise
+                log.warning("operator %s batch %d: %s; running the batch's stateful stage again (%d of %d)",
+                            self.operator_id, plan.batch_id, exc, run + 1, self.daemon_retries)
+                continue
+            except BaseException:
+                output.release()
+                raise
+            return output, reports, refs
+        raise AssertionError("unreachable: the last run returns or raises")
 
     def _run_tasks(self, plan: BatchPlan, spark: SparkSession) -> tuple[DataFrame, Accumulator]:
         """Step 2: the stateful stage, lazily: one ``mapInArrow`` task per state partition
@@ -495,8 +635,10 @@ class StatefulOperator:
         self._run(fence)
 
     def _commit(self, plan: BatchPlan, refs: dict[int, CheckpointRef], states: dict | None = None) -> None:
-        """Step 6, after the fence: write manifest ``batch_id + 1`` (replacing one an earlier attempt
-        of the batch wrote): each partition's reported checkpoint, else the one ``plan.base`` names;
+        """Step 6, after the fence: check the batch's query still owns the state (``OwnerConflictError``
+        otherwise: an owner record newer than ``plan.owner``), then write manifest ``batch_id + 1``
+        (replacing one an earlier attempt of the batch wrote): each partition's reported checkpoint,
+        else the one ``plan.base`` names;
         ``states``: the state variables' declarations (``processor.merge_declarations``), which the
         next batch's tasks check theirs against. From here on the batch's state counts (once Spark
         records the batch)."""
@@ -505,10 +647,19 @@ class StatefulOperator:
                     "processor": type(self.processor).__qualname__, "batch_id": plan.batch_id}
         if states:
             metadata["states"] = states
+        op, root, known = self.operator_id, self.root, plan.owner
+        if known is not None:  # who wrote it (the owner record's epoch)
+            metadata["owner"], metadata["owner_epoch"] = known.owner, known.epoch
         manifest = Manifest(self.operator_id, plan.batch_id + 1, self.num_partitions, self.num_key_groups,
                             {DEFAULT_STORE_NAME: stores}, metadata=metadata)
 
         async def write(store: ObjectStore) -> None:
+            # one writer per state: an owner record newer than the batch's claim stops the batch here
+            current = await read_owner(store, op, known)
+            if current is not None and (known is None or current.epoch != known.epoch):
+                raise OwnerConflictError(
+                    f"operator {op!r} at {root} was claimed by {current.owner!r} (epoch {current.epoch}) while batch "
+                    f"{plan.batch_id} of {plan.query_id or 'no streaming query'} ran: its manifest is not written")
             await write_manifest(store, manifest)
 
         self._run(write)
