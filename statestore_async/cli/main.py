@@ -100,7 +100,11 @@ def health(socket_path: str | None, timeout: float, ready: bool) -> None:
     from statestore_async.client.clients import Client
 
     path = _socket(socket_path)
-    client = Client(path, timeout=timeout, connect_timeout=timeout)
+    try:
+        client = Client(path, timeout=timeout, connect_timeout=timeout)
+    except StateStoreError as exc:  # a path that cannot hold a socket (SocketPathError)
+        click.echo(f"unhealthy: {path}: {exc}", err=True)
+        sys.exit(1)
     try:
         token = os.urandom(8)
         if client.ping(token) != token:
@@ -135,7 +139,11 @@ def selftest(socket_path: str | None, root: str, timeout: float) -> None:
     scratch = root.rstrip("/") + "/_selftest"
     store_id = StoreId(scratch, f"selftest-{uuid.uuid4().hex[:12]}", os.getpid() % 100000)
     key, value = b"\x00\x00selftest", f"ok {time.time()}".encode()
-    client = Client(path, timeout=timeout + 10)
+    try:
+        client = Client(path, timeout=timeout + 10)
+    except StateStoreError as exc:  # a path that cannot hold a socket (SocketPathError)
+        click.echo(f"selftest failed: {path}: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(1)
     written = []
     try:
         with client.open(store_id, 0) as h:
