@@ -93,6 +93,10 @@ class DaemonConfig:
     upload_concurrency: int = field(default=8, metadata={"help": "parallel uploads", "parse": int})
     upload_queue_bytes: int = field(default=256 << 20, metadata={
         "help": "bytes queued for upload before commits wait", "parse": parse_size})
+    open_version_idle_timeout: float = field(default=300.0, metadata={
+        "help": "seconds an open version may go without a request before the daemon aborts it, freeing its "
+                "store's writer slot (a stalled or vanished client); 0 = never",
+        "parse": float})
     drain_timeout: float = field(default=60.0, metadata={
         "help": "seconds SIGTERM waits for queued uploads", "parse": float})
     exit_when_idle: float = field(default=0.0, metadata={
@@ -113,6 +117,8 @@ class DaemonConfig:
             raise InterfaceError("retention_versions must be at least 2")
         if self.exit_when_idle < 0:
             raise InterfaceError("exit_when_idle must be >= 0 (0: never)")
+        if self.open_version_idle_timeout < 0:
+            raise InterfaceError("open_version_idle_timeout must be >= 0 (0: never)")
         for name in ("snapshot_interval", "upload_concurrency", "max_batch", "max_inflight"):
             if getattr(self, name) < 1:
                 raise InterfaceError(f"{name} must be at least 1")

@@ -56,6 +56,13 @@ class StoreStateError(InterfaceError):
     code = 11
 
 
+class VersionIdleTimeoutError(StoreStateError):
+    """The daemon aborted an open version that had no request for ``open_version_idle_timeout``
+    seconds: its changes are gone and its store's writer slot is free; open the store again."""
+
+    code = 17
+
+
 class WriterConflictError(InterfaceError):
     """A second writer tried to open a store version that already has one."""
 

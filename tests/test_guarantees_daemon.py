@@ -29,6 +29,7 @@ import pytest
 from statestore_async import errors
 from statestore_async.client import AsyncClient, Client
 from statestore_async.ids import StoreId
+from statestore_async.wire import protocol as P
 
 DEADLINE = 60.0  # seconds any awaited condition may take on a busy 2-core machine
 
@@ -82,7 +83,7 @@ DYNAMIC = frozenset({"requests_by_op", "object_stores"})
 METRICS = ("statestore_connections", "statestore_requests_total", "statestore_request_errors_total",
            "statestore_stores", "statestore_memory_bytes", "statestore_memory_budget_bytes",
            "statestore_loads_total", "statestore_load_errors_total", "statestore_evictions_total",
-           "statestore_open_versions",
+           "statestore_open_versions", "statestore_open_versions_expired_total",
            "statestore_upload_queue_bytes", "statestore_uploads_durable_total", "statestore_uploads_failed_total")
 
 
@@ -296,3 +297,102 @@ def test_rss_stays_under_the_budget_in_a_short_soak(daemon_process, tmp_path):
     assert peak <= fixed + SOAK_BUDGET + SOAK_MARGIN, (
         f"daemon RSS peaked at {peak / mib:.1f} MiB: empty {fixed / mib:.1f} + budget {SOAK_BUDGET / mib:.0f} "
         f"+ margin {SOAK_MARGIN / mib:.0f} MiB exceeded ({rounds} rounds, {registry})")
+
+
+# --- an open version left without a request loses its writer slot ------------------------------------
+IDLE_LIMIT = 3.0  # open_version_idle_timeout of these tests: seconds, far above any gap between two requests
+
+
+class RawConnection:
+    """A client socket speaking the protocol by hand, to stall in the middle of a frame."""
+
+    def __init__(self, path: str):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(DEADLINE)
+        self.sock.connect(path)
+        self.proto = P.ClientProtocol()
+        self.request(self.proto.send_hello())
+
+    def request(self, sent: tuple[int, bytes]):
+        rid, data = sent
+        self.sock.sendall(data)
+        return self.answer(rid)
+
+    def answer(self, rid: int):
+        while True:
+            ev = self.proto.next_event()
+            if ev is P.NEED_DATA:
+                data = self.sock.recv(1 << 16)
+                assert data, "the daemon closed the connection"
+                self.proto.receive_data(data)
+                continue
+            assert ev.request_id == rid, ev
+            return ev
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.slow  # waits out the idle limit
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_stalled_writer_loses_its_slot_after_the_idle_limit(daemon_process, tmp_path, loop):
+    d = daemon_process("--loop", loop, "--open-version-idle-timeout", str(IDLE_LIMIT))
+    root = f"file://{tmp_path}/root"
+    quiet, stalled, busy = (StoreId(root, "idle", p) for p in range(3))
+    with d.client() as a, d.client() as b:
+        # a client that opens, writes and then never commits nor sends anything on its version
+        h = a.open(quiet, 0)
+        h.put_many([(key(1), b"never committed")])
+        last_request = {quiet: time.monotonic()}
+        # a connection stalled in the middle of a PUT_MANY frame
+        raw = RawConnection(d.socket)
+        try:
+            opened = raw.request(raw.proto.send_open(stalled, 0))
+            last_request[stalled] = time.monotonic()
+            handle = opened.value[0]
+            rid, frame = raw.proto.send_put_many(handle, [(key(2), b"x" * 1000)])
+            raw.sock.sendall(frame[: len(frame) // 2])
+            # a client that keeps using its version longer than the limit keeps it: idle is not age
+            kept = b.open(busy, 0)
+            started = time.monotonic()
+            for sid in (quiet, stalled):
+                with pytest.raises(errors.WriterConflictError):
+                    b.open(sid, 0)
+            others, freed_after = {}, {}
+
+            def step():
+                assert kept.get_many([key(3)]) == [None]  # a request on the busy version, every 0.1 s
+                for sid in (quiet, stalled):
+                    if sid not in others:
+                        try:
+                            others[sid] = b.open(sid, 0)
+                            freed_after[sid] = time.monotonic() - last_request[sid]
+                        except errors.WriterConflictError:
+                            pass
+                return len(others) == 2 and time.monotonic() - started >= 2 * IDLE_LIMIT
+
+            # both stalled slots are freed once the limit has passed without a request on them
+            wait_for(step, "the stalled versions' writer slots to be freed", every=0.1)
+            # not before the limit (less the time an answer takes to come back)
+            assert min(freed_after.values()) >= IDLE_LIMIT - 0.5, freed_after
+            other_quiet, other_stalled = others[quiet], others[stalled]
+            kept.put_many([(key(3), b"kept")])
+            assert kept.commit().version == 1
+            # the stalled versions' changes are gone
+            assert other_quiet.get_many([key(1)]) == [None]
+            assert other_stalled.get_many([key(2)]) == [None]
+            other_quiet.abort()
+            other_stalled.abort()
+            # the stalled peers are told why on their next request, naming the store and the limit
+            with pytest.raises(errors.VersionIdleTimeoutError, match=rf"{quiet.operator_id}.*{IDLE_LIMIT:g} s"):
+                h.put_many([(key(1), b"too late")])
+            raw.sock.sendall(frame[len(frame) // 2:])  # the rest of the frame, at last
+            late = raw.answer(rid)
+            assert isinstance(late, P.ErrorResponse) and isinstance(late.error, errors.VersionIdleTimeoutError), late
+            assert "open_version_idle_timeout" in str(late.error)
+        finally:
+            raw.close()
+        stats = a.stats()
+    assert stats["daemon"]["versions_expired"] == 2 and stats["daemon"]["open_versions"] == 0
+    log = d.log()
+    assert str(quiet.operator_id) in log and "open_version_idle_timeout" in log

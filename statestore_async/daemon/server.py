@@ -45,7 +45,13 @@ from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.snapshotter import SnapshotWorker
 from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader, _Upload
 from statestore_async.engine.store import State, StoreVersion
-from statestore_async.errors import InterfaceError, ObjectStoreError, StateStoreError, StoreStateError
+from statestore_async.errors import (
+    InterfaceError,
+    ObjectStoreError,
+    StateStoreError,
+    StoreStateError,
+    VersionIdleTimeoutError,
+)
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore.base import ObjectStore
@@ -83,6 +89,9 @@ GIL_SWITCH_INTERVAL = 0.0005
 BUDGET_CHECK_DELAY = 0.05
 # With exit_when_idle, a daemon idle that long but with an upload still running looks again this often.
 IDLE_RECHECK = 1.0
+# Open versions are checked against open_version_idle_timeout every quarter of it, and at least
+# every IDLE_SWEEP_MAX seconds: one is aborted at most that much later than the limit.
+IDLE_SWEEP_MAX = 5.0
 # serve's exit code when it stopped with acknowledged commits not durable (drain timed out, uploads
 # failed): they are lost unless the client side replays them (docs/GUARANTEES.md)
 EXIT_NOT_DURABLE = 3
@@ -139,17 +148,24 @@ def prepare_socket_path(path: str, socket_mode: int) -> None:
 
 # --- one connection -------------------------------------------------------------------------------
 class _Finished:
-    """A handle its connection committed or aborted: what a late request on it is told. It keeps
-    the store's id, never the store (nor the version's changes)."""
+    """A handle its connection committed or aborted, or the daemon aborted after ``idle_limit``
+    seconds without a request: what a late request on it is told. It keeps the store's id, never
+    the store (nor the version's changes)."""
 
-    __slots__ = ("state", "store_id", "version")
+    __slots__ = ("idle_limit", "state", "store_id", "version")
 
-    def __init__(self, w: StoreVersion) -> None:
+    def __init__(self, w: StoreVersion, idle_limit: float | None = None) -> None:
         self.store_id = w.store_id
         self.version = w.version
         self.state = w.state
+        self.idle_limit = idle_limit
 
     def error(self, op: str) -> StateStoreError:
+        if self.idle_limit is not None:
+            return VersionIdleTimeoutError(
+                f"cannot {op} store {self.store_id} version {self.version}: the daemon aborted it after "
+                f"{self.idle_limit:g} s without a request (open_version_idle_timeout); its changes are gone, "
+                "open the store again")
         # the engine's words for a finished version
         return StoreStateError(f"cannot {op} store {self.store_id} version {self.version}: "
                                f"it is already {self.state.value}")
@@ -167,6 +183,7 @@ class _Connection(asyncio.Protocol):
         self.peer: tuple[int, int, int] | None = None
         self.closed = False
         self.handles: dict[int, StoreVersion] = {}  # the versions this connection has open (UPDATING)
+        self._touched: dict[int, float] = {}  # open handle -> time.monotonic() of its last request
         self._next_handle = 0
         # the last MAX_FINISHED_HANDLES handles it committed or aborted, oldest first: what is needed
         # to answer a late request on one with the right error, and nothing that keeps a store alive
@@ -232,6 +249,7 @@ class _Connection(asyncio.Protocol):
                 self.daemon.counters["aborted_on_disconnect"] += 1
                 log.info("peer %s went away: aborted its open version of %s at %s", self.peer, w.store_id, w.version)
         self.handles.clear()
+        self._touched.clear()
         self._finished.clear()
         for t in list(self._tasks):
             if not getattr(t, "keep_on_close", False):
@@ -296,15 +314,33 @@ class _Connection(asyncio.Protocol):
             if finished is not None:
                 raise finished.error(op)
             raise UnknownHandleError(f"handle {handle} was not opened on this connection")
+        self._touched[handle] = time.monotonic()
         return w
 
     def _finish(self, handle: int, w: StoreVersion) -> None:
         """``handle``'s version is committed or aborted: forget it but for a small tombstone."""
+        self._forget(handle, _Finished(w))
+
+    def _forget(self, handle: int, tombstone: _Finished) -> None:
         self.handles.pop(handle, None)
+        self._touched.pop(handle, None)
         finished = self._finished
-        finished[handle] = _Finished(w)
+        finished[handle] = tombstone
         if len(finished) > MAX_FINISHED_HANDLES:
             finished.popitem(last=False)
+
+    def expire_idle(self, now: float, limit: float) -> int:
+        """Abort the open versions without a request for ``limit`` seconds (the peer stalled, maybe
+        mid-frame): their stores' writer slots are freed, and the next request on one is told why
+        (``VersionIdleTimeoutError``). Returns how many."""
+        expired = [(h, now - t) for h, t in self._touched.items() if now - t >= limit]
+        for handle, idle in expired:
+            w = self.handles[handle]
+            w.abort()
+            self._forget(handle, _Finished(w, limit))
+            log.warning("aborted the open version of %s at %s of peer %s (pid, uid, gid): no request for "
+                        "%.1f s (open_version_idle_timeout = %g s)", w.store_id, w.version, self.peer, idle, limit)
+        return len(expired)
 
     def _handle(self, ev: Any) -> None:  # a request event, dispatched on its exact class (not narrowed)
         d = self.daemon
@@ -390,6 +426,7 @@ class _Connection(asyncio.Protocol):
             return
         self._next_handle += 1
         self.handles[self._next_handle] = w
+        self._touched[self._next_handle] = time.monotonic()
         self._write(self.proto.send_opened(rid, self._next_handle, w.parent))
 
     async def _open_async(self, ev: Open) -> None:
@@ -531,13 +568,15 @@ class Daemon:
         self._server: asyncio.AbstractServer | None = None
         self._metrics_server: WSGIServer | None = None
         self._budget_check: asyncio.TimerHandle | None = None
+        self._idle_sweep: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         #: set when ``exit_when_idle`` seconds passed with no client and no upload: ``serve`` then stops
         self.idle_exit = asyncio.Event()
         self._socket_inode: tuple[int, int] | None = None
         self._started = time.monotonic()
         self.counters = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "aborted_on_disconnect": 0,
-                         "commits_waited": 0, "max_inflight_seen": 0}
+                         "commits_waited": 0, "max_inflight_seen": 0,
+                         "versions_expired": 0}
         #: after ``stop``: True when every acknowledged commit was durable
         self.clean_stop: bool | None = None
         self.requests_by_op: dict[str, int] = {}
@@ -585,6 +624,7 @@ class Daemon:
         st = os.lstat(cfg.socket)
         self._socket_inode = (st.st_dev, st.st_ino)
         self.watch_idle()
+        self._sweep_idle_versions()
         if cfg.metrics_port:
             self._metrics_server = start_metrics(self, cfg.metrics_host, cfg.metrics_port)
         log.info("serving on %s (mode %04o, uids %s, loop %s, pid %d)", cfg.socket, cfg.socket_mode,
@@ -616,6 +656,19 @@ class Daemon:
         assert self.maintenance is not None  # set by start(), with the uploader that calls this
         self.maintenance.note_durable(store_id, ref, nbytes, lineage)
         self.check_budget_soon()  # a store whose uploads settled may be evictable now
+
+    def _sweep_idle_versions(self) -> None:
+        """Every quarter of ``open_version_idle_timeout`` (``IDLE_SWEEP_MAX`` at most): abort the
+        open versions that had no request for that long, on every connection."""
+        limit = self.config.open_version_idle_timeout
+        self._idle_sweep = None
+        if limit <= 0 or self.stopping:
+            return
+        now = time.monotonic()
+        for conn in list(self.connections):
+            self.counters["versions_expired"] += conn.expire_idle(now, limit)
+        self._idle_sweep = asyncio.get_running_loop().call_later(min(limit / 4, IDLE_SWEEP_MAX),
+                                                                 self._sweep_idle_versions)
 
     def check_budget_soon(self) -> None:
         """Evict idle stores over the memory budget shortly (``BUDGET_CHECK_DELAY``), once per burst."""
@@ -692,6 +745,9 @@ class Daemon:
         if self._budget_check is not None:
             self._budget_check.cancel()
             self._budget_check = None
+        if self._idle_sweep is not None:
+            self._idle_sweep.cancel()
+            self._idle_sweep = None
         self.watch_idle()
         drained = True
         if self.uploader is not None:
@@ -763,6 +819,8 @@ _GAUGES = (
 _COUNTERS = (
     ("statestore_requests", "requests served", "daemon", "requests"),
     ("statestore_request_errors", "requests answered with an error", "daemon", "errors"),
+    ("statestore_open_versions_expired", "open versions aborted after open_version_idle_timeout without a request",
+     "daemon", "versions_expired"),
     ("statestore_loads", "stores loaded from the object store", "registry", "loads"),
     ("statestore_load_errors", "loads that failed", "registry", "load_errors"),
     ("statestore_evictions", "stores evicted", "registry", "evictions"),
