@@ -12,15 +12,21 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from spark_cluster import Daemon
+
 from statestore_async import errors
-from statestore_async.codecs import sparkhash
 from statestore_async.client.clients import Client
+from statestore_async.codecs import sparkhash
 from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.spark import (
-    StatefulOperator, StatefulProcessor, VectorizedProcessor, group_rows, load_state, open_partition_store,
-    placement, route_values,
+    StatefulOperator,
+    StatefulProcessor,
+    VectorizedProcessor,
+    group_rows,
+    load_state,
+    open_partition_store,
+    placement,
+    route_values,
 )
 from statestore_async.spark.coordinator import Coordinator, location_of
 from statestore_async.spark.examples import CountSum
@@ -96,8 +102,8 @@ def test_value_list_map_state_and_ttl(spark, daemon, tmp_path):
                           socket_path=daemon.socket, clock=lambda: now[0])
     now = [1000.0]
     out: dict = {}
-    sink = lambda df, b: out.__setitem__(b, {r[0]: tuple(r[1:]) for r in df.collect()})  # noqa: E731
-    batch = lambda rows: spark.createDataFrame(rows, "key string, value bigint").coalesce(1)  # noqa: E731
+    sink = lambda df, b: out.__setitem__(b, {r[0]: tuple(r[1:]) for r in df.collect()})
+    batch = lambda rows: spark.createDataFrame(rows, "key string, value bigint").coalesce(1)
     op.process_batch(batch([("a", 1), ("a", 3), ("b", 2)]), 0, sink)
     assert out[0] == {"a": (None, 2, "[[0, 1], [1, 1]]"), "b": (None, 1, "[]")}
     now[0] = 1001.0
@@ -171,7 +177,7 @@ def test_tasks_ask_their_daemon_to_release_what_another_node_owns(tmp_path):
                 with Client(node["location"].split(":", 1)[1]) as c:
                     assert c.await_durable(StoreId(root, "op", q), ref, 10)
             coord.observe([(q, node) for q, _, node in reports])
-            assert counts == {k: b_id + 1 for k in keys}  # every key's state is whole, wherever it ran
+            assert counts == dict.fromkeys(keys, b_id + 1)  # every key's state is whole, wherever it ran
             return {q: node for q, _, node in reports}
 
         where_a, where_b = location_of(a.socket), location_of(b.socket)
@@ -193,10 +199,10 @@ def test_open_partition_store_commits_or_aborts(daemon, tmp_path):
     with open_partition_store(root, "low", 3, 0, socket_path=daemon.socket, result=refs) as h:
         h.put_many([(b"\x00\x01k", b"v")])
     assert refs[0].version == 1
-    with pytest.raises(ZeroDivisionError):
-        with open_partition_store(root, "low", 3, 1, refs[0].ckptid, socket_path=daemon.socket, result=refs) as h:
-            h.put_many([(b"\x00\x01k", b"changed")])
-            1 / 0
+    with pytest.raises(ZeroDivisionError), \
+            open_partition_store(root, "low", 3, 1, refs[0].ckptid, socket_path=daemon.socket, result=refs) as h:
+        h.put_many([(b"\x00\x01k", b"changed")])
+        raise ZeroDivisionError("the task's code fails before the commit")
     assert len(refs) == 1
     c = placement.connect(daemon.socket)
     with c.open(StoreId(root, "low", 3), 1, refs[0].ckptid) as h:
@@ -295,9 +301,9 @@ def test_the_driver_keeps_one_object_store_on_one_loop():
         opened.append(Store())
         return opened[-1]
 
-    io = _DriverIO(open_store)
-    seen = [io.run(lambda store: store.where())]
-    t = threading.Thread(target=lambda: seen.append(io.run(lambda store: store.where())))
+    driver_io = _DriverIO(open_store)
+    seen = [driver_io.run(lambda store: store.where())]
+    t = threading.Thread(target=lambda: seen.append(driver_io.run(lambda store: store.where())))
     t.start()
     t.join()
     assert len(opened) == 1 and seen[0] == seen[1] != threading.get_ident()
@@ -306,12 +312,12 @@ def test_the_driver_keeps_one_object_store_on_one_loop():
         raise errors.VersionNotFoundError("no manifest")
 
     with pytest.raises(errors.VersionNotFoundError):
-        io.run(fail)
-    io.close()
+        driver_io.run(fail)
+    driver_io.close()
     assert opened[0].closed
-    io.run(lambda store: store.where())
+    driver_io.run(lambda store: store.where())
     assert len(opened) == 2
-    del io
+    driver_io = None  # the last reference goes: collection closes the store
     gc.collect()
     assert opened[1].closed
 
