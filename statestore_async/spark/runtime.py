@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statestore_async.client.clients import StaleHandleError
-from statestore_async.codecs import arrowcodec, valuecodec
+from statestore_async.codecs import arrowcodec, keylayout, valuecodec
 from statestore_async.errors import (
     ConnectionLostError,
     InterfaceError,
@@ -193,13 +193,11 @@ def write_all(handle: StoreHandle, puts: Puts, removes: Removes) -> None:
         handle.remove_many(removes)
 
 
-@lru_cache(maxsize=8)
-def _kg_prefixes(num_key_groups: int) -> tuple[bytes, ...]:
-    return tuple(i.to_bytes(2, "big") for i in range(num_key_groups))
+_kg_prefixes = lru_cache(maxsize=8)(keylayout.prefixes)
 
 
 def store_keys(state_name: str, keys: list[tuple], kgs: list[int], num_key_groups: int) -> list[bytes]:
-    """Store keys ``kg (2 bytes) + encode_key((state_name, *key))`` of one state variable."""
+    """Store keys ``keylayout.prefix(kg) + encode_key((state_name, *key))`` of one state variable."""
     pre = _kg_prefixes(num_key_groups)
     enc = valuecodec.encode_keys([(state_name, *k) for k in keys])
     return [pre[g] + e for g, e in zip(kgs, enc)]
