@@ -28,7 +28,12 @@ import pytest
 
 from statestore_async import errors
 from statestore_async.client import AsyncClient, Client
-from statestore_async.ids import StoreId
+from statestore_async.engine.store import VersionedStore
+from statestore_async.files.loader import load_store
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
+from statestore_async.files.transfer import write_delta, write_snapshot
+from statestore_async.ids import CheckpointRef, StoreId
+from statestore_async.objectstore import LocalObjectStore
 from statestore_async.wire import protocol as P
 
 DEADLINE = 60.0  # seconds any awaited condition may take on a busy 2-core machine
@@ -396,3 +401,138 @@ def test_a_stalled_writer_loses_its_slot_after_the_idle_limit(daemon_process, tm
     assert stats["daemon"]["versions_expired"] == 2 and stats["daemon"]["open_versions"] == 0
     log = d.log()
     assert str(quiet.operator_id) in log and "open_version_idle_timeout" in log
+
+
+# --- loads fall back from a damaged snapshot; failed loads are logged -------------------------------------
+def commit_versions(c: Client, sid: StoreId, count: int, states: dict, refs: list, *, before_each=None) -> None:
+    """Commit ``count`` versions of ``sid`` after ``refs[-1]`` (100 keys changed each), recording
+    each state's full contents in ``states`` and its ref in ``refs``."""
+    for _ in range(count):
+        parent = refs[-1] if refs else CheckpointRef(0, "")
+        if before_each is not None:
+            before_each(parent)
+        state = dict(states.get(parent, {}))
+        v = parent.version + 1
+        items = [(key(i), b"v%d-%d" % (v, i)) for i in range(v * 20, v * 20 + 100)]
+        with c.open(sid, parent.version, parent.ckptid or None) as h:
+            h.put_many(items)
+            if v > 1:
+                h.remove_many([key((v - 1) * 20)])
+                state.pop(key((v - 1) * 20), None)
+            ref = h.commit()
+        state.update(items)
+        states[ref] = state
+        refs.append(ref)
+    assert c.await_durable(sid, refs[-1], DEADLINE)
+
+
+def read_all(c: Client, sid: StoreId, ref: CheckpointRef) -> dict:
+    with c.open(sid, ref.version, ref.ckptid) as h:
+        got = dict(h.scan())
+        h.abort()
+    return got
+
+
+def test_a_truncated_snapshot_loads_from_an_older_snapshot_and_the_deltas(daemon_process, tmp_path):
+    folder = tmp_path / "root"
+    root = f"file://{folder}"
+    sid = StoreId(root, "fallback", 0)
+    states: dict = {}
+    refs: list = []
+    writer = daemon_process("--snapshot-interval", "2")
+
+    def snapshot_of(ref):
+        return folder / file_key(sid, ref, SNAPSHOT)
+
+    with writer.client() as c:
+        def wait_snapshots(parent):
+            # before v3 and v5: the snapshot of v2 / v4 exists and its store knows it (later
+            # lineages stop there): maintenance counts it in the same step
+            if parent.version in (2, 4):
+                wait_for(lambda: snapshot_of(parent).exists()
+                         and c.stats()["maintenance"]["snapshots"] >= parent.version // 2,
+                         f"the snapshot of {parent}")
+        commit_versions(c, sid, 5, states, refs, before_each=wait_snapshots)
+    assert writer.stop() == 0
+    v2, v4, v5 = refs[1], refs[3], refs[4]
+    assert snapshot_of(v2).exists() and snapshot_of(v4).exists() and not snapshot_of(v5).exists()
+    damaged = snapshot_of(v4)
+    data = damaged.read_bytes()
+    damaged.write_bytes(data[: len(data) * 2 // 3])  # truncated, as by a crash or a bad copy
+
+    reader = daemon_process()
+    with reader.client() as c:
+        # v4 itself: its snapshot is damaged; its delta's lineage leads to the snapshot of v2
+        assert read_all(c, sid, v4) == states[v4]
+        # v5, whose lineage names v4's snapshot as its base: the same fallback, one hop later
+        assert read_all(c, sid, v5) == states[v5]
+        assert c.stats()["registry"]["load_errors"] == 0
+    log = reader.log()
+    damaged_key = file_key(sid, v4, SNAPSHOT)
+    assert f"snapshot {damaged_key} is damaged" in log, log
+    assert "from older states" in log
+
+
+def test_a_failed_load_is_logged_naming_the_file(daemon_process, tmp_path):
+    folder = tmp_path / "root"
+    root = f"file://{folder}"
+    corrupt, broken = StoreId(root, "fail", 0), StoreId(root, "fail", 1)
+    states: dict = {}
+    refs: dict = {corrupt: [], broken: []}
+    writer = daemon_process("--snapshot-interval", "1000")
+    with writer.client() as c:
+        for sid in (corrupt, broken):
+            commit_versions(c, sid, 3, states, refs[sid])
+    assert writer.stop() == 0
+    # a delta in the middle of the lineage fails its checksum; another is gone: no fallback exists
+    bad = folder / file_key(corrupt, refs[corrupt][1], DELTA)
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    gone = folder / file_key(broken, refs[broken][1], DELTA)
+    gone.unlink()
+
+    reader = daemon_process()
+    with reader.client() as c:
+        with pytest.raises(errors.CorruptFileError):
+            read_all(c, corrupt, refs[corrupt][2])
+        with pytest.raises(errors.LineageError):
+            read_all(c, broken, refs[broken][2])
+        assert c.stats()["registry"]["load_errors"] == 2
+    log = reader.log()
+    lines = [line for line in log.splitlines() if "cannot load" in line]
+    assert any(file_key(corrupt, refs[corrupt][1], DELTA) in line and "CorruptFileError" in line for line in lines), log
+    assert any(file_key(broken, refs[broken][1], DELTA) in line and "LineageError" in line for line in lines), log
+
+
+async def test_the_loader_walks_past_damaged_and_missing_snapshots(tmp_path, caplog):
+    """The load's report says which states it started from: the newest intact snapshot on the
+    lineage, every delta after it; the damaged file is named in the log."""
+    async with LocalObjectStore(tmp_path / "ckpt", fsync=False) as objstore:
+        sid = StoreId(objstore.uri, "walk", 0)
+        store = VersionedStore(sid)
+        refs, states = [], {}
+        for v in range(9):
+            w = store.open(v)
+            w.put_many([(key(i), b"%d" % v) for i in range(v * 10, v * 10 + 30)])
+            d = w.commit()
+            await write_delta(objstore, d)
+            refs.append(d.ref)
+            states[d.ref] = dict(store.items())
+            if d.version in (3, 6):
+                with store.freeze() as view:
+                    await write_snapshot(objstore, view)
+                store.mark_snapshot(d.ref)
+        snap3, snap6 = (tmp_path / "ckpt" / file_key(sid, refs[v - 1], SNAPSHOT) for v in (3, 6))
+        snap6.write_bytes(snap6.read_bytes()[:-40])  # the trailer cut off
+        loaded, report = await load_store(objstore, sid, refs[8])  # v9: its lineage's base is v6
+        assert dict(loaded.items()) == states[refs[8]]
+        assert report.snapshot == refs[2] and [r.version for r in report.deltas] == [4, 5, 6, 7, 8, 9]
+        assert report.damaged == [file_key(sid, refs[5], SNAPSHOT)]
+        assert f"snapshot {file_key(sid, refs[5], SNAPSHOT)} is damaged" in caplog.text
+        # with the older snapshot gone too, the walk goes on to version 0
+        snap3.unlink()
+        loaded, report = await load_store(objstore, sid, refs[5])  # v6 itself
+        assert dict(loaded.items()) == states[refs[5]]
+        assert report.snapshot is None and [r.version for r in report.deltas] == list(range(1, 7))
+        assert report.missing_bases == [file_key(sid, refs[2], SNAPSHOT)]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from statestore_async.daemon.objectstores import ObjectStores
 from statestore_async.daemon.uploader import Uploader
 from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
-from statestore_async.errors import VersionNotFoundError, WriterConflictError
+from statestore_async.errors import StateStoreError, VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
@@ -126,12 +126,25 @@ class StoreRegistry:
                 finally:
                     self._loads_running -= 1
                     self._load_finished.set()
+            except asyncio.CancelledError:
+                raise
+            except StateStoreError as exc:
+                # the client gets the error; the operator must see it too (the message names the file)
+                self.counters["load_errors"] += 1
+                log.error("cannot load %s at %s: %s: %s", store_id, ref, type(exc).__name__, exc)
+                raise
             except BaseException:
                 self.counters["load_errors"] += 1
+                log.exception("cannot load %s at %s", store_id, ref)
                 raise
             self.counters["loads"] += 1
-            log.info("loaded %s at %s: %d records from %d files", store_id, ref, report.records,
-                     len(report.files_read))
+            if report.damaged or report.missing_bases:
+                log.warning("loaded %s at %s from older states: snapshots damaged %s, missing %s; %d records "
+                            "from %d files", store_id, ref, report.damaged, report.missing_bases, report.records,
+                            len(report.files_read))
+            else:
+                log.info("loaded %s at %s: %d records from %d files", store_id, ref, report.records,
+                         len(report.files_read))
             old = self._stores.get(store_id)
             if old is not None and old.writer is not None:
                 self.counters["writer_conflicts"] += 1

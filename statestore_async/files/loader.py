@@ -4,7 +4,13 @@
 state, whose header lists its lineage back to a base (a snapshot, or the empty version 0); it then
 reads the base snapshot and replays the lineage's deltas in order. It reads only the files the
 lineage names — GETs, never a LIST — fetching the deltas concurrently and decoding blocks as they
-stream in. If a base snapshot is missing, the loader walks on through that state's own delta.
+stream in.
+
+A snapshot is a shortcut, the deltas are the truth: when the snapshot a load would start from is
+missing or damaged (truncated, corrupt: ``CorruptFileError``), the loader walks on through that
+state's own delta, whose lineage leads to an older snapshot or to version 0, and so on. Each such
+fallback is logged with the file (warning) and listed in ``LoadReport.damaged`` / ``missing_bases``.
+A damaged or missing delta has no substitute: the load fails naming the file.
 """
 from __future__ import annotations
 
@@ -14,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
-from statestore_async.errors import LineageError, ObjectNotFoundError, VersionNotFoundError
+from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
 from statestore_async.files.checkpoint import FileHeader, Record
-from statestore_async.files.names import DELTA, SNAPSHOT
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.transfer import ReadStats, read_checkpoint_file
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
@@ -35,6 +41,10 @@ class LoadReport:
     deltas: list[CheckpointRef] = field(default_factory=list)
     files_read: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    # snapshots the load would have started from and fell back from: failing their checks, or
+    # missing although a lineage names them as its base
+    damaged: list[str] = field(default_factory=list)
+    missing_bases: list[str] = field(default_factory=list)
     bytes_read: int = 0
     records: int = 0
 
@@ -58,24 +68,39 @@ async def _chain(
     while True:
         if current.is_empty_state:
             return EMPTY_STATE, [], list(reversed(pending))
+        damaged: CorruptFileError | None = None
         try:
             header, records = await read_file(objstore, store_id, current, SNAPSHOT, report)
             return current, records, list(reversed(pending))
         except ObjectNotFoundError:
-            pass
+            if current != ref:  # a lineage names its base for its snapshot: that one should be there
+                report.missing_bases.append(file_key(store_id, current, SNAPSHOT))
+                log.warning("store %s: snapshot %s, the base of %s, is missing: loading that state from its delta",
+                            store_id, file_key(store_id, current, SNAPSHOT), ref)
+        except CorruptFileError as exc:
+            damaged = exc
+            report.damaged.append(exc.name)
+            log.warning("store %s: snapshot %s is damaged (%s): loading %s from its delta and the states "
+                        "before it instead", store_id, exc.name, exc.reason, current)
         try:
             header, records = await read_file(objstore, store_id, current, DELTA, report)
         except ObjectNotFoundError:
+            delta_key = file_key(store_id, current, DELTA)
+            if damaged is not None:  # nothing replaces the damaged snapshot: the damage is the error
+                raise CorruptFileError(damaged.name, f"{damaged.reason}; and {delta_key} is missing, so {ref} "
+                                       "cannot be loaded without it", damaged.offset) from damaged
             if current == ref:
                 raise VersionNotFoundError(
                     f"store {store_id}: no snapshot or delta file for {ref} "
                     f"({', '.join(report.missing)})"
                 ) from None
-            raise LineageError(f"store {store_id}: lineage of {ref} needs {current}, which has no file") from None
+            raise LineageError(f"store {store_id}: lineage of {ref} needs {current}, which has no file "
+                               f"(neither {file_key(store_id, current, SNAPSHOT)} nor {delta_key})") from None
         pending.append((current, records))
         lineage = header.lineage
         if not lineage or lineage[0].version != current.version - 1:
-            raise LineageError(f"store {store_id}: delta {current} has a broken lineage {lineage}")
+            raise LineageError(f"store {store_id}: delta {file_key(store_id, current, DELTA)} has a broken "
+                               f"lineage {lineage}")
         # fetch the lineage's deltas concurrently; the base is tried as a snapshot afterwards
         base = lineage[-1]
         middle = list(lineage[:-1])
@@ -85,12 +110,14 @@ async def _chain(
             )
             for i, (r, res) in enumerate(zip(middle, results)):
                 if isinstance(res, ObjectNotFoundError):
-                    raise LineageError(f"store {store_id}: lineage of {ref} needs delta {r}, which is missing") from None
+                    raise LineageError(f"store {store_id}: lineage of {ref} needs delta {r}, which is missing "
+                                       f"({file_key(store_id, r, DELTA)})") from None
                 if isinstance(res, BaseException):
                     raise res
                 h, recs = res
                 if h.lineage[:1] != (lineage[i + 1],):
-                    raise LineageError(f"store {store_id}: delta {r} builds on {h.lineage[:1]}, its child says {lineage[i + 1]}")
+                    raise LineageError(f"store {store_id}: delta {file_key(store_id, r, DELTA)} builds on "
+                                       f"{h.lineage[:1]}, its child says {lineage[i + 1]}")
                 pending.append((r, recs))
         current = base
         depth += 1
