@@ -97,6 +97,19 @@ class _Upload:
         return self.state is UploadState.DURABLE or self.state is UploadState.FAILED
 
 
+class _Durable:
+    """What the uploader keeps of a finished, durable upload: its state. The delta, the lineage and
+    the events go with the ``_Upload`` (thousands of durable uploads are remembered)."""
+
+    __slots__ = ()
+    state = UploadState.DURABLE
+    error = None
+    finished = True
+
+
+_DURABLE = _Durable()
+
+
 class _Degraded:
     """Why a root is degraded: the last attempt's error, since when, and how often it was seen."""
 
@@ -132,7 +145,7 @@ class Uploader:
         queue_bytes: int = 256 << 20,
         retry_base: float = 0.05,
         retry_max: float = 5.0,
-        keep_done: int = 100_000,
+        keep_done: int = 10_000,
         encode: Callable[[Delta], bytes] = checkpoint.encode_delta,
     ) -> None:
         self._objstore_for = objstore_for
@@ -146,7 +159,8 @@ class Uploader:
         self._waiting: deque[_Upload] = deque()  # not yet admitted, FIFO
         self._by_store: dict[StoreId, deque[_Upload]] = {}
         self._workers: dict[StoreId, asyncio.Task[None]] = {}
-        self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload] = OrderedDict()
+        # every upload not yet trimmed, in commit order; a durable one is only ``_DURABLE``
+        self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload | _Durable] = OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
         # pulsed (set, then replaced) when an upload of the store changes state: wakes its waiters
@@ -224,6 +238,8 @@ class Uploader:
                     up.delta = None
                     up.lineage = ()
                     up.done.set()
+                    if up.state is UploadState.DURABLE and self._status.get((store_id, up.ref)) is up:
+                        self._status[(store_id, up.ref)] = _DURABLE
                     self._notify(store_id)
                     self._admit()
         finally:
@@ -262,7 +278,7 @@ class Uploader:
         status = self._status
         for r in up.lineage:
             a = status.get((up.store_id, r))
-            if a is not None and a.state is UploadState.FAILED:
+            if isinstance(a, _Upload) and a.state is UploadState.FAILED:
                 return a
         return None
 
@@ -405,6 +421,7 @@ class Uploader:
             return False
         if up.state is UploadState.DURABLE:
             return True
+        assert isinstance(up, _Upload)  # only a durable upload is kept as _DURABLE
         if up.state is UploadState.FAILED:
             assert isinstance(up.error, StateStoreError)  # _fail types it
             raise up.error
@@ -458,7 +475,7 @@ class Uploader:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for up in self._status.values():
-            if not up.finished:
+            if isinstance(up, _Upload) and not up.finished:
                 why = f": the last attempt failed with {type(up.error).__name__}: {up.error}" if up.error else ""
                 up.state = UploadState.FAILED
                 up.error = UploadFailedError(f"{up.key} was not uploaded before the daemon stopped{why}", up.key)
@@ -472,7 +489,8 @@ class Uploader:
     def not_durable(self) -> list[tuple[StoreId, CheckpointRef, BaseException | None]]:
         """Every acknowledged commit this uploader knows of that is not durable (pending or failed),
         in commit order, with its error."""
-        return [(up.store_id, up.ref, up.error) for up in self._status.values() if up.state is not UploadState.DURABLE]
+        return [(up.store_id, up.ref, up.error) for up in self._status.values() if isinstance(up, _Upload)
+                and up.state is not UploadState.DURABLE]
 
     def degraded(self) -> dict[str, dict[str, Any]]:
         """Degraded roots: the error that degraded each, since when (epoch seconds), how many
