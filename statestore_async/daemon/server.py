@@ -27,26 +27,26 @@ import json
 import logging
 import os
 import signal
-import socket
 import stat
 import struct
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from statestore_async import __version__
 from statestore_async.codecs.packed import PackedList
 from statestore_async.config import DaemonConfig
 from statestore_async.daemon.maintenance import Maintenance
+from statestore_async.daemon.metrics import start_metrics
 from statestore_async.daemon.objectstores import ObjectStores, open_root
 from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.snapshotter import SnapshotWorker
+from statestore_async.daemon.unixsocket import peer_credentials, prepare_socket_path
 from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader, _Upload
 from statestore_async.engine.store import State, StoreVersion
 from statestore_async.errors import (
-    InterfaceError,
     ObjectStoreError,
     StateStoreError,
     StoreStateError,
@@ -106,44 +106,6 @@ MAX_FINISHED_HANDLES = 256
 _OPCODE = {Hello: Op.HELLO, Ping: Op.PING, Open: Op.OPEN, GetMany: Op.GET_MANY, PutMany: Op.PUT_MANY,
            RemoveMany: Op.REMOVE_MANY, Scan: Op.SCAN, Commit: Op.COMMIT, Abort: Op.ABORT,
            AwaitDurable: Op.AWAIT_DURABLE, Stats: Op.STATS, Release: Op.RELEASE}
-_PEERCRED = struct.Struct("3i")
-
-
-# --- the socket file ------------------------------------------------------------------------------
-def prepare_socket_path(path: str, socket_mode: int) -> None:
-    """Create the socket's folder (owned by us), refuse a live daemon's socket, remove a stale one."""
-    if len(os.fsencode(path)) > 107:
-        raise InterfaceError(f"socket path {path!r} is longer than the 107 bytes AF_UNIX allows")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        dir_mode = 0o700 | (0o050 if socket_mode & 0o060 else 0) | (0o005 if socket_mode & 0o006 else 0)
-        os.makedirs(folder, exist_ok=True)
-        os.chmod(folder, dir_mode)
-    st = os.stat(folder)
-    if st.st_uid != os.geteuid():
-        raise InterfaceError(f"socket folder {folder} belongs to uid {st.st_uid}, not to this daemon ({os.geteuid()})")
-    if st.st_mode & 0o002 and not st.st_mode & stat.S_ISVTX:
-        raise InterfaceError(f"socket folder {folder} is world-writable: anyone could replace the socket")
-    if not os.path.lexists(path):
-        return
-    if not stat.S_ISSOCK(os.lstat(path).st_mode):
-        raise InterfaceError(f"{path} exists and is not a socket; not touching it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        log.info("removing stale socket %s", path)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        return
-    except OSError as exc:
-        raise InterfaceError(f"cannot tell whether a daemon serves {path}: {exc}") from None
-    finally:
-        probe.close()
-    raise InterfaceError(f"a live daemon already serves {path}")
 
 
 # --- one connection -------------------------------------------------------------------------------
@@ -206,8 +168,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         d = self.daemon
         try:
-            sock = transport.get_extra_info("socket")
-            pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            pid, uid, gid = peer_credentials(transport.get_extra_info("socket"))
         except (OSError, AttributeError, struct.error) as exc:
             pid = uid = gid = -1
             log.warning("cannot read peer credentials: %s", exc)
@@ -626,7 +587,7 @@ class Daemon:
         self.watch_idle()
         self._sweep_idle_versions()
         if cfg.metrics_port:
-            self._metrics_server = start_metrics(self, cfg.metrics_host, cfg.metrics_port)
+            self._metrics_server = start_metrics(self.stats, cfg.metrics_host, cfg.metrics_port)
         log.info("serving on %s (mode %04o, uids %s, loop %s, pid %d)", cfg.socket, cfg.socket_mode,
                  list(self.allowed_uids), type(loop).__module__, os.getpid())
 
@@ -802,53 +763,7 @@ def _log_not_durable(items: list[tuple[StoreId, CheckpointRef, BaseException | N
                   len(refs), shown, more, f"{type(last).__name__}: {last}" if last else "not uploaded")
 
 
-# --- metrics and logs -----------------------------------------------------------------------------
-# (metric name, help, STATS section, key): every metric is exposed on every scrape, zeros included
-_GAUGES = (
-    ("statestore_connections", "open client connections", "daemon", "open_connections"),
-    ("statestore_open_versions", "versions open for update (holding their store's writer slot)", "daemon",
-     "open_versions"),
-    ("statestore_stores", "stores in memory", "registry", "stores"),
-    ("statestore_memory_bytes", "bytes of state in memory", "registry", "memory_bytes"),
-    ("statestore_memory_budget_bytes", "memory budget (idle stores above it are evicted)", "registry",
-     "memory_budget"),
-    ("statestore_upload_queue_bytes", "bytes waiting for upload", "uploader", "queued_bytes"),
-    ("statestore_degraded_roots", "object-store roots refusing uploads in a way retrying does not heal "
-     "(credentials, permissions, bucket, full disk): the daemon is degraded", "uploader", "degraded_roots"),
-)
-_COUNTERS = (
-    ("statestore_requests", "requests served", "daemon", "requests"),
-    ("statestore_request_errors", "requests answered with an error", "daemon", "errors"),
-    ("statestore_open_versions_expired", "open versions aborted after open_version_idle_timeout without a request",
-     "daemon", "versions_expired"),
-    ("statestore_loads", "stores loaded from the object store", "registry", "loads"),
-    ("statestore_load_errors", "loads that failed", "registry", "load_errors"),
-    ("statestore_evictions", "stores evicted", "registry", "evictions"),
-    ("statestore_uploads_durable", "deltas made durable", "uploader", "durable"),
-    ("statestore_uploads_failed", "deltas that failed for good", "uploader", "failed"),
-)
-
-
-def start_metrics(daemon: Daemon, host: str, port: int) -> WSGIServer:
-    """Serve Prometheus metrics read from ``daemon.stats()`` at scrape time (nothing on the hot path)."""
-    from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-    class _Collector:
-        def collect(self) -> Iterator[Metric]:
-            s = daemon.stats()
-            for family, metrics in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
-                for name, doc, section, key in metrics:
-                    # every key is in STATS, zeros included, once the daemon started
-                    yield family(name, doc, value=float(s.get(section, {}).get(key, 0)))
-
-    registry = CollectorRegistry()
-    registry.register(_Collector())
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    log.info("metrics on http://%s:%d/metrics", host, port)
-    return server
-
-
+# --- logs ----------------------------------------------------------------------------------------
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg (+ exc)."""
 

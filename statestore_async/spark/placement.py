@@ -17,13 +17,13 @@ import fcntl
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 
 from statestore_async.client.clients import Client
 from statestore_async.config import default_socket_path
+from statestore_async.daemon.unixsocket import peer_credentials
 from statestore_async.errors import ConnectionLostError, StateStoreError
 
 AUTOSTART_EXIT_WHEN_IDLE = 600  # seconds
@@ -100,9 +100,6 @@ def connect(socket_path: str | None = None, *, autostart: bool = True, env: dict
     return client
 
 
-_PEERCRED = struct.Struct("3i")
-
-
 def daemon_pid(socket_path: str | None = None) -> int | None:
     """The pid of the daemon serving the socket (SO_PEERCRED), or None when none listens."""
     path = socket_path_for(socket_path)
@@ -110,8 +107,7 @@ def daemon_pid(socket_path: str | None = None) -> int | None:
     s.settimeout(2.0)
     try:
         s.connect(path)
-        pid, _, _ = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        return pid
+        return peer_credentials(s)[0]
     except OSError:
         return None
     finally:
