@@ -293,7 +293,7 @@ def test_a_processor_that_cannot_be_pickled_is_named_with_its_attribute(tmp_path
         StatefulOperator(f"file://{tmp_path}/s", "pickle", ["key"], _HoldsALock(), OUT, 1, 16)
 
 
-def test_a_relative_root_is_refused_naming_it_and_an_absolute_uri(tmp_path, monkeypatch):
+def test_a_relative_root_is_refused_naming_it_and_an_absolute_uri(spark, tmp_path, monkeypatch):
     """Relative roots would be resolved against each process's own working directory (driver,
     executors, daemons): refused, with the absolute file:/// URI suggested; nothing is created."""
     monkeypatch.chdir(tmp_path)

@@ -63,6 +63,8 @@ _CONFLICT = {"ConditionalRequestConflict", "409"}
 _ACCESS = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "InvalidToken",
            "ExpiredToken", "TokenRefreshRequired", "AccountProblem", "InvalidBucketName", "403"}
 _NO_UPLOAD = {"NoSuchUpload"}
+# seconds a cancelled upload still waits for its CreateMultipartUpload answer, to abort what it created
+CANCELLED_CREATE_WAIT = 30.0
 MIN_PART = 5 << 20
 
 
@@ -297,9 +299,20 @@ class S3ObjectStore(ObjectStore):
 
     async def _multipart(self, client: Any, key: str, full: str, data: bytes, extra: dict[str, str]) -> ObjectInfo:
         create_extra = {k: v for k, v in extra.items() if k != "IfNoneMatch"}
+        self.counts["MPU"] += 1
+        create = asyncio.ensure_future(client.create_multipart_upload(Bucket=self.bucket, Key=full, **create_extra))
         try:
-            self.counts["MPU"] += 1
-            up = await client.create_multipart_upload(Bucket=self.bucket, Key=full, **create_extra)
+            up = await asyncio.shield(create)
+        except asyncio.CancelledError:
+            # cancelled while the request was on its way: the upload may exist already. Learn its
+            # id (bounded), abort it, then give in to the cancellation.
+            try:
+                up = await asyncio.wait_for(create, CANCELLED_CREATE_WAIT)
+            except BaseException:
+                create.cancel()
+                raise asyncio.CancelledError from None
+            await self._abort_upload(client, key, full, up["UploadId"])
+            raise
         except (ClientError, BotoCoreError, OSError) as exc:
             raise self._error(exc, key, "start a multipart upload of") from exc
         upload_id = up["UploadId"]
