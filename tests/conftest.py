@@ -141,6 +141,34 @@ def s3_bucket(seaweedfs):
 
 
 @pytest.fixture
+def aws_env(monkeypatch, seaweedfs):
+    """The standard AWS chain (of this process and of the daemons it starts) reaches SeaweedFS."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture
+def proxy(seaweedfs):
+    """A fault-injecting proxy in front of SeaweedFS (``statestore_async.testing.faultproxy``)."""
+    from statestore_async.testing.faultproxy import FaultProxy
+
+    p = FaultProxy(seaweedfs.port).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def s3(seaweedfs):
+    """A direct S3 client on the server (not through the proxy): the test's own eyes."""
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=seaweedfs.endpoint_url, aws_access_key_id=seaweedfs.access_key,
+        aws_secret_access_key=seaweedfs.secret_key, region_name="us-east-1")
+
+
+@pytest.fixture
 def sockdir():
     """A short folder under /tmp for Unix sockets (AF_UNIX paths are limited to 107 bytes)."""
     import shutil

@@ -6,7 +6,6 @@ import asyncio
 import signal
 import time
 
-import botocore.session
 import pytest
 
 from statestore_async.client.clients import AsyncClient
@@ -15,35 +14,12 @@ from statestore_async.files.loader import load_store
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore.s3 import S3ObjectStore
-from statestore_async.testing.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.asyncio(loop_factories=["uvloop"])
 
 
 def key(i: int) -> bytes:
     return (i % 4096).to_bytes(2, "big") + b"key-%06d" % i
-
-
-@pytest.fixture
-def aws_env(monkeypatch, seaweedfs):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
-@pytest.fixture
-def proxy(seaweedfs):
-    p = FaultProxy(seaweedfs.port).start()
-    yield p
-    p.stop()
-
-
-@pytest.fixture
-def s3(seaweedfs, s3_bucket):
-    """A direct S3 client on the server (not through the proxy): the test's own eyes."""
-    return botocore.session.get_session().create_client(
-        "s3", endpoint_url=seaweedfs.endpoint_url, aws_access_key_id=seaweedfs.access_key,
-        aws_secret_access_key=seaweedfs.secret_key, region_name="us-east-1")
 
 
 def exists(s3, bucket, k) -> bool:

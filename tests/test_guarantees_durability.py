@@ -21,7 +21,6 @@ import time
 import uuid
 from pathlib import Path
 
-import botocore.session
 import pytest
 
 from statestore_async.client import Client
@@ -39,35 +38,11 @@ from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore import LocalObjectStore
 from statestore_async.objectstore.s3 import S3ObjectStore
 from statestore_async.testing.daemon import stop_daemon, wait_until_answering
-from statestore_async.testing.faultproxy import FaultProxy
 
 DEADLINE = 60.0  # seconds any awaited condition may take on a loaded 2-core machine
 
 
 # --- fixtures and helpers ------------------------------------------------------------------------
-@pytest.fixture
-def aws_env(monkeypatch, seaweedfs):
-    """The standard AWS chain (of this process and of the daemons it starts) reaches SeaweedFS."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-
-
-@pytest.fixture
-def proxy(seaweedfs):
-    p = FaultProxy(seaweedfs.port).start()
-    yield p
-    p.stop()
-
-
-@pytest.fixture
-def s3(seaweedfs):
-    """A direct S3 client on the server (not through the proxy): the test's own eyes."""
-    return botocore.session.get_session().create_client(
-        "s3", endpoint_url=seaweedfs.endpoint_url, aws_access_key_id=seaweedfs.access_key,
-        aws_secret_access_key=seaweedfs.secret_key, region_name="us-east-1")
-
-
 class FullDisk:
     """A tmpfs whose inodes are all taken by filler files: creating a file or a folder fails
     with ENOSPC until ``free()``."""
