@@ -1,0 +1,723 @@
+"""engine.table: the compiled and reference twins of ``Table`` agree with each other and with a plain
+dict model — point operations, ordered reads, frozen views, the batch routines' answers (byte for
+byte) and errors, apply/undo — on chosen and random operations; a bad batch changes nothing; and
+the compiled table's allocations stay within 1.75× the record bytes at a million records."""
+from __future__ import annotations
+
+import random
+import struct
+
+import pytest
+from conftest import implementations, max_examples, resolve_impl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from statestore_async.codecs import twins
+from statestore_async.errors import InterfaceError, KeyFormatError, StateStoreError, StoreStateError
+
+IMPLS = implementations("table")
+FR = twins.reference("framing")
+OV = twins.reference("overlay")  # the overlay routines define the batch checks' messages
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+native_only = pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
+
+
+@pytest.fixture(params=IMPLS)
+def tb(request):
+    return resolve_impl(request.param)
+
+
+def _all_impls():
+    return [resolve_impl(p.values[0]) for p in IMPLS]
+
+
+def _outcome(fn, *args, **kw):
+    try:
+        return ("ok", fn(*args, **kw))
+    except (StateStoreError, TypeError, RuntimeError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def _contents(t) -> list:
+    return list(t.items())
+
+
+def _model_items(model: dict, start: bytes = b"", stop: bytes | None = None) -> list:
+    return sorted((k, v) for k, v in model.items() if k >= start and (stop is None or k < stop))
+
+
+def _model_chunk(items: list, pos: int, max_bytes: int):
+    out, size, i = [], 0, pos
+    while i < len(items):
+        k, v = items[i]
+        s = len(k) + len(v or b"") + 11
+        if out and size + s > max_bytes:
+            break
+        out.append((k, v))
+        size += s
+        i += 1
+    return out, i
+
+
+def _table(tb, model: dict):
+    t = tb.Table()
+    for k, v in model.items():
+        t.put(k, v)
+    return t
+
+
+def _check(t, model: dict) -> None:
+    assert len(t) == len(model)
+    assert t.record_bytes == sum(len(k) + len(v or b"") for k, v in model.items())
+    assert _contents(t) == _model_items(model)
+
+
+# keys share prefixes (a small alphabet), some are long (two-byte length varints), values are empty,
+# short or long
+key_st = st.one_of(st.lists(st.sampled_from(b"\x00\x01\x7f\xff"), max_size=5).map(bytes),
+                   st.binary(min_size=126, max_size=140))
+short_keys = st.lists(st.sampled_from(b"\x00\x01\x7f\xff"), max_size=5).map(bytes)
+value_st = st.one_of(st.binary(max_size=8), st.binary(min_size=120, max_size=200))
+opt_value_st = st.one_of(st.none(), value_st)
+models = st.dictionaries(key_st, opt_value_st, max_size=16)
+base_models = st.dictionaries(key_st, value_st, max_size=16)
+
+
+# --- point operations -------------------------------------------------------------------------------
+def test_point_operations(tb):
+    t = tb.Table()
+    assert len(t) == 0 and t.get(b"k") is None and b"k" not in t and t.record_bytes == 0
+    t.put(b"k", b"value")
+    t.put(b"tomb", None)
+    t.put(bytearray(b"ba"), memoryview(b"mv"))
+    assert len(t) == 3
+    assert t.get(b"k") == b"value" and t.get(b"tomb") is None and t.get(b"ba") == b"mv"
+    assert b"tomb" in t and b"k" in t and memoryview(b"ba") in t and b"x" not in t
+    assert t.record_bytes == len(b"kvalue") + len(b"tomb") + len(b"bamv")
+    t.put(b"k", b"")  # an empty value is a value, not a tombstone
+    assert t.get(b"k") == b"" and b"k" in t
+    t.put(b"tomb", b"back")
+    assert t.get(b"tomb") == b"back"
+    assert t.delete(b"tomb") is True and t.delete(b"tomb") is False and b"tomb" not in t
+    assert t.delete(b"nothing") is False
+    assert _contents(t) == [(b"ba", b"mv"), (b"k", b"")]
+    assert t.keys() == [b"ba", b"k"]
+    assert type(t.get(b"ba")) is bytes
+    for bad in (("s", b"v"), (1, b"v")):
+        with pytest.raises(KeyFormatError, match="keys are bytes"):
+            t.put(*bad)
+    with pytest.raises(InterfaceError, match="values are bytes"):
+        t.put(b"k", "v")
+    with pytest.raises(KeyFormatError):
+        t.get("k")
+    assert t.get(b"k") == b""
+    assert t.nbytes > 0
+
+
+def test_empty_key_and_shorter_prefix_first(tb):
+    t = tb.Table()
+    for k in (b"ab", b"a", b"", b"a\x00", b"b", b"\xff", b"a\xff\xff"):
+        t.put(k, k + b"!")
+    want = sorted([b"ab", b"a", b"", b"a\x00", b"b", b"\xff", b"a\xff\xff"])
+    assert t.keys() == want
+    assert t.get(b"") == b"!"
+    assert t.scan(b"a") == [(k, k + b"!") for k in want if k.startswith(b"a")]
+    assert t.scan(b"") == [(k, k + b"!") for k in want]
+    assert t.scan(b"\xff") == [(b"\xff", b"\xff!")]
+    assert t.scan(b"a\xff") == [(b"a\xff\xff", b"a\xff\xff!")]
+    assert list(t.items(b"a", b"b")) == [(k, k + b"!") for k in want if b"a" <= k < b"b"]
+    assert list(t.items(b"a\x00")) == [(k, k + b"!") for k in want if k >= b"a\x00"]
+    assert list(t.items(b"\xff\x00")) == [] and list(t.items(b"b", b"a")) == []
+
+
+def test_changing_the_table_while_iterating_raises(tb):
+    t = tb.Table()
+    for i in range(10):
+        t.put(b"k%d" % i, b"v")
+    it = t.items()
+    assert next(it) == (b"k0", b"v")
+    t.put(b"k0", b"w")
+    with pytest.raises(RuntimeError, match="changed during iteration"):
+        next(it)
+    assert list(it) == []
+    it = t.items()
+    t.delete(b"nothing")
+    with pytest.raises(RuntimeError):
+        next(it)
+    it = t.items()
+    assert len(list(it)) == 10  # reading does not count as a change
+    it = t.items(b"k5")
+    assert t.scan(b"k") and t.keys()
+    assert [k for k, _ in it] == [b"k%d" % i for i in range(5, 10)]
+
+
+@SETTINGS
+@given(model=models, probes=st.lists(key_st, max_size=6))
+def test_reads_match_a_dict(tb, model, probes):
+    t = _table(tb, model)
+    _check(t, model)
+    for k in probes + list(model):
+        assert t.get(k) == model.get(k)
+        assert (k in t) == (k in model)
+        assert t.scan(k) == [(x, v) for x, v in _model_items(model) if x.startswith(k)]
+        assert list(t.items(k)) == _model_items(model, k)
+        assert list(t.items(b"", k)) == _model_items(model, b"", k)
+    assert t.keys() == sorted(model)
+
+
+# --- frozen views -----------------------------------------------------------------------------------
+def test_a_view_keeps_what_was_frozen(tb):
+    t = tb.Table()
+    for i in range(200):
+        t.put(b"k%03d" % i, b"v" * (i % 7))
+    t.put(b"tomb", None)
+    frozen = _contents(t)
+    view = t.freeze()
+    for i in range(0, 200, 3):
+        t.put(b"k%03d" % i, b"changed" * (i % 5))  # other sizes: no overwrite in place
+    for i in range(1, 200, 3):
+        t.delete(b"k%03d" % i)
+    t.put(b"new", b"n")
+    base = _table(tb, {b"k%03d" % i: b"w" for i in range(2, 200, 3)})
+    tb.apply(t, base)
+    assert len(view) == 201
+    assert list(view.items()) == frozen
+    assert list(view.items(b"k1", b"k2")) == [kv for kv in frozen if b"k1" <= kv[0] < b"k2"]
+    assert view.get(b"k001") == b"v" and view.get(b"new") is None and view.get(b"tomb") is None
+    assert view.get(b"zzz") is None
+    # chunks: in order, whole
+    got, pos = [], 0
+    while True:
+        part, pos = view.chunk(pos, 100)
+        if not part:
+            break
+        got += part
+        assert sum(len(k) + len(v or b"") + 11 for k, v in part) <= 100 or len(part) == 1
+    assert got == frozen and pos == len(frozen)
+    assert view.chunk(0, 0)[0] == frozen[:1]
+    assert view.chunk(len(frozen) + 5, 100) == ([], len(frozen) + 5)
+    with pytest.raises(InterfaceError):
+        view.chunk(-1, 100)
+    it = view.items()
+    next(it)
+    view.release()
+    view.release()
+    for read in (lambda: len(view), lambda: view.get(b"k000"), lambda: view.items(), lambda: view.chunk(0, 10)):
+        with pytest.raises(StoreStateError, match="released"):
+            read()
+    with pytest.raises(StoreStateError):
+        next(it)
+    # the table itself went on as told
+    assert t.get(b"k000") == b"" and t.get(b"k001") is None and t.get(b"k002") == b"w" and t.get(b"new") == b"n"
+
+
+def test_views_as_context_managers_and_several_at_once(tb):
+    t = _table(tb, {b"a": b"1", b"b": b"2"})
+    with t.freeze() as v1:
+        t.put(b"a", b"11")
+        with t.freeze() as v2:
+            t.delete(b"b")
+            assert list(v1.items()) == [(b"a", b"1"), (b"b", b"2")]
+            assert list(v2.items()) == [(b"a", b"11"), (b"b", b"2")]
+        with pytest.raises(StoreStateError):
+            v2.get(b"a")
+        t.put(b"c", b"3")
+        assert v1.get(b"b") == b"2" and len(v1) == 2
+    assert _contents(t) == [(b"a", b"11"), (b"c", b"3")]
+
+
+@SETTINGS
+@given(model=models, changes=st.lists(st.tuples(key_st, opt_value_st), max_size=20),
+       chunk=st.integers(0, 300))
+def test_views_after_random_changes(tb, model, changes, chunk):
+    t = _table(tb, model)
+    frozen = _model_items(model)
+    view = t.freeze()
+    for k, v in changes:
+        if v is None and k in model:
+            t.delete(k)
+        else:
+            t.put(k, v)
+    assert list(view.items()) == frozen
+    for k in model:
+        assert view.get(k) == model[k]
+    pos, got = 0, []
+    while True:
+        want = _model_chunk(frozen, pos, chunk)
+        part, pos2 = view.chunk(pos, chunk)
+        assert (part, pos2) == want
+        if not part:
+            break
+        got += part
+        pos = pos2
+    assert got == frozen
+    view.release()
+
+
+# --- batch routines ---------------------------------------------------------------------------------
+@SETTINGS
+@given(start=models, items=st.lists(st.tuples(st.binary(min_size=2, max_size=4), value_st), max_size=20))
+def test_put_packed_and_put_items_set_in_order(tb, start, items):
+    want = dict(start)
+    want.update(items)
+    for put in (lambda t: tb.put_packed(t, b"xy" + FR.encode_pairs(items), 2, 2),
+                lambda t: tb.put_packed(t, FR.encode_pairs(items), 0, 2, len(items)),
+                lambda t: tb.put_items(t, items, 2),
+                lambda t: tb.put_items(t, iter(items), 2)):
+        t = _table(tb, start)
+        assert put(t) == len(items)
+        _check(t, want)
+
+
+@SETTINGS
+@given(start=models, ks=st.lists(st.binary(min_size=2, max_size=4), max_size=20))
+def test_removes_put_tombstones(tb, start, ks):
+    want = {**start, **dict.fromkeys(ks)}
+    for rm in (lambda t: tb.remove_packed(t, FR.encode_list(ks), 0, 2),
+               lambda t: tb.remove_packed(t, b"\x00" + FR.encode_list(ks), 1, 2, 100),
+               lambda t: tb.remove_keys(t, ks, 2),
+               lambda t: tb.remove_keys(t, (k for k in ks), 2)):
+        t = _table(tb, start)
+        assert rm(t) == len(ks)
+        _check(t, want)
+
+
+@SETTINGS
+@given(overlay=models, base=base_models, ks=st.lists(key_st, max_size=20))
+def test_reads_see_the_overlay_then_the_base(tb, overlay, base, ks):
+    ks = ks + list(overlay)[:3] + list(base)[:3]
+    want = [overlay[k] if k in overlay else base.get(k) for k in ks]
+    o, b = _table(tb, overlay), _table(tb, base)
+    assert tb.get_list(o, b, ks) == want
+    assert tb.get_list(o, b, iter(ks)) == want
+    assert tb.get_packed(o, b, FR.encode_list(ks), 0) == FR.encode_optional_list(want)
+    assert tb.get_packed(o, b, b"\x01\x02" + FR.encode_list(ks), 2, len(ks)) == FR.encode_optional_list(want)
+    alone = [base.get(k) for k in ks]
+    assert tb.get_list(None, b, ks) == alone
+    assert tb.get_packed(None, b, FR.encode_list(ks), 0) == FR.encode_optional_list(alone)
+
+
+def test_bad_batches_raise_as_framing_does_and_change_nothing(tb):
+    start = {b"\x00\x01a": b"old", b"\x00\x01t": None}
+    t = _table(tb, start)
+    pairs = FR.encode_pairs([(b"\x00\x01b", b"v"), (b"\x00\x01c", b"w"), (b"\x00\x01d", b"")])
+    keys = FR.encode_list([b"\x00\x01b", b"\x00\x01c", b"\x00\x01d"])
+    bad_pairs = [pairs[:cut] for cut in range(len(pairs))] + [pairs + b"!", b"\xff\xff\xff\xff" + pairs[4:]]
+    bad_lists = [keys[:cut] for cut in range(len(keys))] + [keys + b"!", b"\x09\x00\x00\x00" + keys[4:]]
+    for buf in bad_pairs:
+        got = _outcome(tb.put_packed, t, buf, 0, 2)
+        assert got[0] == "DecodeError"
+        assert got == _outcome(OV.put_packed, {}, buf, 0, 2, 0)  # framing's messages (and trailing bytes)
+        if buf != pairs + b"!":
+            assert got == _outcome(FR.check_pairs, buf, 0)
+    for buf in bad_lists:
+        for fn in (lambda b: tb.remove_packed(t, b, 0, 2), lambda b: tb.get_packed(None, t, b, 0)):
+            got = _outcome(fn, buf)
+            assert got[0] == "DecodeError"
+            assert got == _outcome(OV.remove_packed, {}, buf, 0, 2, 0)
+    # count above max_count, offset outside the buffer
+    for fn, ov_fn, buf in ((lambda b, *a: tb.put_packed(t, b, *a), OV.put_packed, pairs),
+                           (lambda b, *a: tb.remove_packed(t, b, *a), OV.remove_packed, keys)):
+        got = _outcome(fn, buf, 0, 2, 2)
+        assert got == ("DecodeError", got[1]) and "at most 2 allowed" in got[1]
+        assert got == _outcome(ov_fn, {}, buf, 0, 2, 0, 2)
+        for offset in (-1, len(buf) + 1):
+            assert _outcome(fn, buf, offset, 2) == _outcome(ov_fn, {}, buf, offset, 2, 0)
+    assert _outcome(tb.get_packed, None, t, keys, 0, 2) == _outcome(OV.get_packed, {}, {}, keys, 0, 2)
+    # a short key: KeyFormatError, after the payload checks
+    short = FR.encode_pairs([(b"\x00\x01b", b"v"), (b"z", b"v")])
+    assert _outcome(tb.put_packed, t, short, 0, 2) == \
+        ("KeyFormatError", "a store key starts with its 2-byte key group, got 1 bytes")
+    assert _outcome(tb.put_packed, t, short + b"!", 0, 2)[0] == "DecodeError"
+    assert _outcome(tb.remove_packed, t, FR.encode_list([b"\x00\x01b", b""]), 0, 2) == \
+        ("KeyFormatError", "a store key starts with its 2-byte key group, got 0 bytes")
+    # Python batches: the overlay routines' checks and messages
+    for bad in ([(b"\x00\x01b", b"v"), (b"x", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c", "str")],
+                [(b"\x00\x01b", b"v"), ("str", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c",)],
+                [(b"\x00\x01b", b"v"), 5], [(b"\x00\x01b", b"v"), (b"\x00\x01c", None)]):
+        got = _outcome(tb.put_items, t, bad, 2)
+        assert got[0] in ("KeyFormatError", "InterfaceError")
+        assert got == _outcome(OV.put_items, {}, bad, 2, 0)
+    for bad in ([b"\x00\x01a", b"z"], [b"\x00\x01a", "str"], [b"\x00\x01a", None]):
+        got = _outcome(tb.remove_keys, t, bad, 2)
+        assert got[0] == "KeyFormatError"
+        assert got == _outcome(OV.remove_keys, {}, bad, 2, 0)
+    for bad in ([(b"k", b"v"), (b"k2", "str")], [(b"k", b"v"), ("s", None)], [(b"k", None), (b"k",)]):
+        assert _outcome(tb.load_records, t, bad)[0] in ("KeyFormatError", "InterfaceError")
+    _check(t, start)
+
+
+def test_bytes_like_items_are_copied(tb):
+    t = tb.Table()
+    tb.put_items(t, [(bytearray(b"\x00\x01k"), memoryview(b"v"))], 2)
+    tb.remove_keys(t, [bytearray(b"\x00\x01r")], 2)
+    tb.load_records(t, [(memoryview(b"\x00\x01m"), bytearray(b"w"))])
+    assert _contents(t) == [(b"\x00\x01k", b"v"), (b"\x00\x01m", b"w"), (b"\x00\x01r", None)]
+    assert tb.get_list(None, t, [bytearray(b"\x00\x01k"), b"\x00\x01r", b"x"]) == [b"v", None, None]
+    with pytest.raises(KeyFormatError):
+        tb.get_list(None, t, ["str"])
+
+
+@native_only
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=80), offset=st.integers(-1, 10), max_count=st.integers(0, 20),
+       start=models, min_key=st.integers(0, 3))
+def test_twins_agree_on_any_bytes(data, offset, max_count, start, min_key):
+    ref, nat = twins.reference("table"), twins.native("table")
+    for name in ("put_packed", "remove_packed"):
+        t1, t2 = _table(ref, start), _table(nat, start)
+        assert _outcome(getattr(ref, name), t1, data, offset, min_key, max_count) == \
+            _outcome(getattr(nat, name), t2, data, offset, min_key, max_count)
+        assert _contents(t1) == _contents(t2)
+    t1, t2 = _table(ref, start), _table(nat, start)
+    assert _outcome(ref.get_packed, t1, t1, data, offset, max_count) == \
+        _outcome(nat.get_packed, t2, t2, data, offset, max_count)
+
+
+# --- apply / undo -----------------------------------------------------------------------------------
+@SETTINGS
+@given(base=base_models, changes=models)
+def test_apply_and_roll_back(tb, base, changes):
+    b, c = _table(tb, base), _table(tb, changes)
+    applied, undo = tb.apply(b, c)
+    effective = {k: v for k, v in changes.items() if v is not None or k in base}
+    after = dict(base)
+    for k, v in effective.items():
+        if v is None:
+            del after[k]
+        else:
+            after[k] = v
+    _check(b, after)
+    assert _contents(applied) == _model_items(effective)
+    assert (applied is c) == (len(effective) == len(changes))
+    assert _contents(undo) == _model_items({k: base.get(k) for k in effective})
+    again, redo = tb.apply(b, undo)
+    _check(b, base)
+    assert _contents(redo) == _contents(applied)
+    assert again is undo  # every pre-image changes something
+    _check(c, changes)  # the changes are left as they were
+
+
+def test_apply_needs_two_tables(tb):
+    t = _table(tb, {b"a": b"1"})
+    with pytest.raises(InterfaceError):
+        tb.apply(t, t)
+
+
+@SETTINGS
+@given(start=base_models, records=st.lists(st.tuples(key_st, opt_value_st), max_size=30))
+def test_load_records(tb, start, records):
+    t = _table(tb, start)
+    assert tb.load_records(t, records) is None
+    _check(t, _replay(start, records))
+    t2 = tb.Table()
+    tb.load_records(t2, iter(records))
+    _check(t2, _replay({}, records))
+
+
+def _replay(start: dict, records) -> dict:
+    d = dict(start)
+    for k, v in records:
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+# --- random operations, every twin in lockstep with a dict model ------------------------------------
+class TableMachine(RuleBasedStateMachine):
+    """Every implementation and a dict model take the same operations; every answer is compared."""
+
+    def __init__(self):
+        super().__init__()
+        self.mods = _all_impls()
+        self.tables = [m.Table() for m in self.mods]
+        self.model: dict[bytes, bytes | None] = {}
+        self.views: list[tuple[list, list]] = []  # (a view per implementation, the frozen items)
+
+    def _same(self, results):
+        assert all(r == results[0] for r in results), results
+
+    @rule(k=key_st, v=opt_value_st)
+    def put(self, k, v):
+        for t in self.tables:
+            t.put(k, v)
+        self.model[k] = v
+
+    @rule(k=key_st)
+    def delete(self, k):
+        self._same([t.delete(k) for t in self.tables] + [k in self.model])
+        self.model.pop(k, None)
+
+    @rule(items=st.lists(st.tuples(key_st, value_st), max_size=12), packed=st.booleans())
+    def put_batch(self, items, packed):
+        buf = b"\x07" + FR.encode_pairs(items)
+        for m, t in zip(self.mods, self.tables):
+            assert (m.put_packed(t, buf, 1, 0) if packed else m.put_items(t, items, 0)) == len(items)
+        self.model.update(items)
+
+    @rule(ks=st.lists(key_st, max_size=12), packed=st.booleans())
+    def remove_batch(self, ks, packed):
+        for m, t in zip(self.mods, self.tables):
+            m.remove_packed(t, FR.encode_list(ks), 0, 0) if packed else m.remove_keys(t, ks, 0)
+        self.model.update(dict.fromkeys(ks))
+
+    @rule(records=st.lists(st.tuples(key_st, opt_value_st), max_size=12))
+    def load(self, records):
+        for m, t in zip(self.mods, self.tables):
+            m.load_records(t, records)
+        self.model = _replay(self.model, records)
+
+    @rule(n=st.integers(50, 400), seed=st.integers(0, 2**32))
+    def many_writes(self, n, seed):
+        """Enough writes at once for the order index to merge its pending run and the arena to compact."""
+        rnd = random.Random(seed)
+        for _ in range(n):
+            k = bytes([rnd.choice(b"\x00\x01\x7f\xff") for _ in range(rnd.randint(0, 4))])
+            if rnd.random() < 0.25:
+                for t in self.tables:
+                    t.delete(k)
+                self.model.pop(k, None)
+            else:
+                v = None if rnd.random() < 0.1 else rnd.randbytes(rnd.choice((0, 3, 8, 150)))
+                for t in self.tables:
+                    t.put(k, v)
+                self.model[k] = v
+
+    @rule(ks=st.lists(key_st, max_size=8), overlay=models)
+    def get_many(self, ks, overlay):
+        ks = ks + list(self.model)[:4]
+        want = [overlay[k] if k in overlay else self.model.get(k) for k in ks]
+        buf = FR.encode_list(ks)
+        for m, t in zip(self.mods, self.tables):
+            o = _table(m, overlay)
+            assert m.get_packed(o, t, buf, 0) == FR.encode_optional_list(want)
+            assert m.get_list(o, t, ks) == want
+            assert m.get_packed(None, t, buf, 0) == FR.encode_optional_list([self.model.get(k) for k in ks])
+
+    @rule(prefix=short_keys)
+    def scan(self, prefix):
+        want = [(k, v) for k, v in _model_items(self.model) if k.startswith(prefix)]
+        self._same([t.scan(prefix) for t in self.tables] + [want])
+
+    @rule(start=short_keys, stop=st.one_of(st.none(), short_keys))
+    def items(self, start, stop):
+        self._same([list(t.items(start, stop)) for t in self.tables] + [_model_items(self.model, start, stop)])
+
+    @precondition(lambda self: len(self.views) < 4)
+    @rule()
+    def freeze(self):
+        self.views.append(([t.freeze() for t in self.tables], _model_items(self.model)))
+
+    @precondition(lambda self: self.views)
+    @rule(data=st.data())
+    def read_view(self, data):
+        views, frozen = data.draw(st.sampled_from(self.views))
+        pos = data.draw(st.integers(0, len(frozen) + 1))
+        max_bytes = data.draw(st.integers(0, 400))
+        probe = data.draw(key_st)
+        start = data.draw(short_keys)
+        for v in views:
+            assert len(v) == len(frozen)
+            assert list(v.items()) == frozen
+            assert list(v.items(start)) == [kv for kv in frozen if kv[0] >= start]
+            assert v.chunk(pos, max_bytes) == _model_chunk(frozen, pos, max_bytes)
+            assert v.get(probe) == dict(frozen).get(probe)
+
+    @precondition(lambda self: self.views)
+    @rule(data=st.data())
+    def release(self, data):
+        i = data.draw(st.integers(0, len(self.views) - 1))
+        views, _ = self.views.pop(i)
+        for v in views:
+            v.release()
+
+    @rule(changes=models, roll_back=st.booleans())
+    def apply(self, changes, roll_back):
+        # the committed table holds no tombstones: drop the model's before applying
+        for k in [k for k, v in self.model.items() if v is None]:
+            for t in self.tables:
+                t.delete(k)
+            del self.model[k]
+        effective = {k: v for k, v in changes.items() if v is not None or k in self.model}
+        undo_want = _model_items({k: self.model.get(k) for k in effective})
+        results = []
+        for m, t in zip(self.mods, self.tables):
+            c = _table(m, changes)
+            applied, undo = m.apply(t, c)
+            results.append((applied is c, _contents(applied), _contents(undo)))
+            if roll_back:
+                m.apply(t, undo)
+        self._same(results + [(len(effective) == len(changes), _model_items(effective), undo_want)])
+        if not roll_back:
+            self.model = {k: v for k, v in {**self.model, **effective}.items() if v is not None}
+
+    @invariant()
+    def same_contents(self):
+        self._same([(len(t), t.record_bytes) for t in self.tables]
+                   + [(len(self.model), sum(len(k) + len(v or b"") for k, v in self.model.items()))])
+        for t in self.tables:
+            for k in list(self.model)[:5]:
+                assert t.get(k) == self.model[k]
+
+    def teardown(self):
+        for t in self.tables:
+            assert _contents(t) == _model_items(self.model)
+        for views, frozen in self.views:
+            for v in views:
+                assert list(v.items()) == frozen
+                v.release()
+
+
+TableMachine.TestCase.settings = settings(max_examples=max_examples(60), stateful_step_count=30, deadline=None)
+test_table_machine = TableMachine.TestCase
+
+
+@pytest.mark.parametrize("seed, scan_every", [(1, 40), (2, 0), (3, 7)])
+def test_long_random_runs_agree(seed, scan_every):
+    """Thousands of operations over a few hundred keys: the order index merges many times, the
+    arena compacts (with and without the order index, with and without live views)."""
+    rnd = random.Random(seed)
+    mods = _all_impls()
+    tables = [m.Table() for m in mods]
+    model: dict[bytes, bytes | None] = {}
+    views: list[tuple[list, list]] = []
+    keyspace = [rnd.randbytes(rnd.choice((1, 2, 3, 5, 12))) for _ in range(600)]
+
+    def same(values):
+        assert all(v == values[-1] for v in values), values
+
+    for step in range(6000):
+        op = rnd.random()
+        k = rnd.choice(keyspace)
+        if op < 0.45:
+            v = rnd.randbytes(rnd.choice((0, 1, 4, 9, 40, 130))) if rnd.random() > 0.05 else None
+            for t in tables:
+                t.put(k, v)
+            model[k] = v
+        elif op < 0.65:
+            same([t.delete(k) for t in tables] + [k in model])
+            model.pop(k, None)
+        elif op < 0.75:
+            ks = rnd.sample(keyspace, 20)
+            want = FR.encode_optional_list([model.get(x) for x in ks])
+            same([m.get_packed(None, t, FR.encode_list(ks), 0) for m, t in zip(mods, tables)] + [want])
+        elif op < 0.8:
+            batch = [(rnd.choice(keyspace), rnd.randbytes(rnd.choice((0, 5, 16)))) for _ in range(30)]
+            for m, t in zip(mods, tables):
+                m.put_packed(t, FR.encode_pairs(batch), 0, 0)
+            model.update(batch)
+        elif op < 0.82:
+            changes = {rnd.choice(keyspace): (None if rnd.random() < 0.4 else rnd.randbytes(6)) for _ in range(25)}
+            for x in [x for x, v in model.items() if v is None]:
+                for t in tables:
+                    t.delete(x)
+                del model[x]
+            results = []
+            for m, t in zip(mods, tables):
+                c = _table(m, changes)
+                applied, undo = m.apply(t, c)
+                results.append((_contents(applied), _contents(undo)))
+            effective = {x: v for x, v in changes.items() if v is not None or x in model}
+            results.append((_model_items(effective), _model_items({x: model.get(x) for x in effective})))
+            same(results)
+            model = {x: v for x, v in {**model, **effective}.items() if v is not None}
+        elif op < 0.83 and len(views) < 2:
+            views.append(([t.freeze() for t in tables], _model_items(model)))
+        elif op < 0.85 and views:
+            vs, frozen = views.pop(0)
+            for v in vs:
+                assert list(v.items()) == frozen
+                assert v.chunk(len(frozen) // 2, 200) == _model_chunk(frozen, len(frozen) // 2, 200)
+                v.release()
+        if scan_every and step % scan_every == 0:
+            p = k[:1]
+            same([t.scan(p) for t in tables] + [[(x, v) for x, v in _model_items(model) if x.startswith(p)]])
+        if step % 500 == 0:
+            same([_contents(t) for t in tables] + [_model_items(model)])
+    same([_contents(t) for t in tables] + [_model_items(model)])
+    same([t.record_bytes for t in tables] + [sum(len(x) + len(v or b"") for x, v in model.items())])
+    for vs, frozen in views:
+        for v in vs:
+            assert list(v.items()) == frozen
+    for t in tables:  # the compiled twin went through what this test is for
+        if hasattr(t, "_layout"):
+            layout = t._layout()
+            assert layout["compactions"] > 0
+            assert layout["merges"] > (10 if scan_every else 0)
+
+
+# --- memory (compiled twin: real allocation sizes) ---------------------------------------------------
+def _packed_records(n: int, start: int = 0, value: bytes = b"v" * 16) -> bytes:
+    """An encode_pairs payload of n records: 12-byte keys (2-byte group + 10 bytes), 16-byte values."""
+    import numpy as np
+
+    rec = np.dtype([("kl", "<u4"), ("g", ">u2"), ("k", ">u8"), ("pad", "u1", 2), ("vl", "<u4"), ("v", "S16")])
+    a = np.zeros(n, dtype=rec)
+    idx = np.arange(start, start + n, dtype=np.uint64)
+    a["kl"] = 12
+    a["g"] = (idx * 2654435761) % 65536
+    a["k"] = idx
+    a["vl"] = 16
+    a["v"] = value
+    return struct.pack("<I", n) + a.tobytes()
+
+
+@native_only
+def test_a_million_records_take_at_most_1_75_times_their_bytes():
+    nat = twins.native("table")
+    # a snapshot's load
+    t = nat.Table()
+    payload = _packed_records(1_000_000)
+    items = FR.decode_pairs(payload)[0]
+    nat.load_records(t, items)
+    del items
+    assert len(t) == 1_000_000 and t.record_bytes == 28_000_000
+    assert t.nbytes <= 1.75 * t.record_bytes, t.nbytes / t.record_bytes
+    # the same records put in batches of 1024 (as requests come), then overwritten in place
+    t2 = nat.Table()
+    for i in range(0, 1_000_000, 1024):
+        n = min(1024, 1_000_000 - i)
+        nat.put_packed(t2, _packed_records(n, i), 0, 2)
+    assert len(t2) == 1_000_000 and t2.nbytes <= 1.75 * t2.record_bytes, t2.nbytes / t2.record_bytes
+    nat.put_packed(t2, _packed_records(1024, 5000, b"w" * 16), 0, 2)
+    assert t2.nbytes <= 1.75 * t2.record_bytes
+    assert nat.get_packed(None, t2, FR.encode_list([b"\xff" * 12]), 0) == FR.encode_optional_list([None])
+    # no order index until an ordered call; once made, it costs 4 bytes a record more
+    assert not t2._layout()["order_index"]
+    before = t2.nbytes
+    assert len(t2.scan(b"\x00\x01")) >= 1
+    assert t2._layout()["order_index"]
+    assert before < t2.nbytes <= before + 4.5 * len(t2)
+
+
+@native_only
+def test_garbage_is_reclaimed_once_no_view_holds_it():
+    nat = twins.native("table")
+    t = nat.Table()
+    keys = [b"k%05d" % i for i in range(2000)]
+    for k in keys:
+        t.put(k, b"x" * 10)
+    base = t.nbytes
+    for rnd in range(30):  # overwrites of other sizes leave garbage; compaction takes it back
+        for k in keys:
+            t.put(k, b"y" * (12 + rnd % 2 * 20))
+    assert t.nbytes < 4 * base
+    view = t.freeze()
+    frozen = list(view.items())
+    for rnd in range(10):
+        for k in keys:
+            t.put(k, b"z" * (40 + rnd % 2 * 20))
+    held = t.nbytes
+    assert held > 4 * base  # append-only while the view lives
+    assert list(view.items()) == frozen
+    view.release()
+    t.put(b"k00000", b"last")
+    assert t.nbytes < held / 2
+    assert t.get(b"k00000") == b"last" and t.get(b"k00001") == b"z" * 60
+    for k in keys:
+        t.delete(k)
+    t.delete(b"k00000")
+    assert len(t) == 0 and t.nbytes < base
