@@ -1,0 +1,1573 @@
+# cython: language_level=3
+"""A compact map of bytes → bytes | None, compiled: the same results, bytes and errors as
+``statestore_async._ref.table`` (documented in ``statestore_async.engine.table``); only ``nbytes``
+differs, being the real allocations here.
+
+Layout of a ``Table``:
+
+* the **arena**, one malloc'd block holding every record, 4-byte aligned: ``flags (u8: 1 tombstone,
+  2 dead) | varint key length | varint value length (not for a tombstone) | key | value | padding``.
+  A record is named by its *ref*, its offset in 4-byte units (u32: arenas up to 16 GiB). Overwrites
+  and deletes leave dead records (garbage): a record of the same size is overwritten in place, the
+  record at the end of the arena is taken back (when there is no order index), and the arena is
+  compacted (rewritten, in key order when the order index exists) once the garbage outweighs the
+  live records. It grows by doubling up to 1 MiB, then by 1/8. While any ``TableView``
+  lives, nothing is overwritten, taken back or compacted: the arena only grows at its end, so the
+  refs a view holds keep naming the records it froze.
+* the **hash index**, open addressing with linear probing over u64 slots ``hash top 32 bits << 32 |
+  ref + 1`` (0: empty); the home slot is ``(hash32 * capacity) >> 32``, so the capacity need not be a
+  power of two and grows by ~1.2× (load 0.625..0.75; a small one doubles); deletes shift the run
+  back (no tombstones).
+  Rehashing reads only the slots (the hash bits are in them).
+* the **order index**, made by the first ordered call: a sorted array of refs plus a pending array
+  (a sorted prefix and an unsorted tail of refs written since). An ordered call sorts the tail into
+  the prefix; the pending refs are merged into the sorted array (dropping dead refs) when they,
+  with the refs killed since, pass 1/8 of it. Readers walk both arrays, skipping dead records.
+
+Every read of a request payload below is checked against ``end`` by hand (boundscheck is off), and
+every payload is checked whole before anything is set, so a bad batch changes nothing.
+"""
+cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.string cimport memcmp, memcpy, memmove
+
+from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32
+
+from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
+
+__all__ = [
+    "Table",
+    "TableView",
+    "apply",
+    "get_list",
+    "get_packed",
+    "load_records",
+    "put_items",
+    "put_packed",
+    "remove_keys",
+    "remove_packed",
+]
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stdlib.h>
+    #include <string.h>
+
+    #define SSA_TOMB 1
+    #define SSA_DEAD 2
+
+    static inline uint64_t ssa_rd64(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
+    static inline uint64_t ssa_rd32x(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+    static inline void ssa_mul(uint64_t a, uint64_t b, uint64_t* lo, uint64_t* hi) {
+    #if defined(__SIZEOF_INT128__)
+        __uint128_t r = (__uint128_t)a * b;
+        *lo = (uint64_t)r;
+        *hi = (uint64_t)(r >> 64);
+    #else
+        uint64_t ha = a >> 32, hb = b >> 32, la = (uint32_t)a, lb = (uint32_t)b;
+        uint64_t rh = ha * hb, rm0 = ha * lb, rm1 = hb * la, rl = la * lb;
+        uint64_t t = rl + (rm0 << 32), c = t < rl;
+        uint64_t l = t + (rm1 << 32);
+        c += l < t;
+        *lo = l;
+        *hi = rh + (rm0 >> 32) + (rm1 >> 32) + c;
+    #endif
+    }
+
+    static inline uint64_t ssa_mix(uint64_t a, uint64_t b) {
+        uint64_t lo, hi;
+        ssa_mul(a, b, &lo, &hi);
+        return lo ^ hi;
+    }
+
+    /* a wyhash-style 64-bit hash of n bytes */
+    static inline uint64_t ssa_hash(const uint8_t* p, size_t n) {
+        const uint64_t s0 = 0xa0761d6478bd642fULL, s1 = 0xe7037ed1a0b428dbULL;
+        uint64_t seed = 0x8ebc6af09c88c6e3ULL, a, b, lo, hi;
+        if (n <= 16) {
+            if (n >= 4) {
+                size_t q = (n >> 3) << 2;
+                a = (ssa_rd32x(p) << 32) | ssa_rd32x(p + q);
+                b = (ssa_rd32x(p + n - 4) << 32) | ssa_rd32x(p + n - 4 - q);
+            } else if (n > 0) {
+                a = ((uint64_t)p[0] << 16) | ((uint64_t)p[n >> 1] << 8) | p[n - 1];
+                b = 0;
+            } else {
+                a = b = 0;
+            }
+        } else {
+            size_t i = n;
+            while (i > 16) {
+                seed = ssa_mix(ssa_rd64(p) ^ s1, ssa_rd64(p + 8) ^ seed);
+                p += 16;
+                i -= 16;
+            }
+            a = ssa_rd64(p + i - 16);
+            b = ssa_rd64(p + i - 8);
+        }
+        ssa_mul(a ^ s1, b ^ seed, &lo, &hi);
+        return ssa_mix(lo ^ s0 ^ (uint64_t)n, hi ^ s1);
+    }
+
+    /* --- records ------------------------------------------------------------------------------ */
+    static inline const uint8_t* ssa_var(const uint8_t* q, uint32_t* out) {
+        uint32_t x = q[0], c;
+        int shift = 7;
+        if (x < 0x80) { *out = x; return q + 1; }
+        x &= 0x7F;
+        q++;
+        for (;;) {
+            c = *q++;
+            x |= (c & 0x7F) << shift;
+            if (c < 0x80) break;
+            shift += 7;
+        }
+        *out = x;
+        return q;
+    }
+
+    /* the key of the record at p (its value follows it); its lengths in *kl, *vl */
+    static inline const uint8_t* ssa_rec(const uint8_t* p, uint32_t* kl, uint32_t* vl) {
+        const uint8_t* q;
+        if (p[1] < 0x80) { *kl = p[1]; q = p + 2; } else { q = ssa_var(p + 1, kl); }
+        if (p[0] & SSA_TOMB) { *vl = 0; return q; }
+        if (q[0] < 0x80) { *vl = q[0]; return q + 1; }
+        return ssa_var(q, vl);
+    }
+
+    static inline size_t ssa_vsize(uint32_t x) {
+        return x < (1u << 7) ? 1 : x < (1u << 14) ? 2 : x < (1u << 21) ? 3 : x < (1u << 28) ? 4 : 5;
+    }
+
+    static inline size_t ssa_rsize(uint32_t kl, uint32_t vl, int tomb) {
+        return (1 + ssa_vsize(kl) + (tomb ? 0 : ssa_vsize(vl)) + (size_t)kl + vl + 3) & ~(size_t)3;
+    }
+
+    static inline size_t ssa_rsize_at(const uint8_t* p) {
+        uint32_t kl, vl;
+        const uint8_t* k = ssa_rec(p, &kl, &vl);
+        return ((size_t)(k - p) + kl + vl + 3) & ~(size_t)3;
+    }
+
+    static inline uint8_t* ssa_wvar(uint8_t* q, uint32_t x) {
+        while (x >= 0x80) { *q++ = (uint8_t)(x | 0x80); x >>= 7; }
+        *q++ = (uint8_t)x;
+        return q;
+    }
+
+    static inline void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl,
+                                 const uint8_t* v, uint32_t vl, int tomb) {
+        uint8_t* q = p + 1;
+        uint8_t* e = p + size;
+        p[0] = tomb ? SSA_TOMB : 0;
+        q = ssa_wvar(q, kl);
+        if (!tomb) q = ssa_wvar(q, vl);
+        if (kl) memcpy(q, k, kl);
+        q += kl;
+        if (vl) memcpy(q, v, vl);
+        q += vl;
+        while (q < e) *q++ = 0;
+    }
+
+    static inline int ssa_cmp(const uint8_t* a, size_t al, const uint8_t* b, size_t bl) {
+        size_t m = al < bl ? al : bl;
+        int c = m ? memcmp(a, b, m) : 0;
+        if (c) return c;
+        return (al > bl) - (al < bl);
+    }
+
+    static inline const uint8_t* ssa_key_of(const uint8_t* arena, uint32_t ref, uint32_t* kl) {
+        uint32_t vl;
+        return ssa_rec(arena + ((size_t)ref << 2), kl, &vl);
+    }
+
+    static inline int ssa_cmp_refs(const uint8_t* arena, uint32_t x, uint32_t y) {
+        uint32_t xl, yl;
+        const uint8_t* xk = ssa_key_of(arena, x, &xl);
+        const uint8_t* yk = ssa_key_of(arena, y, &yl);
+        return ssa_cmp(xk, xl, yk, yl);
+    }
+
+    static inline int ssa_cmp_ref_key(const uint8_t* arena, uint32_t x, const uint8_t* k, size_t kl) {
+        uint32_t xl;
+        const uint8_t* xk = ssa_key_of(arena, x, &xl);
+        return ssa_cmp(xk, xl, k, kl);
+    }
+
+    static inline int ssa_dead(const uint8_t* arena, uint32_t ref) {
+        return arena[(size_t)ref << 2] & SSA_DEAD;
+    }
+
+    /* --- sorting refs by key: (first 8 key bytes big-endian, ref) entries ---------------------- */
+    typedef struct { uint64_t pfx; uint32_t ref; uint32_t pad; } ssa_sent;
+
+    static inline uint64_t ssa_pfx(const uint8_t* arena, uint32_t ref) {
+        uint32_t kl, i;
+        const uint8_t* k = ssa_key_of(arena, ref, &kl);
+        uint64_t x = 0;
+        for (i = 0; i < 8; i++) x = (x << 8) | (i < kl ? k[i] : 0);
+        return x;
+    }
+
+    static inline int ssa_lt(const ssa_sent* x, const ssa_sent* y, const uint8_t* arena) {
+        if (x->pfx != y->pfx) return x->pfx < y->pfx;
+        return ssa_cmp_refs(arena, x->ref, y->ref) < 0;
+    }
+
+    static void ssa_sort(ssa_sent* v, size_t n, const uint8_t* arena) {
+        while (n > 16) {
+            size_t m = n / 2, left;
+            ptrdiff_t i = -1, j = (ptrdiff_t)n;
+            ssa_sent t, piv;
+            if (ssa_lt(&v[m], &v[0], arena)) { t = v[m]; v[m] = v[0]; v[0] = t; }
+            if (ssa_lt(&v[n - 1], &v[m], arena)) {
+                t = v[n - 1]; v[n - 1] = v[m]; v[m] = t;
+                if (ssa_lt(&v[m], &v[0], arena)) { t = v[m]; v[m] = v[0]; v[0] = t; }
+            }
+            piv = v[m];
+            for (;;) {
+                do { i++; } while (ssa_lt(&v[i], &piv, arena));
+                do { j--; } while (ssa_lt(&piv, &v[j], arena));
+                if (i >= j) break;
+                t = v[i]; v[i] = v[j]; v[j] = t;
+            }
+            left = (size_t)j + 1;
+            if (left < n - left) { ssa_sort(v, left, arena); v += left; n -= left; }
+            else { ssa_sort(v + left, n - left, arena); n = left; }
+        }
+        for (size_t a = 1; a < n; a++) {
+            ssa_sent t = v[a];
+            size_t b = a;
+            while (b > 0 && ssa_lt(&t, &v[b - 1], arena)) { v[b] = v[b - 1]; b--; }
+            v[b] = t;
+        }
+    }
+    """
+    uint64_t ssa_hash(const uint8_t* p, size_t n) noexcept nogil
+    const uint8_t* ssa_rec(const uint8_t* p, uint32_t* kl, uint32_t* vl) noexcept nogil
+    size_t ssa_rsize(uint32_t kl, uint32_t vl, int tomb) noexcept nogil
+    size_t ssa_rsize_at(const uint8_t* p) noexcept nogil
+    void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl, const uint8_t* v, uint32_t vl,
+                   int tomb) noexcept nogil
+    int ssa_cmp(const uint8_t* a, size_t al, const uint8_t* b, size_t bl) noexcept nogil
+    const uint8_t* ssa_key_of(const uint8_t* arena, uint32_t ref, uint32_t* kl) noexcept nogil
+    int ssa_cmp_refs(const uint8_t* arena, uint32_t x, uint32_t y) noexcept nogil
+    int ssa_cmp_ref_key(const uint8_t* arena, uint32_t x, const uint8_t* k, size_t kl) noexcept nogil
+    int ssa_dead(const uint8_t* arena, uint32_t ref) noexcept nogil
+    ctypedef struct ssa_sent:
+        uint64_t pfx
+        uint32_t ref
+    uint64_t ssa_pfx(const uint8_t* arena, uint32_t ref) noexcept nogil
+    void ssa_sort(ssa_sent* v, size_t n, const uint8_t* arena) noexcept nogil
+    enum:
+        SSA_TOMB
+        SSA_DEAD
+
+
+cdef uint32_t _NONE = 0xFFFFFFFF
+cdef size_t MAX_LEN = 0xFFFFFFFE
+# a slot holds ref + 1 in 32 bits: refs up to 0xFFFFFFFE units of 4 bytes
+cdef size_t MAX_ARENA = (<size_t>0xFFFFFFFE) << 2
+cdef uint64_t REF_MASK = 0xFFFFFFFF
+cdef size_t MIN_GARBAGE = 1024
+cdef int CHUNK_OVERHEAD = 11
+_CHANGED = "Table changed during iteration"
+_RELEASED = "the table view was released"
+
+
+cdef struct Found:
+    const uint8_t* val
+    uint32_t vl
+    bint none
+
+
+# --- argument checks (the messages of _ref.overlay / _ref.table) ------------------------------------
+cdef object _key_error(Py_ssize_t n, Py_ssize_t min_key):
+    return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
+
+
+cdef bytes _key_arg(object key):
+    if type(key) is bytes:
+        return <bytes>key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
+
+
+cdef bytes _length(bytes b):
+    if <size_t>PyBytes_GET_SIZE(b) > MAX_LEN:
+        raise InterfaceError(f"a key or value of {PyBytes_GET_SIZE(b)} bytes is too long")
+    return b
+
+
+cdef bytes _check_key(object key, Py_ssize_t min_key):
+    if type(key) is not bytes:
+        if isinstance(key, (bytearray, memoryview)):
+            key = bytes(key)
+        else:
+            raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
+    if PyBytes_GET_SIZE(key) < min_key:
+        raise _key_error(PyBytes_GET_SIZE(key), min_key)
+    return <bytes>key
+
+
+cdef bytes _check_value(object value):
+    if type(value) is not bytes:
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        raise InterfaceError(f"values are bytes, got {type(value).__name__}")
+    return <bytes>value
+
+
+cdef object _value_arg(object value):
+    if value is None:
+        return None
+    return _length(_check_value(value))
+
+
+cdef tuple _pair(object item):
+    try:
+        k, v = item
+    except (TypeError, ValueError):
+        raise InterfaceError(f"pairs are (key, value) tuples, got {item!r:.80}") from None
+    return (k, v)
+
+
+cdef inline const uint8_t* _bp(bytes b) noexcept:
+    return <const uint8_t*>PyBytes_AS_STRING(b)
+
+
+cdef object _after_prefix(bytes prefix):
+    """The first key after every key starting with ``prefix`` (None: there is none)."""
+    cdef bytes p = prefix.rstrip(b"\xff")
+    cdef Py_ssize_t n = PyBytes_GET_SIZE(p)
+    if n == 0:
+        return None
+    return p[:n - 1] + bytes((p[n - 1] + 1,))
+
+
+# --- the table --------------------------------------------------------------------------------------
+@cython.final
+cdef class Table:
+    """key → value, or None for a tombstone entry; see ``statestore_async.engine.table``."""
+
+    cdef uint8_t* arena
+    cdef size_t arena_cap, used, garbage
+    cdef uint64_t* slots
+    cdef size_t cap, count, limit
+    cdef size_t rbytes
+    cdef bint has_order
+    cdef uint32_t* srt
+    cdef size_t n_srt, srt_cap
+    cdef uint32_t* pend
+    cdef size_t n_pend, pend_sorted, pend_cap
+    cdef size_t order_dead, epoch, version
+    cdef Py_ssize_t n_views
+    cdef size_t view_bytes
+    cdef size_t merges, compactions  # counts, for tests (``_layout``)
+
+    def __dealloc__(self):
+        free(self.arena)
+        free(self.slots)
+        free(self.srt)
+        free(self.pend)
+
+    # --- the hash index ---------------------------------------------------------------------------
+    cdef inline Py_ssize_t _find(self, const uint8_t* k, uint32_t kl, uint64_t h) noexcept:
+        """The slot of key k (hash h), or -1."""
+        cdef size_t cap = self.cap
+        if cap == 0:
+            return -1
+        cdef uint64_t h32 = h >> 32, s
+        cdef size_t pos = <size_t>((h32 * cap) >> 32)
+        cdef uint32_t rkl, rvl
+        cdef const uint8_t* rk
+        cdef uint64_t* slots = self.slots
+        while True:
+            s = slots[pos]
+            if s == 0:
+                return -1
+            if (s >> 32) == h32:
+                rk = ssa_rec(self.arena + (((s & REF_MASK) - 1) << 2), &rkl, &rvl)
+                if rkl == kl and (kl == 0 or memcmp(rk, k, kl) == 0):
+                    return pos
+            pos += 1
+            if pos == cap:
+                pos = 0
+
+    cdef int _rehash(self, size_t new_cap) except -1:
+        cdef uint64_t* new = <uint64_t*>calloc(new_cap, sizeof(uint64_t))
+        if new == NULL:
+            raise MemoryError()
+        cdef uint64_t* old = self.slots
+        cdef size_t i, pos
+        cdef uint64_t s
+        for i in range(self.cap):
+            s = old[i]
+            if s:
+                pos = <size_t>(((s >> 32) * new_cap) >> 32)
+                while new[pos]:
+                    pos += 1
+                    if pos == new_cap:
+                        pos = 0
+                new[pos] = s
+        free(old)
+        self.slots = new
+        self.cap = new_cap
+        self.limit = new_cap * 3 // 4
+        return 0
+
+    cdef int _reserve_index(self, size_t need) except -1:
+        """Room for ``need`` entries at a load of at most 0.75."""
+        if need <= self.limit:
+            return 0
+        cdef size_t new_cap
+        if need <= 3072:  # a small table doubles
+            new_cap = self.cap * 2 if self.cap else 16
+            while new_cap * 3 // 4 < need:
+                new_cap *= 2
+        else:
+            new_cap = need * 8 // 5 + 1  # load 0.625 after growing
+        if new_cap > 0xFFFFFFFF:
+            raise MemoryError("a table holds at most 3 billion entries")
+        return self._rehash(new_cap)
+
+    cdef inline void _place(self, uint64_t h, uint32_t ref) noexcept:
+        """Put ref (of a key known absent) into its first free slot; room was reserved."""
+        cdef size_t cap = self.cap
+        cdef size_t pos = <size_t>(((h >> 32) * cap) >> 32)
+        while self.slots[pos]:
+            pos += 1
+            if pos == cap:
+                pos = 0
+        self.slots[pos] = (h & ~REF_MASK) | (<uint64_t>ref + 1)
+
+    cdef void _remove_slot(self, size_t i) noexcept:
+        """Empty slot i, shifting back the run after it (linear probing without tombstones)."""
+        cdef size_t cap = self.cap, j = i, home
+        cdef uint64_t s
+        while True:
+            j += 1
+            if j == cap:
+                j = 0
+            s = self.slots[j]
+            if s == 0:
+                break
+            home = <size_t>(((s >> 32) * cap) >> 32)
+            if i <= j:
+                if i < home <= j:
+                    continue
+            elif i < home or home <= j:
+                continue
+            self.slots[i] = s
+            i = j
+        self.slots[i] = 0
+
+    # --- the arena --------------------------------------------------------------------------------
+    cdef int _reserve_arena(self, size_t extra) except -1:
+        cdef size_t need = self.used + extra, new
+        if need <= self.arena_cap:
+            return 0
+        if need > MAX_ARENA:
+            raise MemoryError("a table's arena holds at most 16 GiB")
+        if self.arena_cap < (1 << 20):
+            new = self.arena_cap * 2
+            if new < 256:
+                new = 256
+        else:
+            new = self.arena_cap + self.arena_cap // 8
+        if new < need:
+            new = need
+        new = (new + 63) & ~(<size_t>63)
+        if new > MAX_ARENA:
+            new = MAX_ARENA
+        cdef uint8_t* p = <uint8_t*>realloc(self.arena, new)
+        if p == NULL:
+            raise MemoryError()
+        self.arena = p
+        self.arena_cap = new
+        return 0
+
+    cdef int _trim_arena(self) except -1:
+        """Give back an arena's unused tail when it is more than an eighth of it."""
+        cdef size_t slack = self.arena_cap - self.used, new
+        if self.used == 0 or slack <= 4096 or slack <= self.arena_cap // 8:
+            return 0
+        new = (self.used + 63) & ~(<size_t>63)
+        cdef uint8_t* p = <uint8_t*>realloc(self.arena, new)
+        if p != NULL:
+            self.arena = p
+            self.arena_cap = new
+        return 0
+
+    cdef uint32_t _append(self, const uint8_t* k, uint32_t kl, const uint8_t* v, uint32_t vl,
+                          bint tomb) except? 0xFFFFFFFF:
+        """Write a record at the end of the arena (k and v must not point into it); its ref."""
+        cdef size_t size = ssa_rsize(kl, vl, tomb)
+        self._reserve_arena(size)
+        cdef size_t off = self.used
+        ssa_write(self.arena + off, size, k, kl, v, vl, tomb)
+        self.used = off + size
+        return <uint32_t>(off >> 2)
+
+    cdef void _kill(self, uint32_t ref) noexcept:
+        """The record at ref is no longer an entry's: garbage (or taken back at the arena's end)."""
+        cdef uint8_t* p = self.arena + (<size_t>ref << 2)
+        cdef size_t size = ssa_rsize_at(p)
+        if not self.has_order and self.n_views == 0 and (<size_t>ref << 2) + size == self.used:
+            self.used -= size
+            return
+        p[0] |= SSA_DEAD
+        self.garbage += size
+        if self.has_order:
+            self.order_dead += 1
+
+    # --- entries ----------------------------------------------------------------------------------
+    cdef int _add(self, const uint8_t* k, uint32_t kl, uint64_t h, const uint8_t* v, uint32_t vl,
+                  bint tomb) except -1:
+        """A new entry for a key known absent."""
+        if self.count >= self.limit:
+            self._reserve_index(self.count + 1)
+        cdef uint32_t ref = self._append(k, kl, v, vl, tomb)
+        self._place(h, ref)
+        self.count += 1
+        self.rbytes += kl + vl
+        if self.has_order:
+            self._pend_push(ref)
+        return 0
+
+    cdef int _replace(self, size_t pos, const uint8_t* k, uint32_t kl, const uint8_t* v, uint32_t vl,
+                      bint tomb) except -1:
+        """Set the entry in slot pos to v (or a tombstone)."""
+        cdef uint64_t s = self.slots[pos]
+        cdef uint32_t ref = <uint32_t>((s & REF_MASK) - 1), okl, ovl
+        cdef uint8_t* p = self.arena + (<size_t>ref << 2)
+        cdef const uint8_t* rk = ssa_rec(p, &okl, &ovl)
+        cdef size_t osize = (<size_t>(rk - p) + okl + ovl + 3) & ~(<size_t>3)
+        cdef size_t nsize = ssa_rsize(kl, vl, tomb)
+        self.rbytes = self.rbytes - ovl + vl
+        if nsize == osize and self.n_views == 0:
+            ssa_write(p, nsize, k, kl, v, vl, tomb)
+            return 0
+        self._kill(ref)
+        ref = self._append(k, kl, v, vl, tomb)
+        self.slots[pos] = (s & ~REF_MASK) | (<uint64_t>ref + 1)
+        if self.has_order:
+            self._pend_push(ref)
+        return 0
+
+    cdef inline int _set(self, const uint8_t* k, uint32_t kl, uint64_t h, const uint8_t* v, uint32_t vl,
+                         bint tomb) except -1:
+        cdef Py_ssize_t pos = self._find(k, kl, h)
+        if pos >= 0:
+            return self._replace(pos, k, kl, v, vl, tomb)
+        return self._add(k, kl, h, v, vl, tomb)
+
+    cdef int _delete_at(self, size_t pos) except -1:
+        cdef uint32_t ref = <uint32_t>((self.slots[pos] & REF_MASK) - 1), kl, vl
+        ssa_rec(self.arena + (<size_t>ref << 2), &kl, &vl)
+        self.rbytes -= kl + vl
+        self._remove_slot(pos)
+        self.count -= 1
+        self._kill(ref)
+        if self.has_order:
+            self._order_check()
+        return 0
+
+    cdef inline int _lookup(self, const uint8_t* k, uint32_t kl, uint64_t h, Found* out) noexcept:
+        """1 and the entry's value in out when the table has key k, else 0."""
+        cdef Py_ssize_t pos = self._find(k, kl, h)
+        if pos < 0:
+            return 0
+        cdef const uint8_t* p = self.arena + (((self.slots[pos] & REF_MASK) - 1) << 2)
+        cdef uint32_t rkl
+        cdef const uint8_t* rk = ssa_rec(p, &rkl, &out.vl)
+        out.val = rk + rkl
+        out.none = p[0] & SSA_TOMB
+        return 1
+
+    cdef int _tidy(self) except -1:
+        """After a write: reclaim garbage when it outweighs the live records (no view alive)."""
+        if self.n_views:
+            return 0
+        if self.count == 0:
+            if self.arena_cap or self.cap or self.srt_cap or self.pend_cap:
+                free(self.arena)
+                free(self.slots)
+                free(self.srt)
+                free(self.pend)
+                self.arena = NULL
+                self.slots = NULL
+                self.srt = self.pend = NULL
+                self.arena_cap = self.used = self.garbage = 0
+                self.cap = self.limit = 0
+                self.n_srt = self.srt_cap = self.n_pend = self.pend_sorted = self.pend_cap = 0
+                self.order_dead = 0
+                self.epoch += 1
+            return 0
+        if self.garbage > MIN_GARBAGE and self.garbage > self.used - self.garbage:
+            self._compact()
+        return 0
+
+    cdef int _compact(self) except -1:
+        """Rewrite the arena with the live records only (in key order when the order index exists)."""
+        if self.has_order:
+            self._merge_all()
+        cdef size_t live = self.used - self.garbage
+        cdef size_t new_cap = (live + live // 8 + 64 + 63) & ~(<size_t>63)
+        cdef uint8_t* na = <uint8_t*>malloc(new_cap)
+        if na == NULL:
+            raise MemoryError()
+        cdef uint8_t* old = self.arena
+        cdef size_t pos = 0, off = 0, size, i
+        cdef uint32_t fwd, ref
+        cdef uint8_t* p
+        if self.has_order:
+            for i in range(self.n_srt):
+                p = old + (<size_t>self.srt[i] << 2)
+                size = ssa_rsize_at(p)
+                memcpy(na + pos, p, size)
+                fwd = <uint32_t>(pos >> 2)
+                memcpy(p, &fwd, 4)  # the old record now names its new place
+                self.srt[i] = fwd
+                pos += size
+        else:
+            while off < self.used:
+                p = old + off
+                size = ssa_rsize_at(p)
+                if not (p[0] & SSA_DEAD):
+                    memcpy(na + pos, p, size)
+                    fwd = <uint32_t>(pos >> 2)
+                    memcpy(p, &fwd, 4)
+                    pos += size
+                off += size
+        if pos != live:
+            free(na)
+            raise SystemError(f"table compaction found {pos} live bytes, expected {live}")
+        cdef uint64_t s
+        for i in range(self.cap):
+            s = self.slots[i]
+            if s:
+                memcpy(&ref, old + (((s & REF_MASK) - 1) << 2), 4)
+                self.slots[i] = (s & ~REF_MASK) | (<uint64_t>ref + 1)
+        free(old)
+        self.arena = na
+        self.arena_cap = new_cap
+        self.used = live
+        self.garbage = 0
+        self.epoch += 1
+        self.compactions += 1
+        if self.cap > 64 and self.count * 16 < self.cap * 3:  # load under 0.19: shrink the index
+            self._rehash(self.count * 8 // 5 + 16)
+        return 0
+
+    # --- the order index --------------------------------------------------------------------------
+    cdef int _pend_push(self, uint32_t ref) except -1:
+        cdef size_t new
+        cdef uint32_t* p
+        if self.n_pend == self.pend_cap:
+            new = self.pend_cap * 2 if self.pend_cap else 16
+            p = <uint32_t*>realloc(self.pend, new * sizeof(uint32_t))
+            if p == NULL:
+                raise MemoryError()
+            self.pend = p
+            self.pend_cap = new
+        self.pend[self.n_pend] = ref
+        self.n_pend += 1
+        return self._order_check()
+
+    cdef inline int _order_check(self) except -1:
+        if self.n_pend + self.order_dead > (self.n_srt >> 3) + 64:
+            self._merge_all()
+        return 0
+
+    cdef int _build_order(self) except -1:
+        """The order index from scratch: every live record, sorted."""
+        cdef size_t n = self.count, t = 0, off = 0, size
+        cdef ssa_sent* tmp = <ssa_sent*>malloc((n + 1) * sizeof(ssa_sent))
+        if tmp == NULL:
+            raise MemoryError()
+        cdef uint32_t* out = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+        if out == NULL:
+            free(tmp)
+            raise MemoryError()
+        cdef uint8_t* p
+        while off < self.used:
+            p = self.arena + off
+            size = ssa_rsize_at(p)
+            if not (p[0] & SSA_DEAD):
+                if t == n:
+                    break
+                tmp[t].ref = <uint32_t>(off >> 2)
+                tmp[t].pfx = ssa_pfx(self.arena, tmp[t].ref)
+                t += 1
+            off += size
+        if t != n or off < self.used:
+            free(tmp)
+            free(out)
+            raise SystemError(f"table order index: {t} live records for {n} entries")
+        ssa_sort(tmp, n, self.arena)
+        cdef size_t i
+        for i in range(n):
+            out[i] = tmp[i].ref
+        free(tmp)
+        free(self.srt)
+        self.srt = out
+        self.n_srt = n
+        self.srt_cap = n + 1
+        self.n_pend = self.pend_sorted = 0
+        self.order_dead = 0
+        self.has_order = True
+        self.epoch += 1
+        return 0
+
+    cdef int _fold(self) except -1:
+        """Sort the pending tail into the pending sorted prefix (dropping its dead refs)."""
+        cdef size_t P = self.pend_sorted, n = self.n_pend, t = 0, x
+        if n == P:
+            return 0
+        cdef ssa_sent* tmp = <ssa_sent*>malloc((n - P) * sizeof(ssa_sent))
+        if tmp == NULL:
+            raise MemoryError()
+        cdef const uint8_t* arena = self.arena
+        cdef uint32_t* pend = self.pend
+        cdef uint32_t r
+        for x in range(P, n):
+            r = pend[x]
+            if not ssa_dead(arena, r):
+                tmp[t].ref = r
+                tmp[t].pfx = ssa_pfx(arena, r)
+                t += 1
+        ssa_sort(tmp, t, arena)
+        cdef size_t kept = t
+        # merge from the back: each tail ref goes after the prefix refs whose keys are <= its key
+        cdef size_t hi = P, k = P + t, lo, h2, mid
+        while t > 0:
+            t -= 1
+            r = tmp[t].ref
+            lo = 0
+            h2 = hi
+            while lo < h2:
+                mid = (lo + h2) >> 1
+                if ssa_cmp_refs(arena, pend[mid], r) <= 0:
+                    lo = mid + 1
+                else:
+                    h2 = mid
+            if hi > lo:
+                memmove(pend + k - (hi - lo), pend + lo, (hi - lo) * sizeof(uint32_t))
+                k -= hi - lo
+            k -= 1
+            pend[k] = r
+            hi = lo
+        free(tmp)
+        self.n_pend = self.pend_sorted = P + kept
+        self.epoch += 1
+        return 0
+
+    cdef int _merge_all(self) except -1:
+        """Merge the pending refs into the sorted array, dropping dead refs."""
+        self._fold()
+        cdef size_t n = self.count, o = 0, i = 0, j = 0
+        cdef uint32_t* out = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+        if out == NULL:
+            raise MemoryError()
+        cdef const uint8_t* arena = self.arena
+        cdef uint32_t* srt = self.srt
+        cdef uint32_t* pend = self.pend
+        cdef size_t ns = self.n_srt, np = self.n_pend
+        cdef uint32_t r
+        while True:
+            while i < ns and ssa_dead(arena, srt[i]):
+                i += 1
+            while j < np and ssa_dead(arena, pend[j]):
+                j += 1
+            if i < ns:
+                if j < np and ssa_cmp_refs(arena, pend[j], srt[i]) < 0:
+                    r = pend[j]
+                    j += 1
+                else:
+                    r = srt[i]
+                    i += 1
+            elif j < np:
+                r = pend[j]
+                j += 1
+            else:
+                break
+            if o == n:
+                free(out)
+                raise SystemError("table order index: more live refs than entries")
+            out[o] = r
+            o += 1
+        if o != n:
+            free(out)
+            raise SystemError(f"table order index: {o} live refs for {n} entries")
+        free(self.srt)
+        self.srt = out
+        self.n_srt = n
+        self.srt_cap = n + 1
+        self.n_pend = self.pend_sorted = 0
+        if self.pend_cap > 1024:
+            free(self.pend)
+            self.pend = NULL
+            self.pend_cap = 0
+        self.order_dead = 0
+        self.epoch += 1
+        self.merges += 1
+        return 0
+
+    cdef int _ordered(self) except -1:
+        """Make the order index readable: built, its pending refs all sorted."""
+        if not self.has_order:
+            return self._build_order()
+        return self._fold()
+
+    cdef size_t _lower(self, const uint32_t* refs, size_t n, const uint8_t* k, size_t kl) noexcept:
+        """The first index of refs (sorted by key) whose key is >= k."""
+        cdef size_t lo = 0, hi = n, mid
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if ssa_cmp_ref_key(self.arena, refs[mid], k, kl) < 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    cdef size_t _upper(self, const uint32_t* refs, size_t n, const uint8_t* k, size_t kl) noexcept:
+        """The first index of refs (sorted by key) whose key is > k."""
+        cdef size_t lo = 0, hi = n, mid
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if ssa_cmp_ref_key(self.arena, refs[mid], k, kl) <= 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    cdef inline uint32_t _next_ref(self, size_t* i, size_t* j) noexcept:
+        """The next live ref in key order from the cursor (i in the sorted array, j in the pending
+        one), plus one; 0 at the end."""
+        cdef const uint8_t* arena = self.arena
+        cdef size_t a = i[0], b = j[0], ns = self.n_srt, np = self.n_pend
+        cdef uint32_t r
+        while a < ns and ssa_dead(arena, self.srt[a]):
+            a += 1
+        while b < np and ssa_dead(arena, self.pend[b]):
+            b += 1
+        if a < ns and (b >= np or ssa_cmp_refs(arena, self.pend[b], self.srt[a]) > 0):
+            r = self.srt[a]
+            a += 1
+        elif b < np:
+            r = self.pend[b]
+            b += 1
+        else:
+            i[0] = a
+            j[0] = b
+            return 0
+        i[0] = a
+        j[0] = b
+        return r + 1
+
+    cdef tuple _pair_at(self, uint32_t ref):
+        cdef const uint8_t* p = self.arena + (<size_t>ref << 2)
+        cdef uint32_t kl, vl
+        cdef const uint8_t* k = ssa_rec(p, &kl, &vl)
+        key = PyBytes_FromStringAndSize(<const char*>k, kl)
+        if p[0] & SSA_TOMB:
+            return (key, None)
+        return (key, PyBytes_FromStringAndSize(<const char*>(k + kl), vl))
+
+    cdef list _collect(self, bytes start, object stop, bint keys_only):
+        self._ordered()
+        cdef const uint8_t* sk = _bp(start)
+        cdef size_t skl = PyBytes_GET_SIZE(start)
+        cdef size_t i = self._lower(self.srt, self.n_srt, sk, skl)
+        cdef size_t j = self._lower(self.pend, self.n_pend, sk, skl)
+        cdef bint bounded = stop is not None
+        cdef const uint8_t* ek = _bp(<bytes>stop) if bounded else NULL
+        cdef size_t ekl = PyBytes_GET_SIZE(<bytes>stop) if bounded else 0
+        cdef list out = []
+        cdef uint32_t r, kl
+        cdef const uint8_t* k
+        while True:
+            r = self._next_ref(&i, &j)
+            if r == 0:
+                break
+            r -= 1
+            if bounded:
+                k = ssa_key_of(self.arena, r, &kl)
+                if ssa_cmp(k, kl, ek, ekl) >= 0:
+                    break
+            if keys_only:
+                k = ssa_key_of(self.arena, r, &kl)
+                out.append(PyBytes_FromStringAndSize(<const char*>k, kl))
+            else:
+                out.append(self._pair_at(r))
+        return out
+
+    # --- Python API -------------------------------------------------------------------------------
+    def __len__(self):
+        return self.count
+
+    def __contains__(self, key):
+        cdef bytes k = _key_arg(key)
+        cdef uint32_t kl = <uint32_t>PyBytes_GET_SIZE(k)
+        if <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
+            return False
+        return self._find(_bp(k), kl, ssa_hash(_bp(k), kl)) >= 0
+
+    def get(self, key):
+        """The value of ``key``; None when absent or a tombstone."""
+        cdef bytes k = _key_arg(key)
+        if <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
+            return None
+        cdef uint32_t kl = <uint32_t>PyBytes_GET_SIZE(k)
+        cdef Found f
+        if not self._lookup(_bp(k), kl, ssa_hash(_bp(k), kl), &f) or f.none:
+            return None
+        return PyBytes_FromStringAndSize(<const char*>f.val, f.vl)
+
+    def put(self, key, value):
+        """Set ``key`` to ``value`` (None: a tombstone entry)."""
+        cdef bytes k = _length(_key_arg(key))
+        v = _value_arg(value)
+        cdef uint32_t kl = <uint32_t>PyBytes_GET_SIZE(k)
+        if v is None:
+            self._set(_bp(k), kl, ssa_hash(_bp(k), kl), NULL, 0, True)
+        else:
+            self._set(_bp(k), kl, ssa_hash(_bp(k), kl), _bp(<bytes>v), <uint32_t>PyBytes_GET_SIZE(v), False)
+        self.version += 1
+        self._tidy()
+
+    def delete(self, key):
+        """Remove the entry of ``key`` (tombstone or not); whether there was one."""
+        cdef bytes k = _key_arg(key)
+        self.version += 1
+        if <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
+            return False
+        cdef uint32_t kl = <uint32_t>PyBytes_GET_SIZE(k)
+        cdef Py_ssize_t pos = self._find(_bp(k), kl, ssa_hash(_bp(k), kl))
+        if pos < 0:
+            return False
+        self._delete_at(pos)
+        self._tidy()
+        return True
+
+    @property
+    def record_bytes(self):
+        """Sum of len(key) + len(value or b"") over the entries."""
+        return self.rbytes
+
+    @property
+    def nbytes(self):
+        """Bytes allocated: arena, hash index, order index and the sorted refs of live views."""
+        return (self.arena_cap + self.cap * sizeof(uint64_t) + (self.srt_cap + self.pend_cap) * sizeof(uint32_t)
+                + self.view_bytes)
+
+    def items(self, start=b"", stop=None):
+        """(key, value | None) with start <= key < stop, in key order. Changing the table while
+        iterating makes the next step raise ``RuntimeError``."""
+        cdef bytes lo = _key_arg(start)
+        hi = None if stop is None else _key_arg(stop)
+        self._ordered()
+        cdef _TableItems it = _TableItems.__new__(_TableItems)
+        it.table = self
+        it.version = self.version
+        it.stop = hi
+        it.last = lo
+        it.after = False
+        it.epoch = self.epoch
+        it.i = self._lower(self.srt, self.n_srt, _bp(lo), PyBytes_GET_SIZE(lo))
+        it.j = self._lower(self.pend, self.n_pend, _bp(lo), PyBytes_GET_SIZE(lo))
+        return it
+
+    def scan(self, prefix):
+        """(key, value | None) for every key starting with ``prefix``, in key order."""
+        cdef bytes p = _key_arg(prefix)
+        return self._collect(p, _after_prefix(p), False)
+
+    def keys(self):
+        """Every key, in key order."""
+        return self._collect(b"", None, True)
+
+    def freeze(self):
+        """A view of the table as it is now; later changes of the table do not show in it."""
+        self._ordered()
+        if self.n_pend or self.order_dead:
+            self._merge_all()
+        cdef size_t n = self.n_srt
+        cdef uint32_t* refs = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+        if refs == NULL:
+            raise MemoryError()
+        if n:
+            memcpy(refs, self.srt, n * sizeof(uint32_t))
+        cdef TableView view = TableView.__new__(TableView)
+        view.table = self
+        view.refs = refs
+        view.n = n
+        self.n_views += 1
+        self.view_bytes += (n + 1) * sizeof(uint32_t)
+        return view
+
+    def __repr__(self):
+        return f"<Table of {self.count} entries>"
+
+    def _layout(self):
+        """The internals, for tests and debugging (the compiled twin only)."""
+        return {
+            "arena_cap": self.arena_cap, "arena_used": self.used, "garbage": self.garbage,
+            "slots": self.cap, "entries": self.count, "order_index": bool(self.has_order),
+            "sorted": self.n_srt, "pending": self.n_pend, "pending_sorted": self.pend_sorted,
+            "order_dead": self.order_dead, "views": self.n_views, "merges": self.merges,
+            "compactions": self.compactions,
+        }
+
+
+@cython.final
+@cython.no_gc
+cdef class _TableItems:
+    """Iterator of ``Table.items``; it follows the order index even when another ordered call
+    reorganizes it (seeking again after the last key it gave)."""
+
+    cdef Table table
+    cdef size_t version, epoch, i, j
+    cdef object stop
+    cdef bytes last  # the last key given (or the start key while after is False)
+    cdef bint after, done
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        cdef Table t = self.table
+        if t.version != self.version:
+            self.done = True
+            raise RuntimeError(_CHANGED)
+        cdef size_t kl0
+        if t.epoch != self.epoch:
+            t._ordered()
+            kl0 = PyBytes_GET_SIZE(self.last)
+            if self.after:
+                self.i = t._upper(t.srt, t.n_srt, _bp(self.last), kl0)
+                self.j = t._upper(t.pend, t.n_pend, _bp(self.last), kl0)
+            else:
+                self.i = t._lower(t.srt, t.n_srt, _bp(self.last), kl0)
+                self.j = t._lower(t.pend, t.n_pend, _bp(self.last), kl0)
+            self.epoch = t.epoch
+        cdef uint32_t r = t._next_ref(&self.i, &self.j), kl
+        if r == 0:
+            self.done = True
+            raise StopIteration
+        r -= 1
+        cdef const uint8_t* k
+        if self.stop is not None:
+            k = ssa_key_of(t.arena, r, &kl)
+            if ssa_cmp(k, kl, _bp(<bytes>self.stop), PyBytes_GET_SIZE(<bytes>self.stop)) >= 0:
+                self.done = True
+                raise StopIteration
+        pair = t._pair_at(r)
+        self.last = <bytes>pair[0]
+        self.after = True
+        return pair
+
+
+# --- frozen views -----------------------------------------------------------------------------------
+@cython.final
+@cython.no_gc
+cdef class TableView:
+    """The records of a table at ``Table.freeze()`` time, in key order (the refs of its records; the
+    table's arena stays append-only while the view lives)."""
+
+    cdef Table table
+    cdef uint32_t* refs
+    cdef size_t n
+    cdef bint released
+
+    def __dealloc__(self):
+        self._release()
+
+    cdef void _release(self) noexcept:
+        if self.released:
+            return
+        self.released = True
+        free(self.refs)
+        self.refs = NULL
+        cdef Table t = self.table
+        if t is not None:
+            t.n_views -= 1
+            t.view_bytes -= (self.n + 1) * sizeof(uint32_t)
+        self.table = None
+
+    cdef int _live(self) except -1:
+        if self.released:
+            raise StoreStateError(_RELEASED)
+        return 0
+
+    def __len__(self):
+        self._live()
+        return self.n
+
+    def get(self, key):
+        """The frozen value of ``key`` (None when it was absent or a tombstone)."""
+        self._live()
+        cdef bytes k = _key_arg(key)
+        cdef Table t = self.table
+        cdef size_t i = t._lower(self.refs, self.n, _bp(k), PyBytes_GET_SIZE(k))
+        if i >= self.n:
+            return None
+        cdef const uint8_t* p = t.arena + (<size_t>self.refs[i] << 2)
+        cdef uint32_t kl, vl
+        cdef const uint8_t* rk = ssa_rec(p, &kl, &vl)
+        if ssa_cmp(rk, kl, _bp(k), PyBytes_GET_SIZE(k)) != 0 or p[0] & SSA_TOMB:
+            return None
+        return PyBytes_FromStringAndSize(<const char*>(rk + kl), vl)
+
+    def items(self, start=b"", stop=None):
+        """The frozen (key, value | None) with start <= key < stop, in key order."""
+        self._live()
+        cdef bytes lo = _key_arg(start)
+        hi = None if stop is None else _key_arg(stop)
+        cdef _ViewItems it = _ViewItems.__new__(_ViewItems)
+        it.view = self
+        it.stop = hi
+        it.i = self.table._lower(self.refs, self.n, _bp(lo), PyBytes_GET_SIZE(lo))
+        return it
+
+    def chunk(self, pos, max_bytes):
+        """The records from index ``pos`` in key order while the sum of len(key) + len(value) + 11
+        stays within ``max_bytes`` (at least one when any is left), and the next index; an empty
+        list at the end."""
+        self._live()
+        if type(pos) is not int or pos < 0:
+            raise InterfaceError(f"a chunk starts at an index >= 0, got {pos!r}")
+        if type(max_bytes) is not int:
+            raise InterfaceError(f"max_bytes is an int, got {type(max_bytes).__name__}")
+        if pos >= self.n:
+            return [], pos
+        cdef long long budget = max_bytes if -(1 << 62) < max_bytes < (1 << 62) else (
+            (1 << 62) if max_bytes > 0 else -(1 << 62))
+        cdef size_t i = pos
+        cdef long long size = 0, s
+        cdef list out = []
+        cdef Table t = self.table
+        cdef const uint8_t* p
+        cdef uint32_t kl, vl
+        while i < self.n:
+            p = t.arena + (<size_t>self.refs[i] << 2)
+            ssa_rec(p, &kl, &vl)
+            s = <long long>kl + vl + CHUNK_OVERHEAD
+            if out and size + s > budget:
+                break
+            out.append(t._pair_at(self.refs[i]))
+            size += s
+            i += 1
+        return out, i
+
+    def release(self):
+        """Let go of the frozen records (idempotent): the table may reclaim garbage again."""
+        self._release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._release()
+
+
+@cython.final
+@cython.no_gc
+cdef class _ViewItems:
+    cdef TableView view
+    cdef size_t i
+    cdef object stop
+    cdef bint done
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.done:
+            raise StopIteration
+        cdef TableView v = self.view
+        if v.released:
+            self.done = True
+            raise StoreStateError(_RELEASED)
+        if self.i >= v.n:
+            self.done = True
+            raise StopIteration
+        cdef uint32_t ref = v.refs[self.i], kl
+        cdef Table t = v.table
+        cdef const uint8_t* k
+        if self.stop is not None:
+            k = ssa_key_of(t.arena, ref, &kl)
+            if ssa_cmp(k, kl, _bp(<bytes>self.stop), PyBytes_GET_SIZE(<bytes>self.stop)) >= 0:
+                self.done = True
+                raise StopIteration
+        self.i += 1
+        return t._pair_at(ref)
+
+
+# --- batch routines ---------------------------------------------------------------------------------
+cdef int _trailing(Py_ssize_t pos, Py_ssize_t end, str what) except -1:
+    if pos != end:
+        raise DecodeError(f"{what}: {end - pos} unexpected trailing bytes")
+    return 0
+
+
+cdef Py_ssize_t _check_list(const uint8_t* base, Py_ssize_t pos, Py_ssize_t end, uint32_t n,
+                            Py_ssize_t min_key, Py_ssize_t* short_key) except -1:
+    """Walk a list of n items from pos (as framing.check_list); the end offset. Sets short_key to the
+    length of the first item shorter than min_key."""
+    cdef uint32_t i, ln
+    for i in range(n):
+        if end - pos < 4:
+            raise DecodeError(f"list: truncated at byte {pos}")
+        ln = _rd32(base + pos)
+        pos += 4
+        if <Py_ssize_t>ln > end - pos:
+            raise DecodeError(f"list: an item of {ln} bytes overruns the buffer at byte {pos}")
+        if ln < min_key and short_key[0] < 0:
+            short_key[0] = ln
+        pos += ln
+    return pos
+
+
+def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
+               unsigned long long max_count=0xFFFFFFFF):
+    """See ``statestore_async._ref.table.put_packed``."""
+    cdef const uint8_t[::1] mv = buf
+    cdef Py_ssize_t end = mv.shape[0]
+    cdef Py_ssize_t pos = payload_start(offset, end, "pairs")
+    cdef const uint8_t* base = &mv[0]
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
+    cdef Py_ssize_t first = pos + 4, short_key = -1
+    cdef uint32_t i, kl, vl
+    pos = first
+    for i in range(n):
+        if end - pos < 4:
+            raise DecodeError(f"pairs: truncated at byte {pos}")
+        kl = _rd32(base + pos)
+        pos += 4
+        if <Py_ssize_t>kl > end - pos:
+            raise DecodeError(f"pairs: a key of {kl} bytes overruns the buffer at byte {pos}")
+        if kl < min_key and short_key < 0:
+            short_key = kl
+        pos += kl
+        if end - pos < 4:
+            raise DecodeError(f"pairs: truncated at byte {pos}")
+        vl = _rd32(base + pos)
+        pos += 4
+        if <Py_ssize_t>vl > end - pos:
+            raise DecodeError(f"pairs: a value of {vl} bytes overruns the buffer at byte {pos}")
+        pos += vl
+    _trailing(pos, end, "pairs")
+    if short_key >= 0:
+        raise _key_error(short_key, min_key)
+    cdef const uint8_t* k
+    pos = first
+    for i in range(n):
+        kl = _rd32(base + pos)
+        k = base + pos + 4
+        pos += 4 + kl
+        vl = _rd32(base + pos)
+        table._set(k, kl, ssa_hash(k, kl), base + pos + 4, vl, False)
+        pos += 4 + vl
+    table.version += 1
+    table._tidy()
+    return n
+
+
+def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
+                  unsigned long long max_count=0xFFFFFFFF):
+    """See ``statestore_async._ref.table.remove_packed``."""
+    cdef const uint8_t[::1] mv = buf
+    cdef Py_ssize_t end = mv.shape[0]
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
+    cdef const uint8_t* base = &mv[0]
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
+    cdef Py_ssize_t first = pos + 4, short_key = -1
+    pos = _check_list(base, first, end, n, min_key, &short_key)
+    _trailing(pos, end, "list")
+    if short_key >= 0:
+        raise _key_error(short_key, min_key)
+    cdef uint32_t i, kl
+    cdef const uint8_t* k
+    pos = first
+    for i in range(n):
+        kl = _rd32(base + pos)
+        k = base + pos + 4
+        table._set(k, kl, ssa_hash(k, kl), NULL, 0, True)
+        pos += 4 + kl
+    table.version += 1
+    table._tidy()
+    return n
+
+
+cdef list _checked_pairs(list seq, Py_ssize_t min_key):
+    cdef list out = []
+    for item in seq:
+        k, v = _pair(item)
+        out.append((_length(_check_key(k, min_key)), _length(_check_value(v))))
+    return out
+
+
+def put_items(Table table not None, items, Py_ssize_t min_key):
+    """See ``statestore_async._ref.table.put_items``."""
+    cdef list seq = list(items)
+    cdef Py_ssize_t i, n = len(seq)
+    cdef object item
+    for i in range(n):
+        item = seq[i]
+        if not (type(item) is tuple and PyTuple_GET_SIZE(item) == 2
+                and type((<tuple>item)[0]) is bytes and type((<tuple>item)[1]) is bytes
+                and PyBytes_GET_SIZE((<tuple>item)[0]) >= min_key
+                and <size_t>PyBytes_GET_SIZE((<tuple>item)[0]) <= MAX_LEN
+                and <size_t>PyBytes_GET_SIZE((<tuple>item)[1]) <= MAX_LEN):
+            seq = _checked_pairs(seq, min_key)
+            break
+    cdef bytes k, v
+    for i in range(n):
+        k = <bytes>PyTuple_GET_ITEM(<tuple>PyList_GET_ITEM(seq, i), 0)
+        v = <bytes>PyTuple_GET_ITEM(<tuple>PyList_GET_ITEM(seq, i), 1)
+        table._set(_bp(k), <uint32_t>PyBytes_GET_SIZE(k), ssa_hash(_bp(k), PyBytes_GET_SIZE(k)),
+                   _bp(v), <uint32_t>PyBytes_GET_SIZE(v), False)
+    table.version += 1
+    table._tidy()
+    return n
+
+
+def remove_keys(Table table not None, keys, Py_ssize_t min_key):
+    """See ``statestore_async._ref.table.remove_keys``."""
+    cdef list seq = list(keys)
+    cdef Py_ssize_t i, n = len(seq)
+    cdef object x
+    for i in range(n):
+        x = seq[i]
+        if not (type(x) is bytes and PyBytes_GET_SIZE(x) >= min_key and <size_t>PyBytes_GET_SIZE(x) <= MAX_LEN):
+            seq = [_length(_check_key(y, min_key)) for y in seq]
+            break
+    cdef bytes k
+    for i in range(n):
+        k = <bytes>PyList_GET_ITEM(seq, i)
+        table._set(_bp(k), <uint32_t>PyBytes_GET_SIZE(k), ssa_hash(_bp(k), PyBytes_GET_SIZE(k)), NULL, 0, True)
+    table.version += 1
+    table._tidy()
+    return n
+
+
+cdef inline int _get2(Table ov, Table base, const uint8_t* k, uint32_t kl, Found* f) noexcept:
+    """The entry for key k: overlay's if it has it, else base's; 0 when neither has it."""
+    cdef uint64_t h = ssa_hash(k, kl)
+    if ov is not None and ov.count and ov._lookup(k, kl, h, f):
+        return 1
+    return base._lookup(k, kl, h, f)
+
+
+def get_list(overlay, Table base not None, keys):
+    """See ``statestore_async._ref.table.get_list``."""
+    cdef Table ov = <Table?>overlay if overlay is not None else None
+    cdef list seq = keys if type(keys) is list else list(keys)
+    cdef Py_ssize_t i, n = len(seq)
+    cdef list out = PyList_New(n)
+    cdef bytes k
+    cdef object val
+    cdef Found f
+    for i in range(n):
+        k = _key_arg(<object>PyList_GET_ITEM(seq, i))
+        if <size_t>PyBytes_GET_SIZE(k) <= MAX_LEN and _get2(ov, base, _bp(k), <uint32_t>PyBytes_GET_SIZE(k), &f) \
+                and not f.none:
+            val = PyBytes_FromStringAndSize(<const char*>f.val, f.vl)
+        else:
+            val = None
+        Py_INCREF(val)
+        PyList_SET_ITEM(out, i, val)
+    return out
+
+
+def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned long long max_count=0xFFFFFFFF):
+    """See ``statestore_async._ref.table.get_packed``."""
+    cdef Table ov = <Table?>overlay if overlay is not None else None
+    cdef const uint8_t[::1] mv = buf
+    cdef Py_ssize_t end = mv.shape[0]
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
+    cdef const uint8_t* b = &mv[0]
+    cdef uint32_t n = payload_count(b, pos, end, max_count, 4, "list")
+    cdef Py_ssize_t first = pos + 4, short_key = -1
+    pos = _check_list(b, first, end, n, 0, &short_key)
+    _trailing(pos, end, "list")
+    # look every value up (nothing changes the tables meanwhile), sizing the answer
+    cdef Found* found = <Found*>malloc((<size_t>n + 1) * sizeof(Found))
+    if found == NULL:
+        raise MemoryError()
+    cdef uint32_t i, kl
+    cdef size_t total = 4
+    cdef bytes out
+    cdef uint8_t* o
+    try:
+        pos = first
+        for i in range(n):
+            kl = _rd32(b + pos)
+            if not _get2(ov, base, b + pos + 4, kl, &found[i]):
+                found[i].none = True
+            if found[i].none:
+                total += 4
+            else:
+                total += 4 + found[i].vl
+            pos += 4 + kl
+        out = PyBytes_FromStringAndSize(NULL, total)
+        o = <uint8_t*>PyBytes_AS_STRING(out)
+        _wr32(o, n)
+        o += 4
+        for i in range(n):
+            if found[i].none:
+                _wr32(o, _NONE)
+                o += 4
+            else:
+                _wr32(o, found[i].vl)
+                o += 4
+                if found[i].vl:
+                    memcpy(o, found[i].val, found[i].vl)
+                o += found[i].vl
+    finally:
+        free(found)
+    return out
+
+
+cdef Table _copy_live(Table src, size_t upto):
+    """A new table of the live records of src whose offset is below upto."""
+    cdef Table t = Table()
+    t._reserve_index(src.count)
+    cdef size_t off = 0, size
+    cdef const uint8_t* p
+    cdef const uint8_t* k
+    cdef uint32_t kl, vl
+    while off < upto:
+        p = src.arena + off
+        k = ssa_rec(p, &kl, &vl)
+        size = (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
+        if not (p[0] & SSA_DEAD):
+            t._add(k, kl, ssa_hash(k, kl), k + kl, vl, p[0] & SSA_TOMB)
+        off += size
+    return t
+
+
+def apply(Table base not None, Table changes not None):
+    """See ``statestore_async._ref.table.apply``."""
+    if base is changes:
+        raise InterfaceError("apply: the changes are the base table itself")
+    cdef Table undo = Table()
+    cdef Table applied = None
+    undo._reserve_index(changes.count)
+    cdef size_t off = 0, size
+    cdef const uint8_t* p
+    cdef const uint8_t* k
+    cdef const uint8_t* bp
+    cdef const uint8_t* bk
+    cdef uint32_t kl, vl, bkl, bvl
+    cdef uint64_t h
+    cdef Py_ssize_t pos
+    cdef bint tomb
+    while off < changes.used:
+        p = changes.arena + off
+        k = ssa_rec(p, &kl, &vl)
+        size = (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
+        if p[0] & SSA_DEAD:
+            off += size
+            continue
+        tomb = p[0] & SSA_TOMB
+        h = ssa_hash(k, kl)
+        pos = base._find(k, kl, h)
+        if pos < 0:
+            if tomb:  # removing what is not there changes nothing
+                if applied is None:
+                    applied = _copy_live(changes, off)
+                off += size
+                continue
+            undo._add(k, kl, h, NULL, 0, True)
+            base._add(k, kl, h, k + kl, vl, False)
+        else:
+            bp = base.arena + (((base.slots[pos] & REF_MASK) - 1) << 2)
+            bk = ssa_rec(bp, &bkl, &bvl)
+            undo._add(k, kl, h, bk + bkl, bvl, bp[0] & SSA_TOMB)  # before the base changes
+            if tomb:
+                base._delete_at(pos)
+            else:
+                base._replace(pos, k, kl, k + kl, vl, False)
+        if applied is not None:
+            applied._add(k, kl, h, k + kl, vl, tomb)
+        off += size
+    base.version += 1
+    base._tidy()
+    return (applied if applied is not None else changes), undo
+
+
+cdef list _checked_records(list seq):
+    cdef list out = []
+    for item in seq:
+        k, v = _pair(item)
+        out.append((_length(_check_key(k, 0)), _value_arg(v)))
+    return out
+
+
+def load_records(Table table not None, records):
+    """See ``statestore_async._ref.table.load_records``."""
+    cdef list seq = records if type(records) is list else list(records)
+    cdef Py_ssize_t i, n = len(seq)
+    cdef object item, k, v
+    cdef size_t est = 0, puts = 0
+    for i in range(n):
+        item = <object>PyList_GET_ITEM(seq, i)
+        if not (type(item) is tuple and PyTuple_GET_SIZE(item) == 2):
+            break
+        k = <object>PyTuple_GET_ITEM(item, 0)
+        v = <object>PyTuple_GET_ITEM(item, 1)
+        if type(k) is not bytes or <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
+            break
+        if v is None:
+            continue
+        if type(v) is not bytes or <size_t>PyBytes_GET_SIZE(v) > MAX_LEN:
+            break
+        est += ssa_rsize(<uint32_t>PyBytes_GET_SIZE(k), <uint32_t>PyBytes_GET_SIZE(v), False)
+        puts += 1
+    else:
+        i = n
+    if i < n:
+        seq = _checked_records(seq)
+        est = puts = 0
+        for i in range(n):
+            item = <object>PyList_GET_ITEM(seq, i)
+            v = <object>PyTuple_GET_ITEM(item, 1)
+            if v is not None:
+                est += ssa_rsize(<uint32_t>PyBytes_GET_SIZE(<object>PyTuple_GET_ITEM(item, 0)),
+                                 <uint32_t>PyBytes_GET_SIZE(v), False)
+                puts += 1
+    if table.count == 0:  # a fresh table (a snapshot's records): size it once
+        table._reserve_index(puts)
+        table._reserve_arena(est)
+    cdef bytes kb
+    cdef uint32_t kl
+    cdef uint64_t h
+    cdef Py_ssize_t pos
+    for i in range(n):
+        item = <object>PyList_GET_ITEM(seq, i)
+        kb = <bytes>PyTuple_GET_ITEM(item, 0)
+        v = <object>PyTuple_GET_ITEM(item, 1)
+        kl = <uint32_t>PyBytes_GET_SIZE(kb)
+        h = ssa_hash(_bp(kb), kl)
+        if v is None:
+            pos = table._find(_bp(kb), kl, h)
+            if pos >= 0:
+                table._delete_at(pos)
+        else:
+            table._set(_bp(kb), kl, h, _bp(<bytes>v), <uint32_t>PyBytes_GET_SIZE(v), False)
+    table.version += 1
+    table._trim_arena()
+    table._tidy()
