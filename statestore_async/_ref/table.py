@@ -14,7 +14,6 @@ from bisect import bisect_left
 from typing import TYPE_CHECKING
 
 from statestore_async._ref import framing as _fr
-from statestore_async._ref.overlay import _check_key, _check_value, _key_error, _pair
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
 
 if TYPE_CHECKING:
@@ -42,6 +41,37 @@ _ENTRY_ESTIMATE = 2 * 33 + 40
 _CHUNK_OVERHEAD = 11
 _CHANGED = "Table changed during iteration"
 _RELEASED = "the table view was released"
+
+
+def _key_error(n: int, min_key: int) -> KeyFormatError:
+    return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
+
+
+def _check_key(key: object, min_key: int) -> bytes:
+    if type(key) is not bytes:
+        if isinstance(key, (bytearray, memoryview)):
+            key = bytes(key)
+        else:
+            raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
+    if len(key) < min_key:
+        raise _key_error(len(key), min_key)
+    return key
+
+
+def _check_value(value: object) -> bytes:
+    if type(value) is not bytes:
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        raise InterfaceError(f"values are bytes, got {type(value).__name__}")
+    return value
+
+
+def _pair(item: Iterable[object]) -> tuple[object, object]:
+    try:
+        k, v = item
+    except (TypeError, ValueError):
+        raise InterfaceError(f"pairs are (key, value) tuples, got {item!r:.80}") from None
+    return k, v
 
 
 def _key(key: object) -> bytes:

@@ -41,10 +41,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Snapshot work between two yields to the event loop: small enough that a request waiting behind
-# it is delayed by a fraction of a millisecond (sorting 2048 records by key group takes ~0.2 ms;
-# gathering and encoding a 64 KiB block ~0.3 ms; 256 KiB blocks took over a millisecond and showed
-# in the commit latency tail).
-STEP_RECORDS = 2048
+# it is delayed by a fraction of a millisecond (gathering and encoding a 64 KiB block ~0.3 ms;
+# 256 KiB blocks took over a millisecond and showed in the commit latency tail).
 STEP_BLOCK_BYTES = 64 << 10
 _DONE = object()  # the end of snapshot_steps
 
@@ -220,7 +218,7 @@ class Maintenance:
         store_id, ref = view.store_id, view.ref
         try:
             parts: list[bytes] = []
-            steps = snapshot_steps(view, chunk=STEP_RECORDS, block_bytes=STEP_BLOCK_BYTES)
+            steps = snapshot_steps(view, block_bytes=STEP_BLOCK_BYTES)
             give_way = _Pacer(served=self._served)
             while True:
                 # the collector is off during each step only, never across an await: requests

@@ -41,7 +41,7 @@ arena and writes answers straight from it, with no Python object per record):
 
 ``put_packed(table, buf, offset, min_key, max_count=0xFFFFFFFF) -> int``
     Put the pairs of a ``framing.encode_pairs`` payload at ``offset`` of ``buf`` (it runs to the
-    end of ``buf``; trailing bytes are an error, as in ``engine.overlay``). The whole payload is
+    end of ``buf``; trailing bytes are an error, as the daemon always did). The whole payload is
     checked first: a malformed one raises ``DecodeError`` as ``framing.check_pairs`` does (same
     messages), then a key shorter than ``min_key`` raises ``KeyFormatError``; nothing is set in
     either case. Returns the count.
@@ -49,7 +49,7 @@ arena and writes answers straight from it, with no Python object per record):
     A tombstone for each key of a ``framing.encode_list`` payload, checked the same way.
 ``put_items(table, items, min_key) -> int`` / ``remove_keys(table, keys, min_key) -> int``
     The same for Python iterables of (key, value) / keys, with the checks and messages of
-    ``engine.overlay.put_items`` / ``remove_keys``; all are checked before any is set.
+    the engine's single-record ``put`` / ``remove``; all are checked before any is set.
 ``get_packed(overlay, base, buf, offset, max_count=0xFFFFFFFF) -> bytes``
     For each key of the ``encode_list`` payload: ``overlay``'s entry when it has the key (a
     tombstone gives None), else ``base``'s value (None when absent); the answer is exactly

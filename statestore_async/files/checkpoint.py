@@ -32,7 +32,6 @@ import xxhash
 from statestore_async import __version__
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
-from statestore_async.engine import overlay
 from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import CheckpointRef, StoreId
@@ -66,12 +65,6 @@ class CodecOptions(TypedDict, total=False):
     codec: str
     level: int
     block_bytes: int
-
-
-class SnapshotOptions(CodecOptions, total=False):
-    """``snapshot_steps`` keywords: the codec options and the records sorted per step."""
-
-    chunk: int
 
 
 @dataclass(frozen=True)
@@ -203,34 +196,28 @@ def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_byt
 
 
 def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
-                   chunk: int = 65536) -> Iterator[list[bytes] | None]:
+                   ) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
-    Yields ``None`` after each bounded piece of work — sorting ``chunk`` records by key group, or
-    gathering and encoding one block — so an event loop can serve requests between pieces; then,
-    as the last item, the file as a list of parts (``b"".join`` them; a large join releases the
-    GIL, so it can run in a thread). Records are sorted in the map's order (its memory walked in
-    order) into per-group lists, and each group's list is let go once encoded, so neither a step
-    nor the end (freeing) holds the caller for long.
+    Yields ``None`` after each bounded piece of work — gathering and encoding one block of records
+    in key order (so in key-group order), read straight from the view — so an event loop can serve
+    requests between pieces; then, as the last item, the file as a list of parts (``b"".join``
+    them; a large join releases the GIL, so it can run in a thread).
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
                          block_bytes=block_bytes)
-    groups: list[list[bytes] | None] = [None] * overlay.KEY_GROUP_SLOTS
-    for start in range(0, len(view), chunk):
-        view.group(start, start + chunk, groups)
-        yield None
-    cursor: tuple[int, int] = (0, 0)
+    pos = 0
     while True:
         # an upper bound of each record's encoded size (tag + two varints + bytes) is counted, so
         # the gathered records always fit one block
-        block, cursor = overlay.gather_records(groups, cursor, block_bytes)
+        block, pos = view.chunk(pos, block_bytes)
         if not block:
             break
         yield from w.add_records(block)
     yield w.finish_parts()
 
 
-def encode_snapshot(view: FrozenView, **kwargs: Unpack[SnapshotOptions]) -> bytes:
+def encode_snapshot(view: FrozenView, **kwargs: Unpack[CodecOptions]) -> bytes:
     """The snapshot file of a frozen engine view, in one call."""
     parts: list[bytes] = []
     for item in snapshot_steps(view, **kwargs):

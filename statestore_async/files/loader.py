@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
+from statestore_async.engine.table import Table, load_records
 from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
 from statestore_async.files.checkpoint import FileHeader, Record
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
@@ -138,7 +139,8 @@ async def load_store(
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
     base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth)
-    data = cast("dict[bytes, bytes]", dict(base_records))  # a snapshot's records: no tombstones
+    data = Table()
+    load_records(data, base_records)  # a snapshot's records: no tombstones
     if base.version:
         report.snapshot = base
     expect_version = base.version
@@ -146,11 +148,7 @@ async def load_store(
         expect_version += 1
         if r.version != expect_version:
             raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
-        for k, v in records:
-            if v is None:
-                data.pop(k, None)
-            else:
-                data[k] = v
+        load_records(data, records)  # a tombstone removes the key
         report.deltas.append(r)
     report.records = len(data)
     # the loaded head's lineage: its own ancestors back to the base that was used

@@ -18,7 +18,6 @@ from statestore_async.files.checkpoint import (
     CodecOptions,
     FileHeader,
     Record,
-    SnapshotOptions,
     encode_delta,
     snapshot_steps,
 )
@@ -70,7 +69,7 @@ async def write_delta(objstore: ObjectStore, delta: Delta, **codec_options: Unpa
 
 
 async def snapshot_bytes(view: FrozenView, *, give_way: Callable[[], Awaitable[object]] | None = None,
-                         **codec_options: Unpack[SnapshotOptions]) -> bytes:
+                         **codec_options: Unpack[CodecOptions]) -> bytes:
     """The snapshot file of a frozen engine view, encoded in bounded steps.
 
     ``give_way`` (an async callable, e.g. ``asyncio.sleep(0)``-like) is awaited between the steps,
@@ -88,7 +87,7 @@ async def snapshot_bytes(view: FrozenView, *, give_way: Callable[[], Awaitable[o
 
 
 async def write_snapshot(objstore: ObjectStore, view: FrozenView, *, give_way: Callable[[], Awaitable[object]] | None = None,
-                         **codec_options: Unpack[SnapshotOptions]) -> tuple[str, int]:
+                         **codec_options: Unpack[CodecOptions]) -> tuple[str, int]:
     """Create the snapshot file of a frozen engine view (see ``snapshot_bytes``). Returns (key, size)."""
     data = await snapshot_bytes(view, give_way=give_way, **codec_options)
     await create_checkpoint_file(objstore, view.store_id, view.ref, SNAPSHOT, data)
