@@ -288,7 +288,7 @@ cdef struct Found:
     bint none
 
 
-# --- argument checks (the messages of _ref.overlay / _ref.table) ------------------------------------
+# --- argument checks (the messages of _ref.table) ------------------------------------
 cdef object _key_error(Py_ssize_t n, Py_ssize_t min_key):
     return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
 
@@ -690,6 +690,19 @@ cdef class Table:
 
     cdef int _build_order(self) except -1:
         """The order index from scratch: every live record, sorted."""
+        cdef uint32_t* out = self._sorted_refs()
+        free(self.srt)
+        self.srt = out
+        self.n_srt = self.count
+        self.srt_cap = self.count + 1
+        self.n_pend = self.pend_sorted = 0
+        self.order_dead = 0
+        self.has_order = True
+        self.epoch += 1
+        return 0
+
+    cdef uint32_t* _sorted_refs(self) except NULL:
+        """A new malloc'd array of the refs of every live record (``count`` of them), sorted."""
         cdef size_t n = self.count, t = 0, off = 0, size
         cdef ssa_sent* tmp = <ssa_sent*>malloc((n + 1) * sizeof(ssa_sent))
         if tmp == NULL:
@@ -718,15 +731,7 @@ cdef class Table:
         for i in range(n):
             out[i] = tmp[i].ref
         free(tmp)
-        free(self.srt)
-        self.srt = out
-        self.n_srt = n
-        self.srt_cap = n + 1
-        self.n_pend = self.pend_sorted = 0
-        self.order_dead = 0
-        self.has_order = True
-        self.epoch += 1
-        return 0
+        return out
 
     cdef int _fold(self) except -1:
         """Sort the pending tail into the pending sorted prefix (dropping its dead refs)."""
@@ -997,16 +1002,24 @@ cdef class Table:
         return self._collect(b"", None, True)
 
     def freeze(self):
-        """A view of the table as it is now; later changes of the table do not show in it."""
-        self._ordered()
-        if self.n_pend or self.order_dead:
-            self._merge_all()
-        cdef size_t n = self.n_srt
-        cdef uint32_t* refs = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
-        if refs == NULL:
-            raise MemoryError()
-        if n:
-            memcpy(refs, self.srt, n * sizeof(uint32_t))
+        """A view of the table as it is now; later changes of the table do not show in it.
+
+        A table that keeps an order index copies it; one that keeps none sorts its records for
+        the view alone (a snapshot every few commits does not make the table keep an index)."""
+        cdef size_t n
+        cdef uint32_t* refs
+        if self.has_order:
+            if self.n_pend or self.order_dead:
+                self._merge_all()
+            n = self.n_srt
+            refs = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+            if refs == NULL:
+                raise MemoryError()
+            if n:
+                memcpy(refs, self.srt, n * sizeof(uint32_t))
+        else:
+            n = self.count
+            refs = self._sorted_refs()
         cdef TableView view = TableView.__new__(TableView)
         view.table = self
         view.refs = refs

@@ -685,9 +685,14 @@ def test_a_million_records_take_at_most_1_75_times_their_bytes():
     nat.put_packed(t2, _packed_records(1024, 5000, b"w" * 16), 0, 2)
     assert t2.nbytes <= 1.75 * t2.record_bytes
     assert nat.get_packed(None, t2, FR.encode_list([b"\xff" * 12]), 0) == FR.encode_optional_list([None])
-    # no order index until an ordered call; once made, it costs 4 bytes a record more
+    # no order index until an ordered call; a snapshot's freeze sorts for its view alone
     assert not t2._layout()["order_index"]
     before = t2.nbytes
+    with t2.freeze() as view:
+        first, _ = view.chunk(0, 1 << 16)
+        assert [k for k, _ in first] == sorted(k for k, _ in first) and len(view) == len(t2)
+    assert not t2._layout()["order_index"] and t2.nbytes == before
+    # once an ordered read is made, the index costs 4 bytes a record more
     assert len(t2.scan(b"\x00\x01")) >= 1
     assert t2._layout()["order_index"]
     assert before < t2.nbytes <= before + 4.5 * len(t2)

@@ -22,9 +22,10 @@ of ``bytes`` comparison (memcmp, a shorter prefix first).
 ``t.scan(prefix) -> list``
     (key, value | None) for every key starting with ``prefix``, in key order. ``t.keys()`` every
     key in key order.
-    The first ordered call (items, scan, keys, freeze) builds an order index that the table keeps
-    from then on: later ordered calls cost O(log n + matches) and writes keep it up to date in
-    amortized O(1). A table never read in order holds no order index.
+    The first ordered call (items, scan, keys) builds an order index that the table keeps from
+    then on: later ordered calls cost O(log n + matches) and writes keep it up to date in
+    amortized O(1). A table never read in order holds no order index; ``freeze`` on such a table
+    sorts the records for the view alone and leaves the table without one.
 ``t.freeze() -> TableView``
     The table as it is now; the table may go on changing (puts, deletes, ``apply``) without the
     view seeing it. ``len(view)``; ``view.get(key)``; ``view.items(start=b"", stop=None)`` in key
