@@ -472,3 +472,15 @@ async def test_retention_batches_its_cleanups_and_keeps_the_window(make_daemon, 
     versions = sorted(int(p.name.split("_")[0]) for p in folder.iterdir() if not p.name.startswith("."))
     assert set(range(40 - 16 + 1, 41)) <= set(versions)  # the whole window is there
     assert min(versions) > 40 - 16 - 16 // 4 - 2  # and little more: a quarter window and a snapshot interval
+
+
+def test_the_daemon_makes_malloc_return_large_freed_blocks():
+    # glibc's default moves its mmap threshold up as mapped blocks are freed, after which freed
+    # tables and payloads stay resident; the daemon fixes the threshold at start (daemon.server.run)
+    import platform
+
+    from statestore_async.daemon.server import return_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert return_freed_memory() is True

@@ -3,7 +3,7 @@
 They define the behaviour; tests check the compiled twins against them on random inputs.
 
 The type aliases below are shared by the twins' signatures and their facades (``codecs``,
-``engine.overlay``); they exist for type checkers only (import them under ``TYPE_CHECKING``).
+``engine.table``); they exist for type checkers only (import them under ``TYPE_CHECKING``).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Each ``_ext/<name>.pyx`` is built as ``statestore_async._native.<name>`` and has a reference twin
 ``statestore_async._ref.<name>`` with the same functions and the same bytes. A facade module
-(``codecs.blockcodec``, ``engine.overlay``, ...) imports the compiled twin statically and falls
+(``codecs.blockcodec``, ``engine.table``, ...) imports the compiled twin statically and falls
 back to the reference when ``STATESTORE_NO_EXTENSIONS=1`` is set or the compiled one was not built
 (then ``missing`` warns once); type checkers see the reference. Tests load both twins by name.
 """

@@ -816,9 +816,34 @@ async def serve(config: DaemonConfig, *, open_objstore: Callable[[str], ObjectSt
     return 0 if clean else EXIT_NOT_DURABLE
 
 
+# glibc's mallopt parameter and the size from which its malloc maps memory of its own
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 128 << 10
+
+
+def return_freed_memory() -> bool:
+    """Make glibc's malloc give large blocks back to the system as soon as they are freed.
+
+    By default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB),
+    so later tables, payloads and file buffers of a few MiB come from the heap, where freed memory
+    stays resident: the daemon's RSS then drifts far above what its stores hold, and the memory
+    budget would not bound it. A fixed threshold keeps every block of 128 KiB or more mapped on its
+    own and unmapped when freed (and a growing table's arena is moved by ``mremap``, not copied).
+    Nothing happens on a C library without ``mallopt``. True when the setting took."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
 def run(config: DaemonConfig) -> int:
-    """Configure logs, pick the event loop (``config.loop``) and serve until a signal."""
+    """Configure logs and malloc, pick the event loop (``config.loop``) and serve until a signal."""
     configure_logging(config)
+    return_freed_memory()
     if config.loop == "uvloop":
         import uvloop
 
