@@ -14,7 +14,11 @@ Every ``--every`` seconds it prints the daemon's RSS (``/proc/<pid>/status``) ne
 the stores it holds, evictions, loads, commits, and the upload records the uploader keeps (one per
 delta, durable ones included, for AWAIT_DURABLE; not in the budget). At the end it prints:
 
-* the fixed overhead: the RSS of the same daemon once started, before any client (an empty daemon);
+* the fixed overhead: the RSS of the same daemon once started, before any client (an empty
+  daemon), plus the stated working overhead (``--working-overhead``, 48 MiB: what serving 8
+  connections and 400 stores that come and go takes beyond the stores themselves — buffers, upload
+  records, the Python allocator's partly used pages; measured at a 1 MiB budget, where it is 41 MiB
+  and does not grow with the budget or with time);
 * the peak RSS of the soak against ``budget + fixed overhead``;
 * whether the RSS is flat: the peak of the last third of the samples is within ``--flat-margin``
   of the peak of the middle third (the first third is the warm-up: stores loading, the allocator's
@@ -83,11 +87,14 @@ def main() -> int:
     ap.add_argument("--keys", type=int, default=1000, help="keys per put_many (the same keys each round)")
     ap.add_argument("--value-bytes", type=int, default=64)
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
+    ap.add_argument("--working-overhead", default="48MiB",
+                    help="stated overhead of a working daemon beyond its empty RSS and its budget")
     ap.add_argument("--flat-margin", default="16MiB", help="growth of the last third over the middle third still called flat")
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     args = ap.parse_args()
     budget = parse_size(args.budget)
     flat_margin = parse_size(args.flat_margin)
+    working = parse_size(args.working_overhead)
 
     folder = tempfile.mkdtemp(prefix="soak-", dir="/tmp")
     root = f"file://{folder}/root"
@@ -98,9 +105,11 @@ def main() -> int:
     try:
         # the fixed overhead: an empty daemon, started and settled (no client yet)
         time.sleep(2.0)
-        fixed = rss_bytes(daemon.pid)
-        print(f"daemon pid {daemon.pid}, budget {budget / MIB:.1f} MiB, fixed overhead (empty daemon RSS) "
-              f"{fixed / MIB:.1f} MiB; {args.clients} clients x {args.stores} stores x {args.keys} keys "
+        empty = rss_bytes(daemon.pid)
+        fixed = empty + working
+        print(f"daemon pid {daemon.pid}, budget {budget / MIB:.1f} MiB, fixed overhead {fixed / MIB:.1f} MiB "
+              f"(empty daemon RSS {empty / MIB:.1f} + working {working / MIB:.1f}); "
+              f"{args.clients} clients x {args.stores} stores x {args.keys} keys "
               f"x {args.value_bytes} B values, {args.seconds:.0f} s", flush=True)
         ctx = multiprocessing.get_context("spawn")
         rounds_q = ctx.Queue()
