@@ -1,8 +1,9 @@
 """Memory of state held by the daemon, as a ratio to the raw bytes of its keys and values.
 
 A daemon (local-folder root, default settings) gets N records of 12-byte keys (2-byte key group +
-10 bytes) and 16-byte values in one store, in commits of ``--per-commit`` records each (a steady
-stream: the engine's short history of recent commits then holds a small part of the state). After
+10 bytes) and 16-byte values in one store, in commits of 1% of N each (``--per-commit``; a steady
+stream: the engine's short history of recent commits, 4 by default, then holds a small part of the
+state). After
 the last commit is durable and the daemon is idle, its resident memory minus its resident memory
 once it had served one small store (first-request code paths and threads loaded) is the
 state's cost; the ratio to N × 28 bytes is printed.
@@ -101,12 +102,12 @@ def measure(records: int, per_commit: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", default="1000000,10000000", help="comma-separated record counts")
-    ap.add_argument("--per-commit", type=int, default=100_000)
+    ap.add_argument("--per-commit", type=int, default=0, help="records per commit (default: 1%% of the records)")
     args = ap.parse_args()
     print("| records | raw MiB | daemon RSS − empty, MiB | ratio to raw | engine's own count, MiB | load s |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in (int(x) for x in args.records.split(",")):
-        r = measure(n, args.per_commit)
+        r = measure(n, args.per_commit or max(1, n // 100))
         held = r["full"] - r["empty"]
         print(f"| {n:,} | {r['raw'] / 2**20:.1f} | {held / 2**20:.1f} | {held / r['raw']:.2f}× "
               f"| {r['engine'] / 2**20:.1f} | {r['seconds']:.1f} |", flush=True)
