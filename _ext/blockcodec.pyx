@@ -298,13 +298,11 @@ def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, leve
     cdef Py_ssize_t limit = C_MAX_RAW if max_raw_bytes > C_MAX_RAW else <Py_ssize_t>max_raw_bytes
     cdef Py_ssize_t first = start
     cdef Py_ssize_t end = first
-    cdef Py_ssize_t klen, vlen, size, stored_len
+    cdef Py_ssize_t klen, vlen, size
     cdef const unsigned char* kptr
     cdef const unsigned char* vptr
     cdef Writer w
     cdef list keep
-    cdef int used = C_CODEC_NONE
-    cdef unsigned char* p
     cdef bytes block
     w.buf = NULL
     w.len = 0
@@ -325,40 +323,74 @@ def encode_block(records, start=0, max_raw_bytes=1048576, codec=CODEC_ZSTD, leve
             _w_reserve(&w, size)
             _put_record(&w, kptr, klen, vptr, vlen)
             end += 1
-        stored = None
-        if codec == CODEC_ZSTD and w.len > 0:
-            view = PyMemoryView_FromMemory(<char*>w.buf, w.len, PyBUF_READ)
-            try:
-                compressed = _compressor(level).compress(view)
-            finally:
-                view.release()
-            if PyBytes_GET_SIZE(compressed) < w.len:
-                stored = compressed
-                used = C_CODEC_ZSTD
-        if stored is None:
-            stored_len = w.len
-            block = PyBytes_FromStringAndSize(NULL, C_HEADER + stored_len)
-            p = <unsigned char*>PyBytes_AS_STRING(block)
-            if stored_len:
-                memcpy(p + C_HEADER, w.buf, stored_len)
-        else:
-            stored_len = PyBytes_GET_SIZE(stored)
-            block = PyBytes_FromStringAndSize(NULL, C_HEADER + stored_len)
-            p = <unsigned char*>PyBytes_AS_STRING(block)
-            memcpy(p + C_HEADER, PyBytes_AS_STRING(stored), stored_len)
-        p[0] = 0xB1
-        p[1] = 0x0C
-        p[2] = <unsigned char>used
-        p[3] = 0
-        _put_u32(p + 4, <uint32_t>(end - first))
-        _put_u32(p + 8, <uint32_t>w.len)
-        _put_u32(p + 12, <uint32_t>stored_len)
+        block = _make_block(w.buf, w.len, end - first, codec, level)
     finally:
         free(w.buf)
+    return block, end
+
+
+cdef bytes _make_block(const unsigned char* raw, Py_ssize_t raw_len, Py_ssize_t count, int codec, int level):
+    """The block of a raw payload of ``count`` records (arguments checked by the caller)."""
+    cdef int used = C_CODEC_NONE
+    cdef Py_ssize_t stored_len
+    cdef unsigned char* p
+    cdef bytes block
+    stored = None
+    if codec == C_CODEC_ZSTD and raw_len > 0:
+        view = PyMemoryView_FromMemory(<char*>raw, raw_len, PyBUF_READ)
+        try:
+            compressed = _compressor(level).compress(view)  # zstd runs without the GIL
+        finally:
+            view.release()
+        if PyBytes_GET_SIZE(compressed) < raw_len:
+            stored = compressed
+            used = C_CODEC_ZSTD
+    if stored is None:
+        stored_len = raw_len
+        block = PyBytes_FromStringAndSize(NULL, C_HEADER + stored_len)
+        p = <unsigned char*>PyBytes_AS_STRING(block)
+        if stored_len:
+            memcpy(p + C_HEADER, raw, stored_len)
+    else:
+        stored_len = PyBytes_GET_SIZE(stored)
+        block = PyBytes_FromStringAndSize(NULL, C_HEADER + stored_len)
+        p = <unsigned char*>PyBytes_AS_STRING(block)
+        memcpy(p + C_HEADER, PyBytes_AS_STRING(stored), stored_len)
+    p[0] = 0xB1
+    p[1] = 0x0C
+    p[2] = <unsigned char>used
+    p[3] = 0
+    _put_u32(p + 4, <uint32_t>count)
+    _put_u32(p + 8, <uint32_t>raw_len)
+    _put_u32(p + 12, <uint32_t>stored_len)
     cdef uint64_t checksum = _checksum(p, stored_len)
     _put_u32(p + 16, <uint32_t>checksum)
     _put_u32(p + 20, <uint32_t>(checksum >> 32))
-    return block, end
+    return block
+
+
+def encode_payload_block(payload, count, codec=CODEC_ZSTD, level=3):
+    """See ``statestore_async._ref.blockcodec.encode_payload_block``."""
+    count = _check_int("count", count)
+    codec = _check_int("codec", codec)
+    level = _check_int("level", level)
+    if count < 0:
+        raise InterfaceError(f"count must not be negative, got {count}")
+    if codec not in (CODEC_NONE, CODEC_ZSTD):
+        raise InterfaceError(f"unknown codec {codec}")
+    if not MIN_ZSTD_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+        raise InterfaceError(f"zstd level {level} outside {MIN_ZSTD_LEVEL}..{zstandard.MAX_COMPRESSION_LEVEL}")
+    cdef _Buf b = _Buf(payload)
+    if b.size > C_MAX_RAW:
+        raise EncodeError(f"a payload of {b.size} bytes is more than a block holds ({MAX_RAW_LEN})")
+    if count > b.size // 2:  # (before it meets a C integer)
+        raise EncodeError(
+            f"not a payload of {count} records: count {count} impossible in a payload of {b.size} bytes")
+    try:
+        _check_records(b.ptr, b.size, count)
+    except CorruptBlockError as exc:
+        raise EncodeError(f"not a payload of {count} records: {exc}") from None
+    return _make_block(b.ptr, b.size, count, codec, level)
 
 
 cdef uint64_t _checksum(const unsigned char* block, Py_ssize_t stored_len) except? 0:
@@ -540,6 +572,35 @@ cdef list _parse_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_
     if pos != end:
         raise CorruptBlockError(f"{end - pos} bytes left over after the last record")
     return records
+
+
+cdef int _check_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t count) except -1:
+    """What ``_parse_records`` checks (same errors), making no object."""
+    if count > end // 2:
+        raise CorruptBlockError(f"count {count} impossible in a payload of {end} bytes")
+    cdef Py_ssize_t pos = 0
+    cdef Py_ssize_t i
+    cdef uint64_t n
+    cdef unsigned char kind
+    for i in range(count):
+        if pos >= end:
+            raise CorruptBlockError(f"record {i}: truncated at payload offset {pos}")
+        kind = payload[pos]
+        if kind > C_TOMBSTONE:
+            raise CorruptBlockError(f"record {i}: unknown kind {kind} at payload offset {pos}")
+        pos += 1
+        _read_varint(payload, &pos, end, i, "key", &n)
+        if n > <uint64_t>(end - pos):
+            raise CorruptBlockError(f"record {i}: key length {n} beyond payload")
+        pos += <Py_ssize_t>n
+        if kind == C_PUT:
+            _read_varint(payload, &pos, end, i, "value", &n)
+            if n > <uint64_t>(end - pos):
+                raise CorruptBlockError(f"record {i}: value length {n} beyond payload")
+            pos += <Py_ssize_t>n
+    if pos != end:
+        raise CorruptBlockError(f"{end - pos} bytes left over after the last record")
+    return 0
 
 
 def decode_records_raw(payload, count):

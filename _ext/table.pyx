@@ -44,6 +44,7 @@ __all__ = [
     "Table",
     "TableView",
     "apply",
+    "export_view",
     "get_list",
     "get_packed",
     "load_records",
@@ -269,6 +270,137 @@ cdef extern from *:
     enum:
         SSA_TOMB
         SSA_DEAD
+
+
+# --- the export sort (``export_view``): refs in key order, by a counting pass on the key's first two
+# bytes (its key group), then by 16-byte prefixes of the rest; a full compare only on a prefix tie
+cdef extern from *:
+    """
+    typedef struct { uint64_t p0, p1; uint32_t ref; uint32_t pad; } ssa_xent;
+
+    /* 0 for the empty key, then for each first byte b: its 1-byte key, then its 256 two-byte
+       starts — the byte order of keys */
+    #define SSA_XBUCKETS (1 + 256 * 257)
+    static inline uint32_t ssa_xbucket(const uint8_t* k, uint32_t kl) {
+        if (kl == 0) return 0;
+        if (kl == 1) return 1 + (uint32_t)k[0] * 257;
+        return 2 + (uint32_t)k[0] * 257 + k[1];
+    }
+
+    static inline uint64_t ssa_be64(const uint8_t* p) {
+        uint64_t x = 0;
+        for (int i = 0; i < 8; i++) x = (x << 8) | p[i];
+        return x;
+    }
+
+    static inline void ssa_xfill(ssa_xent* e, const uint8_t* arena, uint32_t ref) {
+        uint32_t kl;
+        const uint8_t* k = ssa_key_of(arena, ref, &kl);
+        uint8_t b[16] = {0};
+        size_t m = kl > 2 ? kl - 2 : 0;
+        if (m > 16) m = 16;
+        if (m) memcpy(b, k + 2, m);
+        e->p0 = ssa_be64(b);
+        e->p1 = ssa_be64(b + 8);
+        e->ref = ref;
+        e->pad = 0;
+    }
+
+    static inline int ssa_xlt(const ssa_xent* x, const ssa_xent* y, const uint8_t* arena) {
+        if (x->p0 != y->p0) return x->p0 < y->p0;
+        if (x->p1 != y->p1) return x->p1 < y->p1;
+        return ssa_cmp_refs(arena, x->ref, y->ref) < 0;
+    }
+
+    static void ssa_xsort(ssa_xent* v, size_t n, const uint8_t* arena) {
+        while (n > 16) {
+            size_t m = n / 2, left;
+            ptrdiff_t i = -1, j = (ptrdiff_t)n;
+            ssa_xent t, piv;
+            if (ssa_xlt(&v[m], &v[0], arena)) { t = v[m]; v[m] = v[0]; v[0] = t; }
+            if (ssa_xlt(&v[n - 1], &v[m], arena)) {
+                t = v[n - 1]; v[n - 1] = v[m]; v[m] = t;
+                if (ssa_xlt(&v[m], &v[0], arena)) { t = v[m]; v[m] = v[0]; v[0] = t; }
+            }
+            piv = v[m];
+            for (;;) {
+                do { i++; } while (ssa_xlt(&v[i], &piv, arena));
+                do { j--; } while (ssa_xlt(&piv, &v[j], arena));
+                if (i >= j) break;
+                t = v[i]; v[i] = v[j]; v[j] = t;
+            }
+            left = (size_t)j + 1;
+            if (left < n - left) { ssa_xsort(v, left, arena); v += left; n -= left; }
+            else { ssa_xsort(v + left, n - left, arena); n = left; }
+        }
+        for (size_t a = 1; a < n; a++) {
+            ssa_xent t = v[a];
+            size_t b = a;
+            while (b > 0 && ssa_xlt(&t, &v[b - 1], arena)) { v[b] = v[b - 1]; b--; }
+            v[b] = t;
+        }
+    }
+
+    static inline int ssa_clz64(uint64_t x) {  /* x != 0 */
+    #if defined(__GNUC__)
+        return __builtin_clzll(x);
+    #else
+        int n = 0;
+        while (!(x & 0x8000000000000000ULL)) { x <<= 1; n++; }
+        return n;
+    #endif
+    }
+
+    static inline void ssa_prefetch(const void* p) {
+    #if defined(__GNUC__)
+        __builtin_prefetch(p);
+    #endif
+    }
+
+    /* Sort n entries whose keys share their first two bytes: most significant differing prefix
+       byte first (a counting pass per byte, tmp holding n entries), insertion sort for a few,
+       the comparison sort when the 16-byte prefixes all tie. */
+    static void ssa_xradix(ssa_xent* v, ssa_xent* tmp, size_t n, const uint8_t* arena) {
+        if (n <= 24) {
+            for (size_t a = 1; a < n; a++) {
+                ssa_xent t = v[a];
+                size_t b = a;
+                while (b > 0 && ssa_xlt(&t, &v[b - 1], arena)) { v[b] = v[b - 1]; b--; }
+                v[b] = t;
+            }
+            return;
+        }
+        uint64_t d0 = 0, d1 = 0, x0 = v[0].p0, x1 = v[0].p1;
+        size_t i;
+        for (i = 1; i < n; i++) { d0 |= v[i].p0 ^ x0; d1 |= v[i].p1 ^ x1; }
+        int word, shift;
+        if (d0) { word = 0; shift = 56 - (ssa_clz64(d0) & ~7); }
+        else if (d1) { word = 1; shift = 56 - (ssa_clz64(d1) & ~7); }
+        else { ssa_xsort(v, n, arena); return; }
+        size_t cnt[257];
+        memset(cnt, 0, sizeof(cnt));
+        for (i = 0; i < n; i++) cnt[(((word ? v[i].p1 : v[i].p0) >> shift) & 0xFF) + 1]++;
+        for (i = 0; i < 256; i++) cnt[i + 1] += cnt[i];
+        for (i = 0; i < n; i++) tmp[cnt[((word ? v[i].p1 : v[i].p0) >> shift) & 0xFF]++] = v[i];
+        memcpy(v, tmp, n * sizeof(ssa_xent));
+        size_t start = 0;  /* cnt[b] is now the end of byte value b's entries */
+        for (i = 0; i < 256; i++) {
+            if (cnt[i] - start > 1) ssa_xradix(v + start, tmp + start, cnt[i] - start, arena);
+            start = cnt[i];
+        }
+    }
+    """
+    ctypedef struct ssa_xent:
+        uint32_t ref
+    enum:
+        SSA_XBUCKETS
+    uint32_t ssa_xbucket(const uint8_t* k, uint32_t kl) noexcept nogil
+    void ssa_xfill(ssa_xent* e, const uint8_t* arena, uint32_t ref) noexcept nogil
+    void ssa_xsort(ssa_xent* v, size_t n, const uint8_t* arena) noexcept nogil
+    void ssa_xradix(ssa_xent* v, ssa_xent* tmp, size_t n, const uint8_t* arena) noexcept nogil
+    void ssa_prefetch(const void* p) noexcept nogil
+    size_t ssa_vsize(uint32_t x) noexcept nogil
+    uint8_t* ssa_wvar(uint8_t* q, uint32_t x) noexcept nogil
 
 
 cdef uint32_t _NONE = 0xFFFFFFFF
@@ -1184,6 +1316,68 @@ cdef class TableView:
             i += 1
         return out, i
 
+    def chunk_packed(self, pos, max_bytes):
+        """See ``statestore_async._ref.table.TableView.chunk_packed``: the records from index
+        ``pos`` as one ``blockcodec`` payload, written straight from the arena."""
+        self._live()
+        if type(pos) is not int or pos < 0:
+            raise InterfaceError(f"a chunk starts at an index >= 0, got {pos!r}")
+        if type(max_bytes) is not int:
+            raise InterfaceError(f"max_bytes is an int, got {type(max_bytes).__name__}")
+        if pos >= self.n:
+            return b"", pos, 0, 0
+        cdef long long budget = max_bytes if -(1 << 62) < max_bytes < (1 << 62) else (
+            (1 << 62) if max_bytes > 0 else -(1 << 62))
+        cdef Table t = self.table
+        cdef const uint8_t* arena = t.arena
+        cdef const uint32_t* refs = self.refs
+        cdef size_t first = pos, i = first, n = self.n, j
+        cdef long long size = 0, s
+        cdef const uint8_t* p
+        cdef const uint8_t* k
+        cdef uint32_t kl, vl, kg, lo = 0xFFFF, hi = 0
+        # Two passes over the records in key order (their arena places prefetched well ahead: the
+        # records lie in write order), their sizes, then the payload, each record as a block holds
+        # it: kind (0 put, 1 tombstone), varint key length, key, and for a put varint value length,
+        # value
+        while i < n:
+            if i + 64 < n:
+                ssa_prefetch(arena + (<size_t>refs[i + 64] << 2))
+            p = arena + (<size_t>refs[i] << 2)
+            ssa_rec(p, &kl, &vl)
+            s = 1 + <long long>ssa_vsize(kl) + kl
+            if not (p[0] & SSA_TOMB):
+                s += <long long>ssa_vsize(vl) + vl
+            if i > first and size + s > budget:
+                break
+            size += s
+            i += 1
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>size)
+        cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+        for j in range(first, i):
+            if j + 64 < i:
+                ssa_prefetch(arena + (<size_t>refs[j + 64] << 2))
+            p = arena + (<size_t>refs[j] << 2)
+            k = ssa_rec(p, &kl, &vl)
+            kg = ((<uint32_t>k[0]) << 8) | k[1] if kl >= 2 else 0
+            if kg < lo:
+                lo = kg
+            if kg > hi:
+                hi = kg
+            if p[0] & SSA_TOMB:
+                o[0] = 1
+                o = ssa_wvar(o + 1, kl)
+                memcpy(o, k, kl)
+                o += kl
+            else:
+                o[0] = 0
+                o = ssa_wvar(o + 1, kl)
+                memcpy(o, k, kl)
+                o = ssa_wvar(o + kl, vl)
+                memcpy(o, k + kl, vl)
+                o += vl
+        return out, i, lo, hi
+
     def release(self):
         """Let go of the frozen records (idempotent): the table may reclaim garbage again."""
         self._release()
@@ -1584,3 +1778,91 @@ def load_records(Table table not None, records):
     table.version += 1
     table._trim_arena()
     table._tidy()
+
+
+# --- export (checkpoint files) ----------------------------------------------------------------------
+cdef uint32_t* _export_refs(Table t) except NULL:
+    """A new malloc'd array of the refs of every live record of t (``count`` of them), in key order:
+    a counting pass by bucket (the key's first two bytes), then each bucket sorted by 16-byte
+    prefixes of the rest of its keys (a full compare only when two prefixes tie)."""
+    cdef size_t n = t.count, off, size, seen, b, start, cnt, i, big
+    cdef ssa_xent* tmp = NULL
+    cdef uint32_t* hist = <uint32_t*>calloc(SSA_XBUCKETS + 1, sizeof(uint32_t))
+    if hist == NULL:
+        raise MemoryError()
+    cdef ssa_xent* ent = <ssa_xent*>malloc((n + 1) * sizeof(ssa_xent))
+    cdef uint32_t* out = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
+    if ent == NULL or out == NULL:
+        free(hist)
+        free(ent)
+        free(out)
+        raise MemoryError()
+    cdef const uint8_t* arena = t.arena
+    cdef const uint8_t* p
+    cdef const uint8_t* k
+    cdef uint32_t kl, vl, ref
+    try:
+        off = seen = 0
+        while off < t.used:
+            p = arena + off
+            k = ssa_rec(p, &kl, &vl)
+            if not (p[0] & SSA_DEAD):
+                hist[ssa_xbucket(k, kl) + 1] += 1
+                seen += 1
+            off += (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
+        if seen != n or off != t.used:
+            raise SystemError(f"table export: {seen} live records for {n} entries")
+        for b in range(<size_t>SSA_XBUCKETS):  # hist[b] becomes the start of bucket b
+            hist[b + 1] += hist[b]
+        off = 0
+        while off < t.used:
+            p = arena + off
+            k = ssa_rec(p, &kl, &vl)
+            if not (p[0] & SSA_DEAD):
+                ref = <uint32_t>(off >> 2)
+                b = ssa_xbucket(k, kl)
+                ssa_xfill(&ent[hist[b]], arena, ref)
+                hist[b] += 1
+            off += (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
+        # now hist[b] is the end of bucket b (the start of b + 1)
+        start = big = 0
+        for b in range(<size_t>SSA_XBUCKETS):
+            if hist[b] - start > big:
+                big = hist[b] - start
+            start = hist[b]
+        tmp = <ssa_xent*>malloc((big + 1) * sizeof(ssa_xent))
+        if tmp == NULL:
+            raise MemoryError()
+        start = 0
+        for b in range(<size_t>SSA_XBUCKETS):
+            cnt = hist[b] - start
+            if cnt > 1:
+                ssa_xradix(ent + start, tmp, cnt, arena)
+            start = hist[b]
+        for i in range(n):
+            out[i] = ent[i].ref
+    except BaseException:
+        free(out)
+        raise
+    finally:
+        free(hist)
+        free(ent)
+        free(tmp)
+    return out
+
+
+def export_view(Table table not None):
+    """See ``statestore_async._ref.table.export_view``."""
+    cdef size_t n
+    cdef uint32_t* refs
+    if table.has_order:
+        return table.freeze()
+    n = table.count
+    refs = _export_refs(table)
+    cdef TableView view = TableView.__new__(TableView)
+    view.table = table
+    view.refs = refs
+    view.n = n
+    table.n_views += 1
+    table.view_bytes += (n + 1) * sizeof(uint32_t)
+    return view

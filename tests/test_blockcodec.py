@@ -355,3 +355,53 @@ def test_garbage_payloads_agree(payload, count, which):
 def test_garbage_blocks_agree(data):
     assert outcome(NATIVE.decode_block, data) == outcome(REF.decode_block, data)
     assert outcome(NATIVE.decode_block, b"\xb1\x0c" + data) == outcome(REF.decode_block, b"\xb1\x0c" + data)
+
+
+# --- blocks of already encoded payloads --------------------------------------------------------------
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(records=records_st, which=st.sampled_from([0, 1]), level=st.integers(-5, 9))
+def test_payload_block_is_the_block_of_its_records(records, which, level):
+    """encode_payload_block(encode_records_raw(records)) is encode_block(records) byte for byte, in
+    both twins, for any records (empty too), codec and level."""
+    want, nxt = REF.encode_block(records, 0, 1 << 28, which, level)
+    assert nxt == len(records)
+    payload = REF.encode_records_raw(records)
+    impls = [REF] if NATIVE is None else [REF, NATIVE]
+    for m in impls:
+        for buf in (payload, bytearray(payload), memoryview(payload)):
+            assert m.encode_payload_block(buf, len(records), which, level) == want
+    assert REF.decode_block(want) == (normalized(records), len(want))
+
+
+def test_payload_block_defaults_and_bounds(codec):
+    records = [(b"\x00\x01key", b"v" * 50)] * 40
+    payload = codec.encode_records_raw(records)
+    assert codec.encode_payload_block(payload, 40) == codec.encode_block(records)[0]
+    assert codec.encode_payload_block(b"", 0, codec.CODEC_ZSTD) == codec.encode_block([])[0]
+    with pytest.raises(TypeError):
+        codec.encode_payload_block("text", 0)
+    for args, exc in (((payload, -1), InterfaceError), ((payload, True), InterfaceError), ((payload, 40, 7), InterfaceError),
+                      ((payload, 40, 1, 10**6), InterfaceError), ((payload, "40"), InterfaceError),
+                      ((payload, 39), EncodeError), ((payload, 41), EncodeError), ((payload[:-1], 40), EncodeError),
+                      ((payload, 1 << 70), EncodeError)):
+        with pytest.raises(exc):
+            codec.encode_payload_block(*args)
+
+
+@both
+@settings(max_examples=2000, deadline=None)
+@given(payload=st.binary(max_size=40), count=st.integers(-2, 25), which=st.sampled_from([0, 1]),
+       level=st.integers(-3, 25))
+def test_garbage_payload_blocks_agree(payload, count, which, level):
+    """Any payload and count: the same block or the same error (type and message) from both twins;
+    a block is only ever made of a payload that decodes to exactly ``count`` records."""
+    def run(m):
+        try:
+            return ("ok", m.encode_payload_block(payload, count, which, level))
+        except (EncodeError, InterfaceError) as exc:
+            return (type(exc).__name__, str(exc))
+
+    got = run(NATIVE)
+    assert got == run(REF)
+    if got[0] == "ok":
+        assert REF.decode_block(got[1])[0] == REF.decode_records_raw(payload, count)

@@ -19,6 +19,7 @@ from statestore_async.errors import InterfaceError, KeyFormatError, StateStoreEr
 IMPLS = implementations("table")
 FR = twins.reference("framing")
 OV = twins.reference("overlay")  # the overlay routines define the batch checks' messages
+BC = twins.reference("blockcodec")  # defines the payloads chunk_packed writes
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 native_only = pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
 
@@ -58,6 +59,38 @@ def _model_chunk(items: list, pos: int, max_bytes: int):
         size += s
         i += 1
     return out, i
+
+
+def _model_chunk_packed(items: list, pos: int, max_bytes: int):
+    """TableView.chunk_packed by its definition: blockcodec's records payload of the records that
+    fit ``max_bytes`` of payload (at least one), and their smallest and largest key group."""
+    i = pos
+    size = 0
+    while i < len(items):
+        k, v = items[i]
+        s = len(BC.encode_records_raw([(k, v)]))
+        if i > pos and size + s > max_bytes:
+            break
+        size += s
+        i += 1
+    if i == pos:
+        return b"", pos, 0, 0
+    kgs = [(k[0] << 8) | k[1] if len(k) >= 2 else 0 for k, _ in items[pos:i]]
+    return BC.encode_records_raw(items[pos:i]), i, min(kgs), max(kgs)
+
+
+def _all_packed(view, max_bytes: int) -> tuple[bytes, list]:
+    """Every chunk_packed of a view from 0: the joined payloads, and the (count, lo, hi) of each."""
+    pos, pays, parts = 0, [], []
+    while True:
+        pay, nxt, lo, hi = view.chunk_packed(pos, max_bytes)
+        if nxt == pos:
+            assert (pay, lo, hi) == (b"", 0, 0)
+            return b"".join(pays), parts
+        assert pay
+        pays.append(pay)
+        parts.append((nxt - pos, lo, hi))
+        pos = nxt
 
 
 def _table(tb, model: dict):
@@ -252,6 +285,94 @@ def test_views_after_random_changes(tb, model, changes, chunk):
         got += part
         pos = pos2
     assert got == frozen
+    pos = 0
+    while True:
+        want = _model_chunk_packed(frozen, pos, chunk)
+        assert view.chunk_packed(pos, chunk) == want
+        if want[1] == pos:
+            break
+        pos = want[1]
+    view.release()
+
+
+@SETTINGS
+@given(model=models, changes=st.lists(st.tuples(key_st, opt_value_st), max_size=20),
+       ordered=st.booleans(), max_bytes=st.integers(-5, 400))
+def test_export_view_is_a_frozen_view_in_key_order(tb, model, changes, ordered, max_bytes):
+    t = _table(tb, model)
+    if ordered:  # a table keeping an order index, pending refs and dead records included
+        list(t.items())
+        for k, v in changes[: len(changes) // 2]:
+            t.put(k, v)
+            model[k] = v
+    frozen = _model_items(model)
+    view = tb.export_view(t)
+    for k, v in changes:
+        if v is None and k in model:
+            t.delete(k)
+        else:
+            t.put(k, v)
+    assert len(view) == len(frozen) and list(view.items()) == frozen
+    payload, parts = _all_packed(view, max_bytes)
+    assert payload == BC.encode_records_raw(frozen)
+    pos = 0
+    for count, lo, hi in parts:
+        assert (lo, hi) == _model_chunk_packed(frozen, pos, max_bytes)[2:]
+        assert count == 1 or len(BC.encode_records_raw(frozen[pos:pos + count])) <= max_bytes
+        pos += count
+    view.release()
+    with pytest.raises(StoreStateError):
+        view.chunk_packed(0, 10)
+
+
+def test_chunk_packed_arguments(tb):
+    t = _table(tb, {b"\x01\x02a": b"v", b"\x00": None, b"": b"", b"\xff\xff" + b"k" * 200: b"w" * 300})
+    view = tb.export_view(t)
+    items = list(view.items())
+    assert [k for k, _ in items] == [b"", b"\x00", b"\x01\x02a", b"\xff\xff" + b"k" * 200]
+    assert view.chunk_packed(0, 1 << 20) == (BC.encode_records_raw(items), 4, 0, 0xFFFF)
+    assert view.chunk_packed(1, 0) == (BC.encode_records_raw(items[1:2]), 2, 0, 0)  # at least one
+    assert view.chunk_packed(2, 7) == (BC.encode_records_raw(items[2:3]), 3, 0x0102, 0x0102)
+    assert view.chunk_packed(4, 10) == (b"", 4, 0, 0)
+    assert view.chunk_packed(99, 10) == (b"", 99, 0, 0)
+    for pos, max_bytes in ((-1, 10), (True, 10), (0.5, 10), (0, None), (0, 1.5)):
+        with pytest.raises(InterfaceError):
+            view.chunk_packed(pos, max_bytes)
+    assert view.chunk_packed(0, 1 << 80)[1] == 4 and view.chunk_packed(0, -(1 << 80))[1] == 1
+    view.release()
+
+
+@native_only
+@pytest.mark.parametrize("shape", ["shared-prefixes", "one-bucket", "padded-ties", "random", "dead-records"])
+def test_export_sort_orders_like_bytes(shape):
+    """The compiled export sort (a counting pass on two bytes, then 16-byte prefixes, full compares
+    on ties) on keys made to hit each of its paths: the order of sorted(bytes), as freeze gives."""
+    nat = twins.native("table")
+    rnd = random.Random(shape)
+    if shape == "shared-prefixes":  # 16-byte prefixes tie: only the tails differ
+        keys = {b"\x00\x07" + b"p" * 16 + rnd.randbytes(rnd.choice((0, 1, 3))) for _ in range(3000)}
+    elif shape == "one-bucket":  # one key group: the radix passes do all the work
+        keys = {b"\x12\x34" + rnd.randbytes(rnd.choice((0, 1, 2, 9, 17, 30))) for _ in range(20000)}
+    elif shape == "padded-ties":  # b"ab" < b"ab\0" < b"ab\0\0": equal zero-padded prefixes
+        keys = {b"\x00\x01" + b"a" * a + b"\x00" * z for a in range(20) for z in range(20)}
+        keys |= {b"", b"\x00", b"\x01", b"\xff", b"\x00\x00", b"\xff\xff"}
+    else:
+        keys = {rnd.randbytes(rnd.choice((0, 1, 2, 3, 12, 20))) for _ in range(30000)}
+    t = nat.Table()
+    for k in keys:
+        t.put(k, b"v" * (len(k) % 5) if rnd.random() > 0.1 else None)
+    if shape == "dead-records":
+        for k in rnd.sample(sorted(keys), len(keys) // 3):
+            t.delete(k)
+            keys.discard(k)
+        for k in rnd.sample(sorted(keys), len(keys) // 3):
+            t.put(k, b"longer value " * 3)  # moves the record: a dead one stays behind
+    assert t._layout()["order_index"] is False
+    view = nat.export_view(t)
+    assert t._layout()["order_index"] is False  # the table keeps no order index for it
+    assert [k for k, _ in view.items()] == sorted(keys)
+    with t.freeze() as frozen:
+        assert list(view.items()) == list(frozen.items())
     view.release()
 
 
@@ -511,6 +632,11 @@ class TableMachine(RuleBasedStateMachine):
     def freeze(self):
         self.views.append(([t.freeze() for t in self.tables], _model_items(self.model)))
 
+    @precondition(lambda self: len(self.views) < 4)
+    @rule()
+    def export(self):
+        self.views.append(([m.export_view(t) for m, t in zip(self.mods, self.tables)], _model_items(self.model)))
+
     @precondition(lambda self: self.views)
     @rule(data=st.data())
     def read_view(self, data):
@@ -524,6 +650,7 @@ class TableMachine(RuleBasedStateMachine):
             assert list(v.items()) == frozen
             assert list(v.items(start)) == [kv for kv in frozen if kv[0] >= start]
             assert v.chunk(pos, max_bytes) == _model_chunk(frozen, pos, max_bytes)
+            assert v.chunk_packed(pos, max_bytes) == _model_chunk_packed(frozen, pos, max_bytes)
             assert v.get(probe) == dict(frozen).get(probe)
 
     @precondition(lambda self: self.views)

@@ -213,7 +213,11 @@ def encode_block(
                 break
         _append_record(out, key, value)
         end += 1
-    raw = bytes(out)
+    return _make_block(bytes(out), end - start, codec, level), end
+
+
+def _make_block(raw: bytes, count: int, codec: int, level: int) -> bytes:
+    """The block of a raw payload of ``count`` records (arguments checked by the caller)."""
     stored = raw
     used = CODEC_NONE
     if codec == CODEC_ZSTD and raw:
@@ -221,9 +225,35 @@ def encode_block(
         if len(compressed) < len(raw):
             stored = compressed
             used = CODEC_ZSTD
-    header = _HEADER.pack(MAGIC, used, 0, end - start, len(raw), len(stored))
+    header = _HEADER.pack(MAGIC, used, 0, count, len(raw), len(stored))
     checksum = xxhash.xxh3_64_intdigest(header + stored)
-    return header + _CHECKSUM.pack(checksum) + stored, end
+    return header + _CHECKSUM.pack(checksum) + stored
+
+
+def encode_payload_block(payload: Buffer, count: int, codec: int = CODEC_ZSTD, level: int = 3) -> bytes:
+    """The block holding ``payload``, an already encoded records payload (as ``encode_records_raw``
+    or ``TableView.chunk_packed`` makes it) of exactly ``count`` records: the same bytes as
+    ``encode_block`` of those records gives when they all fit. The payload is checked whole (a
+    malformed one, or one larger than ``MAX_RAW_LEN``, raises ``EncodeError``: a block is never
+    written that would not decode); zstd runs without the GIL in the compiled twin, so blocks can
+    be encoded in parallel threads."""
+    count = _check_int("count", count)
+    codec = _check_int("codec", codec)
+    level = _check_int("level", level)
+    if count < 0:
+        raise InterfaceError(f"count must not be negative, got {count}")
+    if codec not in (CODEC_NONE, CODEC_ZSTD):
+        raise InterfaceError(f"unknown codec {codec}")
+    if not MIN_ZSTD_LEVEL <= level <= zstandard.MAX_COMPRESSION_LEVEL:
+        raise InterfaceError(f"zstd level {level} outside {MIN_ZSTD_LEVEL}..{zstandard.MAX_COMPRESSION_LEVEL}")
+    raw = _as_bytes(payload)
+    if len(raw) > MAX_RAW_LEN:
+        raise EncodeError(f"a payload of {len(raw)} bytes is more than a block holds ({MAX_RAW_LEN})")
+    try:
+        _parse_records(raw, count)
+    except CorruptBlockError as exc:
+        raise EncodeError(f"not a payload of {count} records: {exc}") from None
+    return _make_block(raw, count, codec, level)
 
 
 # --- decoding ------------------------------------------------------------------------------------

@@ -33,6 +33,13 @@ Functions
     zstd, a payload that does not get smaller is stored uncompressed (codec 0 in the header), and
     an empty payload is never compressed. The bytes depend only on the records and arguments.
     Keys and values may be bytes, bytearray or memoryview; anything else raises ``EncodeError``.
+``encode_payload_block(payload, count, codec=CODEC_ZSTD, level=3) -> bytes``
+    The block of an already encoded records payload of exactly ``count`` records (the payload
+    ``encode_records_raw`` gives, or ``engine.table``'s ``TableView.chunk_packed`` writes straight
+    from a table): the same bytes as ``encode_block`` gives for those records when they fit one
+    block. The payload is checked whole first (a malformed one, or one of more than 256 MiB,
+    raises ``EncodeError``: no block is made that would not decode). zstd runs without the GIL,
+    so files encode their blocks in parallel threads (``files.checkpoint``).
 ``decode_block(buf, offset=0) -> (records, offset past the block)``
     Verifies magic, codec, flags, sizes, checksum, the zstd frame and its size, and that the
     payload holds exactly ``count`` well-formed records. Any failure raises ``CorruptBlockError``

@@ -234,6 +234,11 @@ class FrozenView:
         an empty list at the end."""
         return self._live().chunk(pos, max_bytes)  # type: ignore[return-value]
 
+    def chunk_packed(self, pos: int, max_bytes: int) -> tuple[bytes, int, int, int]:
+        """The records from position ``pos`` as one encoded block payload (``TableView.chunk_packed``):
+        ``(payload, next_pos, min_kg, max_kg)``."""
+        return self._live().chunk_packed(pos, max_bytes)
+
     def release(self) -> None:
         """End the view: the table may reclaim what only the view needed, and the view lets go of the store."""
         store, view = self._store, self._view

@@ -36,6 +36,18 @@ of ``bytes`` comparison (memcmp, a shorter prefix first).
     ``InterfaceError``). ``view.release()`` (idempotent; a view is also a context manager): after it
     every read of the view raises ``StoreStateError``. While any view of a table lives, the table
     writes only at the end of its arena; release views when done so that it can reclaim garbage.
+``view.chunk_packed(pos, max_bytes) -> (payload, next_pos, min_kg, max_kg)``
+    The records from index ``pos`` in key order as one ``codecs.blockcodec`` records payload (the
+    bytes of ``blockcodec.encode_records_raw`` of them), written straight from the arena, as many
+    as fit in ``max_bytes`` of payload (at least one when any is left; the rule of
+    ``blockcodec.encode_block``), with the smallest and largest key group (a key's first two bytes,
+    big-endian; 0 for a shorter key) among them; ``(b"", pos, 0, 0)`` at the end. Checkpoint files
+    are written with it (``files.checkpoint``): no Python object per record.
+``export_view(table) -> TableView``
+    A frozen view for writing a table out whole: the records and order of ``table.freeze()``. The
+    compiled twin sorts a table that keeps no order index by a counting pass on the keys' first
+    two bytes (the key group), then by 16-byte key prefixes (a full compare only on ties) — ~5×
+    faster than ``freeze`` at 600k records — and the table keeps no order index afterwards.
 
 Batch routines (the daemon's hot paths: the compiled twin reads request payloads straight into the
 arena and writes answers straight from it, with no Python object per record):

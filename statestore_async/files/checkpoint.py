@@ -12,26 +12,38 @@ File layout (every integer little-endian)::
              {"records": total, "blocks": [[offset, length, count, first_kg, last_kg], ...]}
     trailer  u64 footer offset | u32 footer length | u64 xxh3(footer) | b"SSCE"   (24 bytes)
 
-Snapshot records are ordered by key group (the first two key bytes), so the footer's block index
-tells which byte ranges hold a range of key groups (for a rescale). Delta records are in
-commit order; a tombstone (value None) marks a removed key. A reader checks every checksum, every
-length and that the header names the file it was asked for; any failure raises
-``CorruptFileError`` naming the file — never a wrong value.
+Records are in key order, so key groups (the first two key bytes) ascend through the file and the
+footer's block index (each block's smallest and largest key group) tells which byte ranges hold a
+range of key groups (for a rescale). In a delta a tombstone (value None) marks a removed key.
+Readers do not rely on the order: files written in commit order read the same.
+
+Writing: the records of an engine table are written into block payloads straight from its arena
+(``TableView.chunk_packed``: no Python object per record) and each payload is compressed
+(``blockcodec.encode_payload_block``; zstd runs without the GIL) in a small pool of threads,
+``ENCODE_THREADS`` of them, while the next payload is gathered; blocks are appended in order.
+
+A reader checks every checksum, every length and that the header names the file it was asked
+for; any failure raises ``CorruptFileError`` naming the file — never a wrong value.
 """
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NoReturn, TypeAlias, TypedDict, Unpack
+from typing import TYPE_CHECKING, NoReturn, Protocol, TypeAlias, TypedDict, Unpack
 
 import xxhash
 
 from statestore_async import __version__
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
+from statestore_async.engine import table as _table
 from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import CheckpointRef, StoreId
@@ -101,6 +113,36 @@ class Footer:
 _kg = key_group_or_zero
 
 
+class PackedRecords(Protocol):
+    """Records in key order that write their own block payloads: an engine ``TableView`` or
+    ``FrozenView``."""
+
+    def __len__(self) -> int: ...
+
+    def chunk_packed(self, pos: int, max_bytes: int) -> tuple[bytes, int, int, int]: ...
+
+
+#: Threads that compress the blocks of one file in parallel (zstd runs without the GIL); files share
+#: them. With 1 (or a file of one block) blocks are compressed in the calling thread.
+ENCODE_THREADS = max(1, min(os.cpu_count() or 1, 4))
+_pool_lock = threading.Lock()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that made it, the pool)
+
+
+def _encode_pool() -> ThreadPoolExecutor | None:
+    """The process's pool of block encoders (a forked child makes its own)."""
+    global _pool
+    if ENCODE_THREADS <= 1:
+        return None
+    made = _pool
+    if made is not None and made[0] == os.getpid():
+        return made[1]
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="ssa-encode"))
+        return _pool[1]
+
+
 # ------------------------------------------------------------------------------------------------
 # writing
 # ------------------------------------------------------------------------------------------------
@@ -156,16 +198,71 @@ class CheckpointWriter:
         n = len(records)
         while start < n:
             block, nxt = blockcodec.encode_block(records, start, self._block_bytes, self._codec, self._level)
-            if self.kind == SNAPSHOT:  # sorted by key
-                kgs_first, kgs_last = _kg(records[start][0]), _kg(records[nxt - 1][0])
-            else:
-                kgs_first, kgs_last = blockcodec.key_group_range(records, start, nxt)
-            self._index.append(BlockIndexEntry(self._offset, len(block), nxt - start, kgs_first, kgs_last))
-            self._parts.append(block)
-            self._offset += len(block)
-            self._records += nxt - start
+            kgs_first, kgs_last = blockcodec.key_group_range(records, start, nxt)
+            self.add_block(block, nxt - start, kgs_first, kgs_last)
             start = nxt
             yield
+
+    def add_block(self, block: bytes, count: int, first_kg: int, last_kg: int) -> None:
+        """Append an encoded block of ``count`` records whose key groups span ``first_kg..last_kg``."""
+        self._index.append(BlockIndexEntry(self._offset, len(block), count, first_kg, last_kg))
+        self._parts.append(block)
+        self._offset += len(block)
+        self._records += count
+
+    def _payload_limit(self) -> int:
+        if self._block_bytes < 1:
+            raise InterfaceError(f"max_raw_bytes must be at least 1, got {self._block_bytes}")
+        return min(self._block_bytes, blockcodec.MAX_RAW_LEN)
+
+    def _encode(self, payload: bytes, count: int) -> bytes:
+        return blockcodec.encode_payload_block(payload, count, self._codec, self._level)
+
+    def add_packed_steps(self, records: PackedRecords) -> Iterator[None]:
+        """Encode every record of ``records`` (in its key order) into blocks in this thread,
+        yielding after each block: the same blocks as ``add_records`` of the same records."""
+        if not len(records):
+            return
+        limit = self._payload_limit()
+        pos = 0
+        while True:
+            payload, nxt, lo, hi = records.chunk_packed(pos, limit)
+            if nxt == pos:
+                return
+            self.add_block(self._encode(payload, nxt - pos), nxt - pos, lo, hi)
+            pos = nxt
+            yield
+
+    def add_packed(self, records: PackedRecords, *, threads: bool = True) -> None:
+        """Encode every record of ``records`` (in its key order) into blocks, the same blocks as
+        ``add_records`` of the same records: the payloads are gathered in this thread and, with
+        ``threads`` and more than one block, compressed in the encoding pool meanwhile (a bounded
+        number in flight)."""
+        n = len(records)
+        if not n:
+            return
+        limit = self._payload_limit()
+        pool = _encode_pool() if threads else None
+        pending: deque[tuple[Future[bytes], int, int, int]] = deque()
+        try:
+            pos = 0
+            while pos < n:
+                payload, nxt, lo, hi = records.chunk_packed(pos, limit)
+                count = nxt - pos
+                if pool is None or (pos == 0 and nxt >= n):  # one block: no hand-over
+                    self.add_block(self._encode(payload, count), count, lo, hi)
+                else:
+                    pending.append((pool.submit(self._encode, payload, count), count, lo, hi))
+                    while len(pending) > 2 * ENCODE_THREADS:
+                        fut, c, a, b = pending.popleft()
+                        self.add_block(fut.result(), c, a, b)
+                pos = nxt
+            while pending:
+                fut, c, a, b = pending.popleft()
+                self.add_block(fut.result(), c, a, b)
+        finally:
+            for fut, *_ in pending:  # after a failure: nothing more is needed
+                fut.cancel()
 
     def finish(self) -> bytes:
         """The whole file."""
@@ -187,11 +284,17 @@ class CheckpointWriter:
         return parts
 
 
-def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES) -> bytes:
-    """The delta file of an engine ``Delta``."""
+def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 threads: bool = True) -> bytes:
+    """The delta file of an engine ``Delta``: its records in key order, written straight from its
+    table (``engine.table.export_view``), blocks compressed in parallel threads unless ``threads``
+    is False. The bytes are those of ``CheckpointWriter.add_records(list(delta.records.items()))``."""
     w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
-    for _ in w.add_records(list(delta.records.items())):
-        pass
+    view = _table.export_view(delta.table)
+    try:
+        w.add_packed(view, threads=threads)
+    finally:
+        view.release()
     return w.finish()
 
 
@@ -199,31 +302,23 @@ def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, blo
                    ) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
-    Yields ``None`` after each bounded piece of work — gathering and encoding one block of records
-    in key order (so in key-group order), read straight from the view — so an event loop can serve
-    requests between pieces; then, as the last item, the file as a list of parts (``b"".join``
-    them; a large join releases the GIL, so it can run in a thread).
+    Yields ``None`` after each bounded piece of work — writing one block payload of records in
+    key order (so in key-group order) straight from the view's table and encoding it — so an event
+    loop can serve requests between pieces; then, as the last item, the file as a list of parts
+    (``b"".join`` them; a large join releases the GIL, so it can run in a thread).
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
                          block_bytes=block_bytes)
-    pos = 0
-    while True:
-        # an upper bound of each record's encoded size (tag + two varints + bytes) is counted, so
-        # the gathered records always fit one block
-        block, pos = view.chunk(pos, block_bytes)
-        if not block:
-            break
-        yield from w.add_records(block)
+    yield from w.add_packed_steps(view)
     yield w.finish_parts()
 
 
-def encode_snapshot(view: FrozenView, **kwargs: Unpack[CodecOptions]) -> bytes:
-    """The snapshot file of a frozen engine view, in one call."""
-    parts: list[bytes] = []
-    for item in snapshot_steps(view, **kwargs):
-        if item is not None:
-            parts = item
-    return b"".join(parts)
+def encode_snapshot(view: FrozenView, *, threads: bool = True, **kwargs: Unpack[CodecOptions]) -> bytes:
+    """The snapshot file of a frozen engine view, in one call (the bytes of ``snapshot_steps``),
+    blocks compressed in parallel threads unless ``threads`` is False."""
+    w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, **kwargs)
+    w.add_packed(view, threads=threads)
+    return w.finish()
 
 
 # ------------------------------------------------------------------------------------------------
