@@ -200,6 +200,7 @@ def bench(args) -> None:
     daemon, sock = start_daemon(folder)
     bare, bare_sock = start_bare_server(folder)
     rows = []
+    engine_us: dict[int, float] = {}
     try:
         import pyarrow as pa
     except ImportError:
@@ -259,6 +260,7 @@ def bench(args) -> None:
             else:
                 rd = float("nan")
             rows.append((b, a, c_ops, rd, ar, floor))
+            engine_us[b] = engine_round_us(keys, [v for _, v in items])
         p50, p99 = latencies(lambda: h.get_many(all_keys[:1]), 5000)
         if r is not None:
             rp50, rp99 = latencies(lambda: r.get(all_keys[0]), 5000)
@@ -277,6 +279,38 @@ def bench(args) -> None:
             redis_server.stop()
         shutil.rmtree(folder, ignore_errors=True)
     show(rows, (p50, p99, rp50, rp99, bare_rt))
+    show_engine_share(rows, engine_us)
+
+
+def engine_round_us(keys: list[bytes], values: list[bytes], seconds: float = 1.0) -> float:
+    """µs the daemon's engine work of one (b) round takes in-process: the PUT_MANY payload into an
+    open version's overlay, then the GET_MANY answer for the same keys (``engine.table`` routines,
+    as ``StoreVersion.put_many`` / ``get_many_packed`` call them)."""
+    from statestore_async.engine import table as T
+
+    pairs, klist = framing.encode_pairs(list(zip(keys, values))), framing.encode_list(keys)
+    base, overlay = T.Table(), T.Table()
+    T.put_packed(overlay, pairs, 0, 2)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            T.put_packed(overlay, pairs, 0, 2)
+            T.get_packed(overlay, base, klist, 0)
+        n += 20
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def show_engine_share(rows, engine_us: dict[int, float]) -> None:
+    """The engine's own work per round next to (e)'s whole round: what separates (b) from (e) when
+    nothing else does (the daemon's engine work partly overlaps the client's encoding of its next
+    request, so (b)/(e) can come out a little above ``(e) / ((e) + engine)``)."""
+    for b, _, c, _, _, fl in rows:
+        if b < 1024:
+            continue
+        e_round = 2 * b / fl * 1e6
+        serial = e_round / (e_round + engine_us[b])
+        print(f"  batch {b}: (e) round {e_round:,.0f} µs; the engine's work {engine_us[b]:,.1f} µs in-process "
+              f"({engine_us[b] / e_round:.0%} of it; (e)/((e)+engine) = {serial:.1%}); (b)/(e) measured {c / fl:.1%}")
 
 
 def show(rows, lat) -> None:
