@@ -44,7 +44,6 @@ __all__ = [
     "Table",
     "TableView",
     "apply",
-    "export_view",
     "get_list",
     "get_packed",
     "load_records",
@@ -272,7 +271,7 @@ cdef extern from *:
         SSA_DEAD
 
 
-# --- the export sort (``export_view``): refs in key order, by a counting pass on the key's first two
+# --- the export sort (``Table.freeze``, the order index): refs in key order, by a counting pass on the key's first two
 # bytes (its key group), then by 16-byte prefixes of the rest; a full compare only on a prefix tie
 cdef extern from *:
     """
@@ -834,36 +833,9 @@ cdef class Table:
         return 0
 
     cdef uint32_t* _sorted_refs(self) except NULL:
-        """A new malloc'd array of the refs of every live record (``count`` of them), sorted."""
-        cdef size_t n = self.count, t = 0, off = 0, size
-        cdef ssa_sent* tmp = <ssa_sent*>malloc((n + 1) * sizeof(ssa_sent))
-        if tmp == NULL:
-            raise MemoryError()
-        cdef uint32_t* out = <uint32_t*>malloc((n + 1) * sizeof(uint32_t))
-        if out == NULL:
-            free(tmp)
-            raise MemoryError()
-        cdef uint8_t* p
-        while off < self.used:
-            p = self.arena + off
-            size = ssa_rsize_at(p)
-            if not (p[0] & SSA_DEAD):
-                if t == n:
-                    break
-                tmp[t].ref = <uint32_t>(off >> 2)
-                tmp[t].pfx = ssa_pfx(self.arena, tmp[t].ref)
-                t += 1
-            off += size
-        if t != n or off < self.used:
-            free(tmp)
-            free(out)
-            raise SystemError(f"table order index: {t} live records for {n} entries")
-        ssa_sort(tmp, n, self.arena)
-        cdef size_t i
-        for i in range(n):
-            out[i] = tmp[i].ref
-        free(tmp)
-        return out
+        """A new malloc'd array of the refs of every live record (``count`` of them), sorted (the
+        export sort: a counting pass on the key group, then 16-byte prefixes)."""
+        return _export_refs(self)
 
     cdef int _fold(self) except -1:
         """Sort the pending tail into the pending sorted prefix (dropping its dead refs)."""
@@ -1851,18 +1823,4 @@ cdef uint32_t* _export_refs(Table t) except NULL:
     return out
 
 
-def export_view(Table table not None):
-    """See ``statestore_async._ref.table.export_view``."""
-    cdef size_t n
-    cdef uint32_t* refs
-    if table.has_order:
-        return table.freeze()
-    n = table.count
-    refs = _export_refs(table)
-    cdef TableView view = TableView.__new__(TableView)
-    view.table = table
-    view.refs = refs
-    view.n = n
-    table.n_views += 1
-    table.view_bytes += (n + 1) * sizeof(uint32_t)
-    return view
+

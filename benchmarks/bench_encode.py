@@ -8,7 +8,7 @@ workload W) is encoded by
 * ``old``: what ``files.checkpoint.encode_delta`` did before the packed path — a Python list of
   ``delta.records.items()`` (the table's first ordered read sorts it) fed to
   ``CheckpointWriter.add_records`` (``blockcodec.encode_block``, one thread);
-* ``new``: ``encode_delta`` now — ``engine.table.export_view`` (its own sort), block payloads
+* ``new``: ``encode_delta`` now — ``Table.freeze`` (its sort), block payloads
   written straight from the table (``chunk_packed``), blocks compressed in ``ENCODE_THREADS``
   threads; also with ``threads=False`` and at zstd level 1;
 
@@ -29,7 +29,6 @@ import numpy as np
 import zstandard
 
 from statestore_async.codecs import blockcodec, twins
-from statestore_async.engine import table as table_mod
 from statestore_async.engine.store import VersionedStore
 from statestore_async.files import checkpoint
 from statestore_async.files.names import DELTA, SNAPSHOT
@@ -124,8 +123,8 @@ def main() -> int:
     row("old: level 1", t, len(lv1))
 
     print("  parts of the new path")
-    t, view = best(table_mod.export_view, lambda: fresh_delta(records).table, rep)
-    row("export_view (the sort)", t, len(view))
+    t, view = best(lambda t: t.freeze(), lambda: fresh_delta(records).table, rep)
+    row("freeze (the sort)", t, len(view))
     t, _ = best(lambda d: d.table.freeze(), lambda: fresh_delta(records), rep)
     row("(freeze: the table's own sort, for comparison)", t, 0)
 

@@ -298,7 +298,7 @@ def test_views_after_random_changes(tb, model, changes, chunk):
 @SETTINGS
 @given(model=models, changes=st.lists(st.tuples(key_st, opt_value_st), max_size=20),
        ordered=st.booleans(), max_bytes=st.integers(-5, 400))
-def test_export_view_is_a_frozen_view_in_key_order(tb, model, changes, ordered, max_bytes):
+def test_freeze_gives_a_view_in_key_order(tb, model, changes, ordered, max_bytes):
     t = _table(tb, model)
     if ordered:  # a table keeping an order index, pending refs and dead records included
         list(t.items())
@@ -306,7 +306,7 @@ def test_export_view_is_a_frozen_view_in_key_order(tb, model, changes, ordered, 
             t.put(k, v)
             model[k] = v
     frozen = _model_items(model)
-    view = tb.export_view(t)
+    view = t.freeze()
     for k, v in changes:
         if v is None and k in model:
             t.delete(k)
@@ -327,7 +327,7 @@ def test_export_view_is_a_frozen_view_in_key_order(tb, model, changes, ordered, 
 
 def test_chunk_packed_arguments(tb):
     t = _table(tb, {b"\x01\x02a": b"v", b"\x00": None, b"": b"", b"\xff\xff" + b"k" * 200: b"w" * 300})
-    view = tb.export_view(t)
+    view = t.freeze()
     items = list(view.items())
     assert [k for k, _ in items] == [b"", b"\x00", b"\x01\x02a", b"\xff\xff" + b"k" * 200]
     assert view.chunk_packed(0, 1 << 20) == (BC.encode_records_raw(items), 4, 0, 0xFFFF)
@@ -368,7 +368,7 @@ def test_export_sort_orders_like_bytes(shape):
         for k in rnd.sample(sorted(keys), len(keys) // 3):
             t.put(k, b"longer value " * 3)  # moves the record: a dead one stays behind
     assert t._layout()["order_index"] is False
-    view = nat.export_view(t)
+    view = t.freeze()
     assert t._layout()["order_index"] is False  # the table keeps no order index for it
     assert [k for k, _ in view.items()] == sorted(keys)
     with t.freeze() as frozen:
@@ -635,7 +635,7 @@ class TableMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.views) < 4)
     @rule()
     def export(self):
-        self.views.append(([m.export_view(t) for m, t in zip(self.mods, self.tables)], _model_items(self.model)))
+        self.views.append(([t.freeze() for m, t in zip(self.mods, self.tables)], _model_items(self.model)))
 
     @precondition(lambda self: self.views)
     @rule(data=st.data())

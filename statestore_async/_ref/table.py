@@ -26,7 +26,6 @@ __all__ = [
     "Table",
     "TableView",
     "apply",
-    "export_view",
     "get_list",
     "get_packed",
     "load_records",
@@ -458,10 +457,3 @@ def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | No
 
 
 # --- export (checkpoint files) ----------------------------------------------------------------------
-def export_view(table: Table) -> TableView:
-    """A frozen view of ``table`` for writing it out whole: the same records in the same order as
-    ``table.freeze()`` (the compiled twin sorts a table without an order index by a counting pass on
-    the keys' first two bytes, then by 16-byte key prefixes: much faster than ``freeze`` for large
-    tables, and the table keeps no order index)."""
-    d = table._d
-    return TableView([(k, d[k]) for k in sorted(d)])

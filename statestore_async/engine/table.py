@@ -43,12 +43,6 @@ of ``bytes`` comparison (memcmp, a shorter prefix first).
     ``blockcodec.encode_block``), with the smallest and largest key group (a key's first two bytes,
     big-endian; 0 for a shorter key) among them; ``(b"", pos, 0, 0)`` at the end. Checkpoint files
     are written with it (``files.checkpoint``): no Python object per record.
-``export_view(table) -> TableView``
-    A frozen view for writing a table out whole: the records and order of ``table.freeze()``. The
-    compiled twin sorts a table that keeps no order index by a counting pass on the keys' first
-    two bytes (the key group), then by 16-byte key prefixes (a full compare only on ties) — ~5×
-    faster than ``freeze`` at 600k records — and the table keeps no order index afterwards.
-
 Batch routines (the daemon's hot paths: the compiled twin reads request payloads straight into the
 arena and writes answers straight from it, with no Python object per record):
 

@@ -43,7 +43,6 @@ import xxhash
 from statestore_async import __version__
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
-from statestore_async.engine import table as _table
 from statestore_async.errors import CorruptBlockError, CorruptFileError, InterfaceError
 from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import CheckpointRef, StoreId
@@ -287,10 +286,10 @@ class CheckpointWriter:
 def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
                  threads: bool = True) -> bytes:
     """The delta file of an engine ``Delta``: its records in key order, written straight from its
-    table (``engine.table.export_view``), blocks compressed in parallel threads unless ``threads``
+    table (``Table.freeze``), blocks compressed in parallel threads unless ``threads``
     is False. The bytes are those of ``CheckpointWriter.add_records(list(delta.records.items()))``."""
     w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
-    view = _table.export_view(delta.table)
+    view = delta.table.freeze()
     try:
         w.add_packed(view, threads=threads)
     finally:
