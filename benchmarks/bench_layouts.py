@@ -324,13 +324,10 @@ class TableLayout(Layout):
         return _merge(self.ov.scan(prefix), self.base.scan(prefix))
 
     def export(self, max_bytes):
-        # files.checkpoint's snapshot path since da2e2b5: export_view, then chunk_packed (blockcodec
+        # files.checkpoint's snapshot path since da2e2b5: freeze (export sort), then chunk_packed (blockcodec
         # record payloads written from the arena)
-        export_view = getattr(self.T, "export_view", None)
-        if export_view is None:
-            return None
         t0 = time.perf_counter()
-        view = export_view(self.base)
+        view = self.base.freeze()
         t1 = time.perf_counter()
         pos = nbytes = 0
         while True:
@@ -343,16 +340,52 @@ class TableLayout(Layout):
         return t1 - t0, t2 - t1, nbytes
 
 
+BASELINE_COMMIT = "bea55b6"  # the last commit whose engine was a dict of bytes (engine.overlay)
+
+
 def dict_routines():
-    """Today's compiled dict routines (engine.overlay at bea55b6), with where they came from."""
-    for modname in ("statestore_async._native.overlay", "statestore_async._ref.overlay"):
+    """The dict layout's compiled routines (``engine.overlay`` as of BASELINE_COMMIT), with where
+    they came from. The engine no longer has them: they are built from that commit's
+    ``_ext/overlay.pyx`` (git show + cythonize, into a cache folder) the first time, else the
+    pure-Python twin of that commit is used (far slower: the row then says so)."""
+    import importlib.util
+    import subprocess
+
+    cache = os.path.join(ROOT, ".cache", f"overlay-{BASELINE_COMMIT}")
+    os.makedirs(cache, exist_ok=True)
+
+    def source(path):
+        return subprocess.run(["git", "-C", ROOT, "show", f"{BASELINE_COMMIT}:{path}"], check=True,
+                              capture_output=True).stdout
+
+    built = [f for f in os.listdir(cache) if f.startswith("overlay") and f.endswith(".so")]
+    if not built:
         try:
-            mod = __import__(modname, fromlist=["apply_changes"])
-        except ImportError:
-            continue
-        if all(hasattr(mod, f) for f in ("put_packed", "get_packed", "apply_changes", "group_records", "gather_records")):
-            return mod, modname
-    raise ImportError("neither statestore_async._native.overlay nor _ref.overlay has the dict routines of bea55b6")
+            for path in ("_ext/overlay.pyx", "_ext/_wire.pxd"):
+                with open(os.path.join(cache, os.path.basename(path)), "wb") as f:
+                    f.write(source(path))
+            subprocess.run([sys.executable, "-c",
+                            "from setuptools import setup; from Cython.Build import cythonize; "
+                            "setup(ext_modules=cythonize(['overlay.pyx'], language_level=3, "
+                            "compiler_directives={'boundscheck': False, 'wraparound': False}), "
+                            "script_args=['-q', 'build_ext', '--inplace'])"],
+                           cwd=cache, check=True, capture_output=True)
+            built = [f for f in os.listdir(cache) if f.startswith("overlay") and f.endswith(".so")]
+        except (subprocess.CalledProcessError, OSError) as exc:
+            print(f"(d) dict: could not build {BASELINE_COMMIT}'s overlay.pyx ({exc}); using its Python twin",
+                  file=sys.stderr)
+    if built:
+        spec = importlib.util.spec_from_file_location("overlay", os.path.join(cache, built[0]))
+        where = f"compiled from {BASELINE_COMMIT}:_ext/overlay.pyx"
+    else:
+        ref = os.path.join(cache, "overlay_ref.py")
+        with open(ref, "wb") as f:
+            f.write(source("statestore_async/_ref/overlay.py"))
+        spec = importlib.util.spec_from_file_location("overlay_baseline", ref)
+        where = f"the pure-Python twin of {BASELINE_COMMIT} (slow)"
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, where
 
 
 class DictLayout(Layout):
@@ -361,7 +394,7 @@ class DictLayout(Layout):
     def __init__(self, folder, cache_bytes):
         super().__init__(folder, cache_bytes)
         self.R, src = dict_routines()
-        self.note = f"routines: {src} ({os.path.relpath(getattr(self.R, '__file__', '?'), ROOT)})"
+        self.note = f"routines: {src}"
         self.data: dict[bytes, bytes] = {}
         self.ov = None
         self.views: list = []
@@ -1028,7 +1061,7 @@ def render(results: dict, args, n_budget: int, budget: int, when: str) -> str:
     row("4. commit 1% while the view lives", lambda r: f"{r['commit_frozen_ms']:.1f} ms")
     row(f"4. read the view in order ({CHUNK_BYTES >> 10} KiB chunks)",
         lambda r: f"{r['read_all_s'] * 1e3:.0f} ms ({n / r['read_all_s'] / 1e6:.1f}M rec/s)")
-    row("4. the Table's snapshot path (da2e2b5): export_view / all as encoded payloads (chunk_packed)",
+    row("4. the Table's snapshot path (da2e2b5): freeze (export sort) / all as encoded payloads (chunk_packed)",
         lambda r: f"{r['export_s'] * 1e3:.2f} ms / {r['export_read_s'] * 1e3:.0f} ms")
     row("5. rollback of a 1% commit (median of 3)", lambda r: f"{r['rollback1_ms']:.1f} ms")
     row("5. rollback of the 100% commit", lambda r: f"{r['rollback100_ms']:.0f} ms")
