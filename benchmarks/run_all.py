@@ -17,12 +17,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 FULL = [
     ["bench_foundation.py"],
+    ["bench_layouts.py"],
+    ["bench_encode.py"],
+    ["bench_engine_memory.py"],
     ["bench_daemon.py"],
     ["bench_durability.py"],
     ["bench_spark.py"],
 ]
 QUICK = [
     ["bench_foundation.py", "--keys", "200000", "--codec-rows", "50000"],
+    ["bench_layouts.py", "--quick"],
+    ["bench_encode.py", "--records", "100000"],
+    ["bench_engine_memory.py", "--records", "1000000"],
     ["bench_daemon.py", "--seconds", "0.5", "--batches", "1,128,1024,10000"],
     ["bench_durability.py", "--batches", "50", "--keys", "200000"],
     ["bench_spark.py", "--quick"],
