@@ -18,7 +18,7 @@ from statestore_async.errors import InterfaceError, KeyFormatError, StateStoreEr
 
 IMPLS = implementations("table")
 FR = twins.reference("framing")
-OV = twins.reference("overlay")  # the overlay routines define the batch checks' messages
+REF = twins.reference("table")  # the reference twin defines the batch checks' messages
 BC = twins.reference("blockcodec")  # defines the payloads chunk_packed writes
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 native_only = pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
@@ -429,23 +429,23 @@ def test_bad_batches_raise_as_framing_does_and_change_nothing(tb):
     for buf in bad_pairs:
         got = _outcome(tb.put_packed, t, buf, 0, 2)
         assert got[0] == "DecodeError"
-        assert got == _outcome(OV.put_packed, {}, buf, 0, 2, 0)  # framing's messages (and trailing bytes)
+        assert got == _outcome(REF.put_packed, REF.Table(), buf, 0, 2)  # framing's messages (and trailing bytes)
         if buf != pairs + b"!":
             assert got == _outcome(FR.check_pairs, buf, 0)
     for buf in bad_lists:
         for fn in (lambda b: tb.remove_packed(t, b, 0, 2), lambda b: tb.get_packed(None, t, b, 0)):
             got = _outcome(fn, buf)
             assert got[0] == "DecodeError"
-            assert got == _outcome(OV.remove_packed, {}, buf, 0, 2, 0)
+            assert got == _outcome(REF.remove_packed, REF.Table(), buf, 0, 2)
     # count above max_count, offset outside the buffer
-    for fn, ov_fn, buf in ((lambda b, *a: tb.put_packed(t, b, *a), OV.put_packed, pairs),
-                           (lambda b, *a: tb.remove_packed(t, b, *a), OV.remove_packed, keys)):
+    for fn, ov_fn, buf in ((lambda b, *a: tb.put_packed(t, b, *a), REF.put_packed, pairs),
+                           (lambda b, *a: tb.remove_packed(t, b, *a), REF.remove_packed, keys)):
         got = _outcome(fn, buf, 0, 2, 2)
         assert got == ("DecodeError", got[1]) and "at most 2 allowed" in got[1]
-        assert got == _outcome(ov_fn, {}, buf, 0, 2, 0, 2)
+        assert got == _outcome(ov_fn, REF.Table(), buf, 0, 2, 2)
         for offset in (-1, len(buf) + 1):
-            assert _outcome(fn, buf, offset, 2) == _outcome(ov_fn, {}, buf, offset, 2, 0)
-    assert _outcome(tb.get_packed, None, t, keys, 0, 2) == _outcome(OV.get_packed, {}, {}, keys, 0, 2)
+            assert _outcome(fn, buf, offset, 2) == _outcome(ov_fn, REF.Table(), buf, offset, 2)
+    assert _outcome(tb.get_packed, None, t, keys, 0, 2) == _outcome(REF.get_packed, None, REF.Table(), keys, 0, 2)
     # a short key: KeyFormatError, after the payload checks
     short = FR.encode_pairs([(b"\x00\x01b", b"v"), (b"z", b"v")])
     assert _outcome(tb.put_packed, t, short, 0, 2) == \
@@ -453,17 +453,17 @@ def test_bad_batches_raise_as_framing_does_and_change_nothing(tb):
     assert _outcome(tb.put_packed, t, short + b"!", 0, 2)[0] == "DecodeError"
     assert _outcome(tb.remove_packed, t, FR.encode_list([b"\x00\x01b", b""]), 0, 2) == \
         ("KeyFormatError", "a store key starts with its 2-byte key group, got 0 bytes")
-    # Python batches: the overlay routines' checks and messages
+    # Python batches: the reference twin's checks and messages
     for bad in ([(b"\x00\x01b", b"v"), (b"x", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c", "str")],
                 [(b"\x00\x01b", b"v"), ("str", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c",)],
                 [(b"\x00\x01b", b"v"), 5], [(b"\x00\x01b", b"v"), (b"\x00\x01c", None)]):
         got = _outcome(tb.put_items, t, bad, 2)
         assert got[0] in ("KeyFormatError", "InterfaceError")
-        assert got == _outcome(OV.put_items, {}, bad, 2, 0)
+        assert got == _outcome(REF.put_items, REF.Table(), bad, 2)
     for bad in ([b"\x00\x01a", b"z"], [b"\x00\x01a", "str"], [b"\x00\x01a", None]):
         got = _outcome(tb.remove_keys, t, bad, 2)
         assert got[0] == "KeyFormatError"
-        assert got == _outcome(OV.remove_keys, {}, bad, 2, 0)
+        assert got == _outcome(REF.remove_keys, REF.Table(), bad, 2)
     for bad in ([(b"k", b"v"), (b"k2", "str")], [(b"k", b"v"), ("s", None)], [(b"k", None), (b"k",)]):
         assert _outcome(tb.load_records, t, bad)[0] in ("KeyFormatError", "InterfaceError")
     _check(t, start)
