@@ -205,7 +205,9 @@ cdef extern from *:
         return arena[(size_t)ref << 2] & SSA_DEAD;
     }
 
-    /* --- sorting refs by key: (first 8 key bytes big-endian, ref) entries ---------------------- */
+    /* --- sorting a few refs by key: (first 8 key bytes big-endian, ref) entries. The pending run
+       of the order index (refs of any key groups, usually few) is sorted with this comparison sort;
+       whole tables are sorted by the bucketed radix sort further down (_export_refs). ---------- */
     typedef struct { uint64_t pfx; uint32_t ref; uint32_t pad; } ssa_sent;
 
     static inline uint64_t ssa_pfx(const uint8_t* arena, uint32_t ref) {

@@ -66,6 +66,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np
 
 from statestore_async.codecs import framing
+from statestore_async.engine.store import merge_ordered
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,22 +187,9 @@ def drop_page_cache(path: str) -> None:
 # the adapter: what engine.store needs of its data
 # --------------------------------------------------------------------------------------------------
 def _merge(changes, base):
-    """Key-ordered union of two key-ordered (key, value|None) lists, ``changes`` winning; None hides."""
-    out = []
-    i = j = 0
-    nc, nb = len(changes), len(base)
-    while i < nc or j < nb:
-        if j >= nb or (i < nc and changes[i][0] <= base[j][0]):
-            k, v = changes[i]
-            i += 1
-            if j < nb and base[j][0] == k:
-                j += 1
-        else:
-            k, v = base[j]
-            j += 1
-        if v is not None:
-            out.append((k, v))
-    return out
+    """Key-ordered union of two key-ordered (key, value|None) lists, ``changes`` winning; None
+    hides (the engine's own merge, ``StoreVersion.scan``'s)."""
+    return list(merge_ordered(changes, base))
 
 
 def _decode_pairs_checked(buf, offset):

@@ -30,7 +30,6 @@ from statestore_async.engine import table as _table
 from statestore_async.engine.table import Table, TableView
 from statestore_async.errors import (
     InterfaceError,
-    KeyFormatError,
     StoreStateError,
     VersionNotFoundError,
     WriterConflictError,
@@ -159,25 +158,6 @@ class _Commit:
     @property
     def nbytes(self) -> int:
         return (self.undo.nbytes if self.undo is not None else 0) + (self.redo.nbytes if self.redo is not None else 0)
-
-
-def _check_key(key: object) -> bytes:
-    if type(key) is not bytes:
-        if isinstance(key, (bytearray, memoryview)):
-            key = bytes(key)
-        else:
-            raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
-    if len(key) < KEY_GROUP_BYTES:
-        raise KeyFormatError(f"a store key starts with its {KEY_GROUP_BYTES}-byte key group, got {len(key)} bytes")
-    return key
-
-
-def _check_value(value: object) -> bytes:
-    if type(value) is not bytes:
-        if isinstance(value, (bytearray, memoryview)):
-            return bytes(value)
-        raise InterfaceError(f"values are bytes, got {type(value).__name__}")
-    return value
 
 
 def table_of(records: Mapping[bytes, bytes | None] | Iterable[tuple[bytes, bytes | None]]) -> Table:
@@ -584,7 +564,7 @@ class StoreVersion:
         key order. Costs O(log n + matches) (the tables keep an order index once scanned)."""
         self._check_updating("scan")
         prefix = bytes(prefix)
-        return _merge(self._overlay.scan(prefix), self._base.scan(prefix))
+        return merge_ordered(self._overlay.scan(prefix), self._base.scan(prefix))
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         return self.scan(b"")
@@ -603,7 +583,7 @@ class StoreVersion:
     # --- writes -------------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes) -> None:
         self._check_updating("put to")
-        self._overlay.put(_check_key(key), _check_value(value))
+        _table.put_items(self._overlay, ((key, value),), KEY_GROUP_BYTES)
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
         """Put every (key, value); all are checked before any is applied.
@@ -618,7 +598,7 @@ class StoreVersion:
 
     def remove(self, key: bytes) -> None:
         self._check_updating("remove from")
-        self._overlay.put(_check_key(key), None)
+        _table.remove_keys(self._overlay, (key,), KEY_GROUP_BYTES)
 
     def remove_many(self, keys: Iterable[bytes]) -> None:
         """Remove every key (a tombstone each); all are checked before any is applied."""
@@ -671,7 +651,8 @@ class StoreVersion:
 _EMPTY = Table()
 
 
-def _merge(changes: list[tuple[bytes, bytes | None]], base: list[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, bytes]]:
+def merge_ordered(changes: list[tuple[bytes, bytes | None]],
+                  base: list[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, bytes]]:
     """The key-ordered union of two key-ordered lists, ``changes`` winning on equal keys; a None
     value (a tombstone) hides the key."""
     i = j = 0
