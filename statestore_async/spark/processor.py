@@ -43,12 +43,15 @@ from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from statestore_async.codecs import valuecodec
 from statestore_async.errors import InterfaceError, StateDeclarationError
 from statestore_async.ids import _check_name
 
 VALUE, LIST, MAP, VECTORIZED = "value", "list", "map", "vectorized"
-_DELETE = object()  # a pending removal
+_PUT, _DEL = 1, 2  # what a batch did to a key's value (``_StateVar._dirty``)
 # a ttl_seconds this large (1000 days) was most likely meant in milliseconds
 TTL_SECONDS_WARN = 86_400 * 1000
 # a declaration: {"kind": VALUE | LIST | MAP | VECTORIZED, "ttl": whether values carry an expiry}
@@ -97,80 +100,107 @@ def _human(seconds: float) -> str:
     return f"{seconds:.3g} seconds"
 
 
+class _Unbound:
+    """A state variable's per-key slots outside ``handle_rows`` (before the first key, after the
+    last): any read or write raises, so ``get``/``update`` need no check of their own."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, i: int) -> Any:
+        raise InterfaceError(f"state {self.name!r} is used outside handle_rows")
+
+    def __setitem__(self, i: int, value: Any) -> None:
+        self.__getitem__(i)
+
+
 class _StateVar:
-    """A state variable bound to the current key (set by the runtime before each ``handle_rows``)."""
+    """A state variable bound to the current key (the runtime sets ``_i`` before each ``handle_rows``).
+
+    The batch's values are decoded up front, in one call (``_begin``): ``_cur[i]`` is key ``i``'s
+    current value (None: absent, expired or cleared) and ``_dirty[i]`` says what this batch did to
+    it (``_PUT``, ``_DEL`` or nothing), so a read or a write is two subscripts, no dict, no decode.
+    """
 
     kind = ""
 
     def __init__(self, name: str, ttl_ms: int | None):
         self.name = name
         self.ttl_ms = ttl_ms
-        self._raw: list = []         # encoded value per key of the batch (bytes | None)
-        self._cache: dict = {}       # key index -> decoded value (or None: absent)
-        self._writes: dict = {}      # key index -> new value, or _DELETE
-        self._expired: set = set()   # key indexes whose stored value was found expired
+        self._unbound = _Unbound(name)
+        self._cur: Any = self._unbound       # key index -> current value (None: absent), list while bound
+        self._dirty: Any = self._unbound     # key index -> _PUT / _DEL / 0, a bytearray while bound
+        self._had: Any = None                # numpy bool per key: a value is stored (expired or not)
+        self._expired: Any = None            # numpy bool per key: the stored value is past its expiry
+        self._values: list = []              # the batch's values (``_cur`` once the last key is done)
+        self._written = bytearray()
         self._i = -1
         self._now = 0
 
     # -- runtime side --
-    def _begin(self, raw: list, now_ms: int) -> None:
-        self._raw, self._cache, self._writes, self._expired, self._now = raw, {}, {}, set(), now_ms
+    def _begin(self, raw: pa.Array, now_ms: int) -> None:
+        """Bind the batch: ``raw`` (an Arrow binary array) is every key's stored value (null: absent).
+        Decodes them all in one call; a TTL'd value past its expiry reads as absent."""
+        n = len(raw)
+        self._now = now_ms
+        had = raw.is_valid().to_numpy(zero_copy_only=False) if raw.null_count else np.ones(n, bool)
+        present = (raw.drop_null() if raw.null_count else raw).to_pylist()
+        decoded = valuecodec.decode_rows(present) if present else []
+        expired = None
+        if self.ttl_ms is not None and decoded:
+            now = now_ms
+            live = [e > now for e, _ in decoded]
+            decoded = [v if ok else None for (_, v), ok in zip(decoded, live)]
+            if not all(live):
+                expired = np.zeros(n, bool)
+                expired[np.flatnonzero(had)[~np.array(live, bool)]] = True
+        if len(decoded) == n:
+            cur = decoded
+        else:  # some keys have no value: None in their slots
+            it = iter(decoded)
+            cur = [next(it) if h else None for h in had.tolist()]
+        self._had, self._expired = had, expired
+        self._values, self._written = cur, bytearray(n)
 
-    def _decode(self, i: int):
-        data = self._raw[i]
-        if data is None:
-            return None
-        v = valuecodec.decode_row(data)
-        if self.ttl_ms is not None:
-            expires, v = v
-            if expires <= self._now:
-                self._expired.add(i)
-                return None
-        return v
+    def _bind(self) -> None:
+        """From now on ``_i`` names the key (``handle_rows`` runs)."""
+        self._cur, self._dirty = self._values, self._written
 
-    def _current(self):
-        i = self._i
-        if i in self._writes:
-            v = self._writes[i]
-            return None if v is _DELETE else v
-        if i not in self._cache:
-            self._cache[i] = self._decode(i)
-        return self._cache[i]
+    def _unbind(self) -> None:
+        self._cur = self._dirty = self._unbound
+        self._i = -1
 
-    def _set(self, value) -> None:
-        if self._i < 0:
-            raise InterfaceError(f"state {self.name!r} is used outside handle_rows")
-        self._writes[self._i] = value
-
-    def _mutable(self, empty):
-        """The current key's container, owned by this batch's writes (copied once per key and batch)."""
-        if self._i < 0:
-            raise InterfaceError(f"state {self.name!r} is used outside handle_rows")
-        w = self._writes.get(self._i, None)
-        if w is None or w is _DELETE:
-            cur = self._current()
-            w = type(empty)(cur) if cur is not None else empty
-            self._writes[self._i] = w
-        return w
-
-    def _changes(self, keys: list[bytes]) -> tuple[list, list]:
-        """(puts, removes) for this batch: written values, deletions and expired leftovers."""
-        removes, put_keys, values = [], [], []
-        for i, v in self._writes.items():
-            if v is _DELETE or (self.kind in (LIST, MAP) and not v):
-                if self._raw[i] is not None:
-                    removes.append(keys[i])
-            else:
-                put_keys.append(keys[i])
-                values.append(v)
+    def _changes(self, keys: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
+        """(put keys, put values, removed keys) of this batch — written values, deletions, and expired
+        leftovers — as Arrow arrays; ``keys`` is every key's store key, by index. The values are
+        encoded here, in one call. Unbinds the batch."""
+        cur = self._values
+        dirty = np.frombuffer(self._written, np.uint8)
+        put = dirty == _PUT
+        n_put = int(np.count_nonzero(put))
+        if n_put == len(cur):
+            values = cur
+        else:
+            values = [cur[i] for i in np.flatnonzero(put).tolist()]
+        if self.kind in (LIST, MAP) and not all(values):  # an emptied list or map is removed
+            empty = np.array([not v for v in values], bool)
+            idx = np.flatnonzero(put)
+            dirty = dirty.copy()
+            dirty[idx[empty]] = _DEL
+            put[idx[empty]] = False
+            values = [v for v, e in zip(values, empty.tolist()) if not e]
         if self.ttl_ms is not None:
             expires = self._now + self.ttl_ms
             values = [(expires, v) for v in values]
-        puts = list(zip(put_keys, valuecodec.encode_rows(values)))
-        for i in self._expired:
-            if i not in self._writes:
-                removes.append(keys[i])
-        return puts, removes
+        enc = valuecodec.encode_rows(values)
+        gone = (dirty == _DEL) & self._had
+        if self._expired is not None:
+            gone |= self._expired & (dirty == 0)
+        self._values, self._written, self._had, self._expired = [], bytearray(), None, None  # the batch is done
+        put_keys = keys if len(enc) == len(keys) else keys.filter(pa.array(put))
+        return put_keys, pa.array(enc, pa.binary()), keys.filter(pa.array(gone))
 
     def declaration(self) -> Declaration:
         """What fixes the stored layout of this variable: its kind and whether it has a TTL."""
@@ -178,11 +208,23 @@ class _StateVar:
 
     def exists(self) -> bool:
         """Whether the current key has a (live) value."""
-        return self._current() is not None
+        return self._cur[self._i] is not None
 
     def clear(self) -> None:
         """Remove the current key's value."""
-        self._set(_DELETE)
+        i = self._i
+        self._cur[i] = None
+        self._dirty[i] = _DEL
+
+    def _mutable(self, empty: list | dict) -> Any:
+        """The current key's container, owned by this batch's writes (copied once per key and batch)."""
+        i = self._i
+        cur = self._cur[i]
+        if self._dirty[i] != _PUT or cur is None:
+            cur = type(empty)(cur) if cur is not None else empty
+            self._cur[i] = cur
+            self._dirty[i] = _PUT
+        return cur
 
 
 class ValueState(_StateVar):
@@ -191,12 +233,14 @@ class ValueState(_StateVar):
     kind = VALUE
 
     def get(self):
-        return self._current()
+        return self._cur[self._i]
 
     def update(self, value) -> None:
         if value is None:
             raise InterfaceError(f"ValueState {self.name!r}: use clear() to remove a value, not update(None)")
-        self._set(value)
+        i = self._i
+        self._cur[i] = value
+        self._dirty[i] = _PUT
 
 
 class ListState(_StateVar):
@@ -205,7 +249,7 @@ class ListState(_StateVar):
     kind = LIST
 
     def get(self) -> list:
-        v = self._current()
+        v = self._cur[self._i]
         return list(v) if v is not None else []
 
     def append(self, value) -> None:
@@ -216,7 +260,9 @@ class ListState(_StateVar):
 
     def put(self, values: Iterable) -> None:
         values = list(values)
-        self._set(values if values else _DELETE)
+        i = self._i
+        self._cur[i] = values if values else None
+        self._dirty[i] = _PUT if values else _DEL
 
 
 class MapState(_StateVar):
@@ -229,7 +275,7 @@ class MapState(_StateVar):
     kind = MAP
 
     def _map(self) -> dict:
-        v = self._current()
+        v = self._cur[self._i]
         return v if v is not None else {}
 
     def get(self, key, default=None):
@@ -254,7 +300,7 @@ class MapState(_StateVar):
         m = self._mutable({})
         m.pop(key, None)
         if not m:
-            self._set(_DELETE)
+            self.clear()
 
 
 class StateHandle:
