@@ -17,8 +17,8 @@ delta, durable ones included, for AWAIT_DURABLE; not in the budget). At the end 
 * the fixed overhead: the RSS of the same daemon once started, before any client (an empty
   daemon), plus the stated working overhead (``--working-overhead``, 48 MiB: what serving 8
   connections and 400 stores that come and go takes beyond the stores themselves — buffers, upload
-  records, the Python allocator's partly used pages; measured at a 1 MiB budget, where it is 41 MiB
-  and does not grow with the budget or with time);
+  records, the Python allocator's partly used pages; measured at a 1 MiB budget, where it is 30 MiB,
+  and not growing with the budget);
 * the peak RSS of the soak against ``budget + fixed overhead``;
 * whether the RSS is flat: the peak of the last third of the samples is within ``--flat-margin``
   of the peak of the middle third (the first third is the warm-up: stores loading, the allocator's
