@@ -11,7 +11,8 @@ from their files (snapshots + deltas) when they are opened again.
 
 Every ``--every`` seconds it prints the daemon's RSS (``/proc/<pid>/status``) next to its own count
 (``memory_bytes`` of STATS: the stores; ``queued``: deltas waiting for upload, in the budget too),
-the stores it holds, evictions, loads, commits, and the upload records the uploader keeps (one per
+the stores it holds, evictions, loads, commits, the snapshots written and in progress, and the
+upload records the uploader keeps (one per
 delta, durable ones included, for AWAIT_DURABLE; not in the budget). At the end it prints:
 
 * the fixed overhead: the RSS of the same daemon once started, before any client (an empty
@@ -122,7 +123,7 @@ def main() -> int:
             procs.append(p)
         samples: list[tuple[float, int]] = []
         print(f"{'t (s)':>6} {'RSS MiB':>8} {'counted MiB':>11} {'queued MiB':>10} {'stores':>6} {'evictions':>9} "
-              f"{'loads':>6} {'commits':>8} {'upload records':>14}", flush=True)
+              f"{'loads':>6} {'commits':>8} {'upload records':>14} {'snapshots':>9} {'snap busy':>9}", flush=True)
         with Client(sock, timeout=60) as stats_client:
             next_sample = start + args.every
             while True:
@@ -134,12 +135,13 @@ def main() -> int:
                 except StateStoreError as exc:
                     print(f"STATS failed: {exc}", flush=True)
                     st = {"registry": {}, "uploader": {}}
-                reg, upl = st.get("registry", {}), st.get("uploader", {})
+                reg, upl, mnt = st.get("registry", {}), st.get("uploader", {}), st.get("maintenance", {})
                 samples.append((now - start, rss))
                 print(f"{now - start:6.0f} {rss / MIB:8.1f} {reg.get('memory_bytes', 0) / MIB:11.1f} "
                       f"{upl.get('queued_bytes', 0) / MIB:10.1f} {reg.get('stores', 0):6d} {reg.get('evictions', 0):9d} "
                       f"{reg.get('loads', 0):6d} {upl.get('submitted', 0):8d} "
-                      f"{sum(upl.get('states', {}).values()):14d}", flush=True)
+                      f"{sum(upl.get('states', {}).values()):14d} {mnt.get('snapshots', 0):9d} "
+                      f"{mnt.get('in_progress', 0):9d}", flush=True)
                 next_sample += args.every
                 if now >= stop_at or not any(p.is_alive() for p in procs):
                     break
