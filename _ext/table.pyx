@@ -205,52 +205,6 @@ cdef extern from *:
         return arena[(size_t)ref << 2] & SSA_DEAD;
     }
 
-    /* --- sorting a few refs by key: (first 8 key bytes big-endian, ref) entries. The pending run
-       of the order index (refs of any key groups, usually few) is sorted with this comparison sort;
-       whole tables are sorted by the bucketed radix sort further down (_export_refs). ---------- */
-    typedef struct { uint64_t pfx; uint32_t ref; uint32_t pad; } ssa_sent;
-
-    static inline uint64_t ssa_pfx(const uint8_t* arena, uint32_t ref) {
-        uint32_t kl, i;
-        const uint8_t* k = ssa_key_of(arena, ref, &kl);
-        uint64_t x = 0;
-        for (i = 0; i < 8; i++) x = (x << 8) | (i < kl ? k[i] : 0);
-        return x;
-    }
-
-    static inline int ssa_lt(const ssa_sent* x, const ssa_sent* y, const uint8_t* arena) {
-        if (x->pfx != y->pfx) return x->pfx < y->pfx;
-        return ssa_cmp_refs(arena, x->ref, y->ref) < 0;
-    }
-
-    static void ssa_sort(ssa_sent* v, size_t n, const uint8_t* arena) {
-        while (n > 16) {
-            size_t m = n / 2, left;
-            ptrdiff_t i = -1, j = (ptrdiff_t)n;
-            ssa_sent t, piv;
-            if (ssa_lt(&v[m], &v[0], arena)) { t = v[m]; v[m] = v[0]; v[0] = t; }
-            if (ssa_lt(&v[n - 1], &v[m], arena)) {
-                t = v[n - 1]; v[n - 1] = v[m]; v[m] = t;
-                if (ssa_lt(&v[m], &v[0], arena)) { t = v[m]; v[m] = v[0]; v[0] = t; }
-            }
-            piv = v[m];
-            for (;;) {
-                do { i++; } while (ssa_lt(&v[i], &piv, arena));
-                do { j--; } while (ssa_lt(&piv, &v[j], arena));
-                if (i >= j) break;
-                t = v[i]; v[i] = v[j]; v[j] = t;
-            }
-            left = (size_t)j + 1;
-            if (left < n - left) { ssa_sort(v, left, arena); v += left; n -= left; }
-            else { ssa_sort(v + left, n - left, arena); n = left; }
-        }
-        for (size_t a = 1; a < n; a++) {
-            ssa_sent t = v[a];
-            size_t b = a;
-            while (b > 0 && ssa_lt(&t, &v[b - 1], arena)) { v[b] = v[b - 1]; b--; }
-            v[b] = t;
-        }
-    }
     """
     uint64_t ssa_hash(const uint8_t* p, size_t n) noexcept nogil
     const uint8_t* ssa_rec(const uint8_t* p, uint32_t* kl, uint32_t* vl) noexcept nogil
@@ -263,21 +217,17 @@ cdef extern from *:
     int ssa_cmp_refs(const uint8_t* arena, uint32_t x, uint32_t y) noexcept nogil
     int ssa_cmp_ref_key(const uint8_t* arena, uint32_t x, const uint8_t* k, size_t kl) noexcept nogil
     int ssa_dead(const uint8_t* arena, uint32_t ref) noexcept nogil
-    ctypedef struct ssa_sent:
-        uint64_t pfx
-        uint32_t ref
-    uint64_t ssa_pfx(const uint8_t* arena, uint32_t ref) noexcept nogil
-    void ssa_sort(ssa_sent* v, size_t n, const uint8_t* arena) noexcept nogil
     enum:
         SSA_TOMB
         SSA_DEAD
 
 
-# --- the export sort (``Table.freeze``, the order index): refs in key order, by a counting pass on the key's first two
+# --- the sort of refs by key (``Table.freeze``, the order index and its pending run): refs in key order, by a counting pass on the key's first two
 # bytes (its key group), then by 16-byte prefixes of the rest; a full compare only on a prefix tie
 cdef extern from *:
     """
-    typedef struct { uint64_t p0, p1; uint32_t ref; uint32_t pad; } ssa_xent;
+    /* an entry: the key's bucket (below), the next 16 key bytes big-endian, its ref */
+    typedef struct { uint64_t p0, p1; uint32_t ref; uint32_t bucket; } ssa_xent;
 
     /* 0 for the empty key, then for each first byte b: its 1-byte key, then its 256 two-byte
        starts — the byte order of keys */
@@ -304,10 +254,11 @@ cdef extern from *:
         e->p0 = ssa_be64(b);
         e->p1 = ssa_be64(b + 8);
         e->ref = ref;
-        e->pad = 0;
+        e->bucket = ssa_xbucket(k, kl);
     }
 
     static inline int ssa_xlt(const ssa_xent* x, const ssa_xent* y, const uint8_t* arena) {
+        if (x->bucket != y->bucket) return x->bucket < y->bucket;
         if (x->p0 != y->p0) return x->p0 < y->p0;
         if (x->p1 != y->p1) return x->p1 < y->p1;
         return ssa_cmp_refs(arena, x->ref, y->ref) < 0;
@@ -844,7 +795,7 @@ cdef class Table:
         cdef size_t P = self.pend_sorted, n = self.n_pend, t = 0, x
         if n == P:
             return 0
-        cdef ssa_sent* tmp = <ssa_sent*>malloc((n - P) * sizeof(ssa_sent))
+        cdef ssa_xent* tmp = <ssa_xent*>malloc((n - P) * sizeof(ssa_xent))
         if tmp == NULL:
             raise MemoryError()
         cdef const uint8_t* arena = self.arena
@@ -853,10 +804,9 @@ cdef class Table:
         for x in range(P, n):
             r = pend[x]
             if not ssa_dead(arena, r):
-                tmp[t].ref = r
-                tmp[t].pfx = ssa_pfx(arena, r)
+                ssa_xfill(&tmp[t], arena, r)
                 t += 1
-        ssa_sort(tmp, t, arena)
+        ssa_xsort(tmp, t, arena)
         cdef size_t kept = t
         # merge from the back: each tail ref goes after the prefix refs whose keys are <= its key
         cdef size_t hi = P, k = P + t, lo, h2, mid
