@@ -11,7 +11,7 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
+from _wire cimport payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32, WIRE_HEADER
 
 from statestore_async.errors import DecodeError, EncodeError
 
@@ -292,16 +292,8 @@ def check_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF
     cdef Py_ssize_t pos = payload_start(offset, end, "list")
     cdef const uint8_t* base = &mv[0]
     cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
-    pos += 4
-    cdef uint32_t i, ln
-    for i in range(n):
-        if end - pos < 4:
-            raise DecodeError(f"list: truncated at byte {pos}")
-        ln = _rd32(base + pos)
-        pos += 4
-        if <Py_ssize_t>ln > end - pos:
-            raise DecodeError(f"list: an item of {ln} bytes overruns the buffer at byte {pos}")
-        pos += ln
+    cdef Py_ssize_t unused = -1
+    pos = walk_list(base, pos + 4, end, n, 0, &unused)
     return n, pos
 
 
@@ -312,23 +304,8 @@ def check_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFF
     cdef Py_ssize_t pos = payload_start(offset, end, "pairs")
     cdef const uint8_t* base = &mv[0]
     cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
-    pos += 4
-    cdef uint32_t i, kl, vl
-    for i in range(n):
-        if end - pos < 4:
-            raise DecodeError(f"pairs: truncated at byte {pos}")
-        kl = _rd32(base + pos)
-        pos += 4
-        if <Py_ssize_t>kl > end - pos:
-            raise DecodeError(f"pairs: a key of {kl} bytes overruns the buffer at byte {pos}")
-        pos += kl
-        if end - pos < 4:
-            raise DecodeError(f"pairs: truncated at byte {pos}")
-        vl = _rd32(base + pos)
-        pos += 4
-        if <Py_ssize_t>vl > end - pos:
-            raise DecodeError(f"pairs: a value of {vl} bytes overruns the buffer at byte {pos}")
-        pos += vl
+    cdef Py_ssize_t unused = -1
+    pos = walk_pairs(base, pos + 4, end, n, 0, &unused)
     return n, pos
 
 

@@ -36,7 +36,7 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove
 
-from _wire cimport payload_count, payload_start, rd32 as _rd32, wr32 as _wr32
+from _wire cimport payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
 
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
 
@@ -1353,24 +1353,6 @@ cdef int _trailing(Py_ssize_t pos, Py_ssize_t end, str what) except -1:
     return 0
 
 
-cdef Py_ssize_t _check_list(const uint8_t* base, Py_ssize_t pos, Py_ssize_t end, uint32_t n,
-                            Py_ssize_t min_key, Py_ssize_t* short_key) except -1:
-    """Walk a list of n items from pos (as framing.check_list); the end offset. Sets short_key to the
-    length of the first item shorter than min_key."""
-    cdef uint32_t i, ln
-    for i in range(n):
-        if end - pos < 4:
-            raise DecodeError(f"list: truncated at byte {pos}")
-        ln = _rd32(base + pos)
-        pos += 4
-        if <Py_ssize_t>ln > end - pos:
-            raise DecodeError(f"list: an item of {ln} bytes overruns the buffer at byte {pos}")
-        if ln < min_key and short_key[0] < 0:
-            short_key[0] = ln
-        pos += ln
-    return pos
-
-
 def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
                unsigned long long max_count=0xFFFFFFFF):
     """See ``statestore_async._ref.table.put_packed``."""
@@ -1381,24 +1363,7 @@ def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
     cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
     cdef Py_ssize_t first = pos + 4, short_key = -1
     cdef uint32_t i, kl, vl
-    pos = first
-    for i in range(n):
-        if end - pos < 4:
-            raise DecodeError(f"pairs: truncated at byte {pos}")
-        kl = _rd32(base + pos)
-        pos += 4
-        if <Py_ssize_t>kl > end - pos:
-            raise DecodeError(f"pairs: a key of {kl} bytes overruns the buffer at byte {pos}")
-        if kl < min_key and short_key < 0:
-            short_key = kl
-        pos += kl
-        if end - pos < 4:
-            raise DecodeError(f"pairs: truncated at byte {pos}")
-        vl = _rd32(base + pos)
-        pos += 4
-        if <Py_ssize_t>vl > end - pos:
-            raise DecodeError(f"pairs: a value of {vl} bytes overruns the buffer at byte {pos}")
-        pos += vl
+    pos = walk_pairs(base, first, end, n, min_key, &short_key)
     _trailing(pos, end, "pairs")
     if short_key >= 0:
         raise _key_error(short_key, min_key)
@@ -1425,7 +1390,7 @@ def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_k
     cdef const uint8_t* base = &mv[0]
     cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
     cdef Py_ssize_t first = pos + 4, short_key = -1
-    pos = _check_list(base, first, end, n, min_key, &short_key)
+    pos = walk_list(base, first, end, n, min_key, &short_key)
     _trailing(pos, end, "list")
     if short_key >= 0:
         raise _key_error(short_key, min_key)
@@ -1532,7 +1497,7 @@ def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned lo
     cdef const uint8_t* b = &mv[0]
     cdef uint32_t n = payload_count(b, pos, end, max_count, 4, "list")
     cdef Py_ssize_t first = pos + 4, short_key = -1
-    pos = _check_list(b, first, end, n, 0, &short_key)
+    pos = walk_list(b, first, end, n, 0, &short_key)
     _trailing(pos, end, "list")
     # look every value up (nothing changes the tables meanwhile), sizing the answer
     cdef Found* found = <Found*>malloc((<size_t>n + 1) * sizeof(Found))
