@@ -535,53 +535,27 @@ cdef int _read_varint(const unsigned char* payload, Py_ssize_t* ppos, Py_ssize_t
 
 
 cdef list _parse_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t count):
-    if count > end // 2:
-        raise CorruptBlockError(f"count {count} impossible in a payload of {end} bytes")
-    cdef Py_ssize_t pos = 0
-    cdef Py_ssize_t i
-    cdef uint64_t n
-    cdef unsigned char kind
+    """The ``count`` records of a payload, checked (``CorruptBlockError`` naming the record)."""
     cdef list records = PyList_New(count)
-    for i in range(count):
-        if pos >= end:
-            raise CorruptBlockError(f"record {i}: truncated at payload offset {pos}")
-        kind = payload[pos]
-        if kind > C_TOMBSTONE:
-            raise CorruptBlockError(f"record {i}: unknown kind {kind} at payload offset {pos}")
-        pos += 1
-        _read_varint(payload, &pos, end, i, "key", &n)
-        if n > <uint64_t>(end - pos):
-            raise CorruptBlockError(f"record {i}: key length {n} beyond payload")
-        key = PyBytes_FromStringAndSize(<const char*>payload + pos, <Py_ssize_t>n)
-        pos += <Py_ssize_t>n
-        if kind == C_PUT:
-            _read_varint(payload, &pos, end, i, "value", &n)
-            if n > <uint64_t>(end - pos):
-                raise CorruptBlockError(f"record {i}: value length {n} beyond payload")
-            value = PyBytes_FromStringAndSize(<const char*>payload + pos, <Py_ssize_t>n)
-            pos += <Py_ssize_t>n
-        else:
-            value = None
-        rec = PyTuple_New(2)
-        Py_INCREF(key)
-        PyTuple_SET_ITEM(rec, 0, key)
-        Py_INCREF(value)
-        PyTuple_SET_ITEM(rec, 1, value)
-        Py_INCREF(rec)
-        PyList_SET_ITEM(records, i, rec)
-    if pos != end:
-        raise CorruptBlockError(f"{end - pos} bytes left over after the last record")
+    _walk_records(payload, end, count, records)
     return records
 
 
 cdef int _check_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t count) except -1:
     """What ``_parse_records`` checks (same errors), making no object."""
+    return _walk_records(payload, end, count, None)
+
+
+cdef int _walk_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t count, list records) except -1:
+    """Check the ``count`` records of a payload; put each one into ``records`` unless it is None."""
     if count > end // 2:
         raise CorruptBlockError(f"count {count} impossible in a payload of {end} bytes")
     cdef Py_ssize_t pos = 0
     cdef Py_ssize_t i
     cdef uint64_t n
     cdef unsigned char kind
+    cdef Py_ssize_t kpos, klen, vpos = 0, vlen = 0
+    cdef bint build = records is not None
     for i in range(count):
         if pos >= end:
             raise CorruptBlockError(f"record {i}: truncated at payload offset {pos}")
@@ -592,12 +566,24 @@ cdef int _check_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t
         _read_varint(payload, &pos, end, i, "key", &n)
         if n > <uint64_t>(end - pos):
             raise CorruptBlockError(f"record {i}: key length {n} beyond payload")
-        pos += <Py_ssize_t>n
+        kpos, klen = pos, <Py_ssize_t>n
+        pos += klen
         if kind == C_PUT:
             _read_varint(payload, &pos, end, i, "value", &n)
             if n > <uint64_t>(end - pos):
                 raise CorruptBlockError(f"record {i}: value length {n} beyond payload")
-            pos += <Py_ssize_t>n
+            vpos, vlen = pos, <Py_ssize_t>n
+            pos += vlen
+        if build:
+            key = PyBytes_FromStringAndSize(<const char*>payload + kpos, klen)
+            value = PyBytes_FromStringAndSize(<const char*>payload + vpos, vlen) if kind == C_PUT else None
+            rec = PyTuple_New(2)
+            Py_INCREF(key)
+            PyTuple_SET_ITEM(rec, 0, key)
+            Py_INCREF(value)
+            PyTuple_SET_ITEM(rec, 1, value)
+            Py_INCREF(rec)
+            PyList_SET_ITEM(records, i, rec)
     if pos != end:
         raise CorruptBlockError(f"{end - pos} bytes left over after the last record")
     return 0
