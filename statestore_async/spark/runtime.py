@@ -161,6 +161,11 @@ class TaskSpec:
     # the state variables' declarations (``processor.Declaration``) the stored state was written with, as the
     # manifest records them; a processor declaring one differently is refused. None: nothing recorded yet
     declared: dict[str, dict[str, Any]] | None = None
+    # time (issue 19): the operator's time mode, "none" | "processing" | "event" (what a timer's kind=None
+    # means), and the event-time watermark this batch uses (computed by the driver from batches < batch_id
+    # and recorded in the batch's manifest, so a replay uses the same; None: none yet, no event timer is due)
+    time_mode: str = "none"
+    watermark_ms: int | None = None
 
 
 @dataclass(frozen=True)
