@@ -15,6 +15,7 @@ from statestore_async.client.common import (
     Frame,
     Request,
     RequestTimeoutError,
+    scan_ranges_request,
 )
 from statestore_async.client.pipeline import Limits, Send, batch_frames, column_frames, pipeline
 from statestore_async.codecs import arrowframes, valuecodec
@@ -31,6 +32,7 @@ from statestore_async.wire.protocol import (
     ConnectionLostError,
     ErrorResponse,
     Response,
+    check_ranges,
 )
 
 _Answer = Response | ErrorResponse | BaseException  # what a streamed answer's queue carries
@@ -354,6 +356,28 @@ class AsyncStoreHandle:
             async for chunk in chunks:
                 for kv in chunk:
                     yield kv
+
+    async def scan_ranges(self, ranges: Iterable[tuple[bytes, bytes | None]],
+                          limit: int | None = None) -> AsyncIterator[tuple[bytes, bytes]]:
+        """Async iterator of every (key, value) with ``start <= key < stop`` for each of ``ranges``
+        (ascending, disjoint; stop None: no upper bound), at most ``limit`` per range, in key order
+        (see ``StoreHandle.scan_ranges``)."""
+        checked = check_ranges(ranges)
+        handle = self.handle
+        step = max(1, self.client.limits.max_batch if self.client.limits is not None else len(checked))
+        for i in range(0, len(checked), step):
+            part = checked[i:i + step]
+            async with aclosing(self.client.stream(scan_ranges_request(handle, part, limit))) as chunks:
+                async for chunk in chunks:
+                    for kv in chunk:
+                        yield kv
+
+    async def scan_range(self, start: bytes, stop: bytes | None = None,
+                         limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """The (key, value) with ``start <= key < stop`` (stop None: no upper bound), at most ``limit``."""
+        if stop is not None and bytes(stop) <= bytes(start):
+            return []
+        return [kv async for kv in self.scan_ranges([(start, stop)], limit)]
 
     # --- rows (plain Python values; see statestore_async.codecs.pyrows) -----------------------------------
     async def put_rows(self, items: Iterable[tuple[tuple[Any, ...], Any]], *, key_types: Sequence[str] | None = None,

@@ -20,6 +20,7 @@ from statestore_async.client.common import (
     Frame,
     Request,
     RequestTimeoutError,
+    scan_ranges_request,
 )
 from statestore_async.client.pipeline import Limits, Send, batch_frames, column_frames, pipeline
 from statestore_async.codecs import arrowframes, valuecodec
@@ -36,6 +37,7 @@ from statestore_async.wire.protocol import (
     ConnectionLostError,
     ErrorResponse,
     Response,
+    check_ranges,
 )
 
 _READ_SIZE = 1 << 20
@@ -490,6 +492,27 @@ class StoreHandle:
         handle = self.handle
         for chunk in self.client.stream(lambda p: p.send_scan(handle, prefix, limit), generation=self._gen):
             yield from chunk
+
+    def scan_ranges(self, ranges: Iterable[tuple[bytes, bytes | None]],
+                    limit: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) with ``start <= key < stop`` for each of ``ranges`` (ascending, disjoint
+        ``(start, stop)`` pairs, stop None: no upper bound; ``InterfaceError`` otherwise), at most
+        ``limit`` per range, in key order: one SCAN_RANGES request per ``max_batch`` ranges, answered
+        in chunks. Costs the daemon O(ranges × log n + records returned)."""
+        checked = check_ranges(ranges)
+        handle = self.handle
+        step = self.client.limits.max_batch if self.client.limits is not None else len(checked)
+        for i in range(0, len(checked), max(1, step)):
+            part = checked[i:i + step]
+            for chunk in self.client.stream(scan_ranges_request(handle, part, limit), generation=self._gen):
+                yield from chunk
+
+    def scan_range(self, start: bytes, stop: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """The (key, value) with ``start <= key < stop`` (stop None: no upper bound), at most
+        ``limit``, in key order (``scan_ranges`` of one range; an empty range gives none)."""
+        if stop is not None and bytes(stop) <= bytes(start):
+            return []
+        return list(self.scan_ranges([(start, stop)], limit))
 
     # --- rows (plain Python values; see statestore_async.codecs.pyrows) -----------------------------------
     def put_rows(self, items: Iterable[tuple[tuple[Any, ...], Any]], *, key_types: Sequence[str] | None = None,

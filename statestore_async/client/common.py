@@ -34,3 +34,12 @@ ColumnsRequest = Callable[..., Frame]
 
 class RequestTimeoutError(ConnectionLostError):
     """No answer within the client's timeout (the connection is closed: the daemon aborts its versions)."""
+
+
+def scan_ranges_request(handle: int, ranges: tuple[tuple[bytes, bytes | None], ...], limit: int | None) -> Request:
+    """The SCAN_RANGES request of ``ranges`` (checked already) for both clients' ``scan_ranges``."""
+
+    def encode(p: ClientProtocol) -> Frame:
+        return p.send_scan_ranges(handle, ranges, limit)
+
+    return encode

@@ -20,6 +20,7 @@ one is UPDATING per store (one writer per store and version).
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
@@ -569,6 +570,22 @@ class StoreVersion:
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         return self.scan(b"")
 
+    def scan_range(self, start: bytes, stop: bytes | None = None,
+                   limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """Every (key, value) with ``start <= key < stop`` (``stop`` None: no upper bound), this
+        version's changes included, in key order; at most ``limit`` of them (None: all). Costs
+        O(log n + returned + this version's removals in the range): the tables' ordered ``items``
+        are merged lazily and stop at the limit."""
+        self._check_updating("scan")
+        if limit is not None and (type(limit) is not int or limit < 0):
+            raise InterfaceError(f"scan_range: limit must be None or an int >= 0, got {limit!r}")
+        start = bytes(start)
+        stop = None if stop is None else bytes(stop)
+        if limit == 0 or (stop is not None and stop <= start):
+            return []
+        merged = merge_lazy(self._overlay.items(start, stop), self._base.items(start, stop))
+        return list(merged if limit is None else itertools.islice(merged, limit))
+
     def __len__(self) -> int:
         self._check_updating("count")
         base = self._base
@@ -649,6 +666,29 @@ class StoreVersion:
 
 # what a finished StoreVersion reads from (never: its state checks come first); none of the store's
 _EMPTY = Table()
+
+
+def merge_lazy(changes: Iterator[tuple[bytes, bytes | None]],
+               base: Iterator[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, bytes]]:
+    """``merge_ordered`` of two key-ordered iterators, reading each only as far as the output goes
+    (a caller that stops early has paid only for what it took, and the tombstones before it)."""
+    c = next(changes, None)
+    b = next(base, None)
+    while c is not None:
+        if b is not None and b[0] < c[0]:
+            k, v = b
+            b = next(base, None)
+        else:
+            k, v = c
+            if b is not None and b[0] == k:
+                b = next(base, None)
+            c = next(changes, None)
+        if v is not None:
+            yield k, v
+    while b is not None:
+        if b[1] is not None:
+            yield b[0], b[1]
+        b = next(base, None)
 
 
 def merge_ordered(changes: list[tuple[bytes, bytes | None]],

@@ -7,7 +7,7 @@ Frames (see ``statestore_async.codecs.framing``)::
 A request has flags 0. Its answer carries the same opcode and request id with ``RESPONSE`` set,
 plus ``ERROR`` for a coded error (payload ``u32 code | UTF-8 message``; the code is the error
 class's ``code``, see ``errors.error_for_code``) and ``MORE`` on every chunk of a streamed answer
-except the last (SCAN). Requests may be pipelined; answers may come in any order.
+except the last (SCAN, SCAN_RANGES). Requests may be pipelined; answers may come in any order.
 
 Request payloads (integers little-endian; ``list``/``optional list``/``pairs`` as in framing)::
 
@@ -20,6 +20,13 @@ Request payloads (integers little-endian; ``list``/``optional list``/``pairs`` a
     PUT_MANY       u32 handle | pairs → u32 count
     REMOVE_MANY    u32 handle | list keys → u32 count
     SCAN           u32 handle | u64 limit (2**64-1: none) | prefix → pairs chunks (MORE), last chunk
+    SCAN_RANGES    u32 handle | u64 limit per range (2**64-1: none) | pairs of (start, stop)
+                   → pairs chunks (MORE), last chunk: for each range, in order, at most ``limit``
+                   (key, value) with start <= key < stop (an empty stop: no upper bound). The
+                   ranges must be ascending and disjoint (start < stop <= next start; only the last
+                   may be unbounded), so the answer is in key order and a key's range is found by
+                   its position; at most ``max_batch`` ranges. A daemon without it answers
+                   ``UnknownOpcodeError``.
     COMMIT         u32 handle | ckptid or "" → u64 version | ckptid
     ABORT          u32 handle → empty
     AWAIT_DURABLE  u32 partition | u64 version | f64 timeout | list [root, operator, store name, ckptid]
@@ -94,6 +101,7 @@ class Op(enum.IntEnum):
     AWAIT_DURABLE = 10
     STATS = 11
     RELEASE = 12
+    SCAN_RANGES = 13
 
 
 RESPONSE = 0x01
@@ -167,6 +175,17 @@ class Scan:
     request_id: int
     handle: int
     prefix: bytes
+    limit: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ScanRanges:
+    """``ranges``: ascending, disjoint ``(start, stop)`` (stop None: no upper bound), checked;
+    ``limit``: at most this many records per range (None: all)."""
+
+    request_id: int
+    handle: int
+    ranges: tuple[tuple[bytes, bytes | None], ...]
     limit: int | None
 
 
@@ -250,7 +269,8 @@ class HelloInfo:
     limits: dict[str, Any]  # the daemon's JSON: max_frame_bytes, max_batch, max_inflight, …
 
 
-Request: TypeAlias = Hello | Ping | Open | GetMany | PutMany | RemoveMany | Scan | Commit | Abort | AwaitDurable | Stats | Release
+Request: TypeAlias = (Hello | Ping | Open | GetMany | PutMany | RemoveMany | Scan | ScanRanges | Commit | Abort
+                      | AwaitDurable | Stats | Release)
 ServerEvent: TypeAlias = Request | BadRequest | ConnectionFailed  # what ServerProtocol.next_event gives
 ClientEvent: TypeAlias = Response | ErrorResponse | ConnectionFailed  # what ClientProtocol.next_event gives
 # (opcode, flags, request id, payload): a frame cut by framing.split_frames
@@ -293,6 +313,36 @@ def _utf8(b: bytes, what: str) -> str:
 def _end(payload: bytes, pos: int, what: str) -> None:
     if pos != len(payload):
         raise DecodeError(f"{what}: {len(payload) - pos} unexpected trailing bytes")
+
+
+def check_ranges(ranges: Iterable[tuple[bytes, bytes | None]], what: str = "SCAN_RANGES"
+                 ) -> tuple[tuple[bytes, bytes | None], ...]:
+    """``ranges`` as a tuple of ``(start, stop)`` bytes (stop None: no upper bound) once checked:
+    each ``start < stop``, each ``stop <= the next start``, only the last unbounded; else
+    ``InterfaceError`` naming the first range that is not."""
+    out: list[tuple[bytes, bytes | None]] = []
+    prev: bytes | None = b""
+    for i, pair in enumerate(ranges):
+        try:
+            start, stop = pair
+        except (TypeError, ValueError):
+            raise InterfaceError(f"{what}: range {i} is not a (start, stop) pair: {pair!r}") from None
+        if not isinstance(start, (bytes, bytearray, memoryview)) or not (
+                stop is None or isinstance(stop, (bytes, bytearray, memoryview))):
+            raise InterfaceError(f"{what}: range {i}'s start and stop are bytes (stop None: unbounded), got {pair!r}")
+        start, stop = bytes(start), None if stop is None else bytes(stop)
+        if prev is None:
+            raise InterfaceError(f"{what}: range {i - 1} has no upper bound, so it must be the last; sort the ranges "
+                                 "and give each but the last a stop")
+        if start < prev:
+            raise InterfaceError(f"{what}: range {i} starts at {start!r}, before the end of range {i - 1} ({prev!r}): "
+                                 "the ranges must be ascending and disjoint (merge or sort them)")
+        if stop is not None and stop <= start:
+            raise InterfaceError(f"{what}: range {i} is empty or reversed (start {start!r}, stop {stop!r}): each range "
+                                 "needs start < stop")
+        out.append((start, stop))
+        prev = stop
+    return tuple(out)
 
 
 def _store_fields(store_id: StoreId) -> list[bytes]:
@@ -371,6 +421,7 @@ class ServerProtocol:
             Op.PUT_MANY: self._put_many,
             Op.REMOVE_MANY: self._remove_many,
             Op.SCAN: self._scan,
+            Op.SCAN_RANGES: self._scan_ranges,
             Op.COMMIT: self._commit,
             Op.ABORT: self._abort,
             Op.AWAIT_DURABLE: self._await_durable,
@@ -470,6 +521,15 @@ class ServerProtocol:
         handle, limit = _SCAN.unpack_from(p)
         return Scan(rid, handle, bytes(p[_SCAN.size:]), None if limit == NO_LIMIT else limit)
 
+    def _scan_ranges(self, rid: int, p: bytes) -> ScanRanges:
+        _need(p, _SCAN.size, "SCAN_RANGES")
+        self._check_batch(p, _SCAN.size, "SCAN_RANGES")
+        handle, limit = _SCAN.unpack_from(p)
+        pairs, end = framing.decode_pairs(p, _SCAN.size, self.max_batch)
+        _end(p, end, "SCAN_RANGES")
+        ranges = check_ranges((a, b or None) for a, b in pairs)
+        return ScanRanges(rid, handle, ranges, None if limit == NO_LIMIT else limit)
+
     def _commit(self, rid: int, p: bytes) -> Commit:
         _need(p, 4, "COMMIT")
         return Commit(rid, _U32.unpack_from(p)[0], _ckptid_or_none(_ascii(p[4:], "COMMIT ckptid")))
@@ -539,6 +599,9 @@ class ServerProtocol:
 
     def send_scan_chunk(self, rid: int, pairs: Iterable[tuple[bytes, bytes]], more: bool) -> bytes:
         return self._frame(Op.SCAN, rid, framing.encode_pairs(pairs), more)
+
+    def send_scan_ranges_chunk(self, rid: int, pairs: Iterable[tuple[bytes, bytes]], more: bool) -> bytes:
+        return self._frame(Op.SCAN_RANGES, rid, framing.encode_pairs(pairs), more)
 
     def send_committed(self, rid: int, ref: CheckpointRef) -> bytes:
         return self._frame(Op.COMMIT, rid, _U64.pack(ref.version) + ref.ckptid.encode())
@@ -629,6 +692,7 @@ _RESPONSE_DECODERS: dict[int, Callable[[bytes], object]] = {
     Op.PUT_MANY: _dec_count,
     Op.REMOVE_MANY: _dec_count,
     Op.SCAN: _dec_pairs,
+    Op.SCAN_RANGES: _dec_pairs,
     Op.COMMIT: _dec_committed,
     Op.ABORT: lambda p: None,
     Op.AWAIT_DURABLE: lambda p: p[:1] == b"\x01",
@@ -731,6 +795,15 @@ class ClientProtocol:
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < NO_LIMIT):
             raise InterfaceError(f"limit must be None or an int >= 0, got {limit!r}")
         return self._request(Op.SCAN, _SCAN.pack(handle, NO_LIMIT if limit is None else limit) + bytes(prefix))
+
+    def send_scan_ranges(self, handle: int, ranges: Iterable[tuple[bytes, bytes | None]],
+                         limit: int | None = None) -> tuple[int, bytes]:
+        """``ranges``: ascending, disjoint ``(start, stop)`` (``check_ranges``); ``limit`` per range."""
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < NO_LIMIT):
+            raise InterfaceError(f"limit must be None or an int >= 0, got {limit!r}")
+        checked = check_ranges(ranges)
+        return self._request(Op.SCAN_RANGES, _SCAN.pack(handle, NO_LIMIT if limit is None else limit)
+                             + framing.encode_pairs([(a, b or b"") for a, b in checked]))
 
     def send_commit(self, handle: int, ckptid: str | None = None) -> tuple[int, bytes]:
         if ckptid:
@@ -853,12 +926,14 @@ __all__ = [
     "RemoveMany",
     "Response",
     "Scan",
+    "ScanRanges",
     "ServerProtocol",
     "ShuttingDownError",
     "Stats",
     "UnknownHandleError",
     "UnknownOpcodeError",
     "UnsupportedVersionError",
+    "check_ranges",
     "decode_error",
     "encode_error",
 ]
