@@ -92,6 +92,8 @@ def main() -> int:
                     help="stated overhead of a working daemon beyond its empty RSS and its budget")
     ap.add_argument("--flat-margin", default="16MiB", help="growth of the last third over the middle third still called flat")
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
+    ap.add_argument("--retention-versions", type=int, default=None,
+                    help="the daemon's retention window (default: its own, 100); smaller starts retention sooner")
     args = ap.parse_args()
     budget = parse_size(args.budget)
     flat_margin = parse_size(args.flat_margin)
@@ -100,7 +102,8 @@ def main() -> int:
     folder = tempfile.mkdtemp(prefix="soak-", dir="/tmp")
     root = f"file://{folder}/root"
     sock = f"{folder}/d.sock"
-    daemon = start_daemon(sock, "--memory-budget", str(budget), "--log-level", "warning", "--loop", args.loop,
+    extra = () if args.retention_versions is None else ("--retention-versions", str(args.retention_versions))
+    daemon = start_daemon(sock, "--memory-budget", str(budget), "--log-level", "warning", "--loop", args.loop, *extra,
                           log_path=f"{folder}/daemon.log")
     procs: list[multiprocessing.Process] = []
     try:

@@ -536,3 +536,27 @@ async def test_the_loader_walks_past_damaged_and_missing_snapshots(tmp_path, cap
         assert dict(loaded.items()) == states[refs[5]]
         assert report.snapshot is None and [r.version for r in report.deltas] == list(range(1, 7))
         assert report.missing_bases == [file_key(sid, refs[2], SNAPSHOT)]
+
+
+async def test_the_uploader_forgets_its_oldest_durable_uploads_beyond_its_bound(tmp_path):
+    """The records of finished uploads (kept for AWAIT_DURABLE) stay at ``keep_done``: the oldest
+    durable ones go first, one per upload past the bound, and a failed one is never forgotten."""
+    from statestore_async.daemon.uploader import Uploader, UploadState
+
+    objstore = LocalObjectStore(str(tmp_path / "root"))
+    uploader = Uploader(lambda root: objstore, keep_done=5)
+    stores = [VersionedStore(StoreId(f"file://{tmp_path}/root", "trim", p)) for p in range(3)]
+    refs: list[tuple[StoreId, CheckpointRef]] = []
+    for round_ in range(6):
+        for store in stores:
+            w = store.open(store.head.version, store.head.ckptid)
+            w.put(key(round_), b"v%d" % round_)
+            delta = w.commit()
+            refs.append((store.store_id, delta.ref))
+            await uploader.submit(delta)
+            await async_wait_for(lambda: uploader.idle, f"the upload of {delta.ref}")  # durable in commit order
+    assert len(uploader._status) == 5
+    assert all(uploader.state(s, r) is None for s, r in refs[:-5])  # the oldest, forgotten
+    assert all(uploader.state(s, r) is UploadState.DURABLE for s, r in refs[-5:])
+    assert len(uploader._durable_order) <= 5 + len(stores)  # the trimming order does not grow either
+    await uploader.close()

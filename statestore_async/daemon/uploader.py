@@ -161,6 +161,10 @@ class Uploader:
         self._workers: dict[StoreId, asyncio.Task[None]] = {}
         # every upload not yet trimmed, in commit order; a durable one is only ``_DURABLE``
         self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload | _Durable] = OrderedDict()
+        # the keys of ``_status`` made ``_DURABLE``, oldest first: what ``_trim`` forgets first. Trimming
+        # walks only what it forgets (iterating ``_status`` would hash every StoreId it holds, on each
+        # upload: ~10 ms at 10,000 entries, a fifth of a busy daemon's time)
+        self._durable_order: deque[tuple[StoreId, CheckpointRef]] = deque()
         self._idle = asyncio.Event()
         self._idle.set()
         # pulsed (set, then replaced) when an upload of the store changes state: wakes its waiters
@@ -240,6 +244,7 @@ class Uploader:
                     up.done.set()
                     if up.state is UploadState.DURABLE and self._status.get((store_id, up.ref)) is up:
                         self._status[(store_id, up.ref)] = _DURABLE
+                        self._durable_order.append((store_id, up.ref))
                     self._notify(store_id)
                     self._admit()
         finally:
@@ -381,13 +386,11 @@ class Uploader:
     def _trim(self) -> None:
         """Forget the oldest durable entries beyond ``keep_done`` (failed ones are kept)."""
         excess = len(self._status) - self._keep_done
-        if excess <= 0:
-            return
-        for key in list(self._status):
-            if excess <= 0:
-                break
-            if self._status[key].state is UploadState.DURABLE:
-                del self._status[key]
+        order, status = self._durable_order, self._status
+        while excess > 0 and order:
+            key = order.popleft()
+            if status.get(key) is _DURABLE:  # else forgotten already, or uploaded again since
+                del status[key]
                 excess -= 1
 
     # --- durability -----------------------------------------------------------------------------
