@@ -52,6 +52,7 @@ import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups
@@ -69,6 +70,17 @@ from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name
 from statestore_async.objectstore import ObjectStore, open_object_store
 from statestore_async.spark.coordinator import Coordinator
+from statestore_async.spark.eventtime import (
+    MAX_EVENT_TIME_KEY,
+    WATERMARK_KEY,
+    TimeSettings,
+    batch_watermark,
+    drop_heartbeat,
+    observe_event_time,
+    observed_event_time,
+    time_settings,
+    with_heartbeat,
+)
 from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor, check_picklable, merge_declarations
 from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 from statestore_async.spark.runtime import (
@@ -85,7 +97,7 @@ from statestore_async.spark.runtime import checkpoint_root as checkpoint_root_ur
 if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark import Accumulator, AccumulatorParam
-    from pyspark.sql import Column, DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, Observation, SparkSession
     from pyspark.sql.types import StructType
 
 log = logging.getLogger(__name__)
@@ -161,6 +173,10 @@ class BatchPlan:
     spec: TaskSpec        # what every task gets
     query_id: str | None = None      # the streaming query running the batch (None: outside one)
     owner: OwnerRecord | None = None  # its claim on the state (None: outside a query, the state unowned)
+    # event time: the max event time (ms) of batches < batch_id, and the Observation of this batch's max
+    # event time and late rows (None outside time_mode "event"); the watermark is ``spec.watermark_ms``
+    max_event_time_ms: int | None = None
+    observation: Observation | None = None
 
 
 @dataclass(frozen=True)
@@ -226,6 +242,12 @@ class BatchProgress:
     reruns: int = 0        # runs of the stateful stage again after a fence timeout (a daemon lost deltas)
     refs: dict = field(default_factory=dict)
     tasks: dict = field(default_factory=dict)  # partition -> the task's timings (seconds) and counts
+    # event time (time_mode "event"): the watermark the batch used (None: none yet), the max event time
+    # of the batch's rows (ms; None: no row had one), and its late rows (event time <= watermark), which
+    # were dropped before any state was read, or kept (``late_rows``)
+    watermark_ms: int | None = None
+    max_event_time_ms: int | None = None
+    late_rows: int = 0
     locations: dict = field(default_factory=dict)  # partition -> where its task ran (coordinator on)
 
 
@@ -265,6 +287,14 @@ class StatefulOperator:
     ``faults`` (tests): ``runtime.Fault`` records or dicts of their fields, which need the hook maker
     of ``statestore_async.testing.faults`` installed (``InterfaceError`` otherwise), or a
     ``runtime.FaultHook``; without faults every hook point is a no-op.
+    ``time_mode``: ``"none"`` (default), ``"processing"`` or ``"event"`` — what a timer's
+    ``kind=None`` means, and with ``"event"`` a watermark: ``event_time_column`` (a timestamp, or
+    integer milliseconds since the epoch) and ``watermark_delay`` (a ``timedelta``) give batch b the
+    watermark max(previous, max event time of batches < b - delay), Spark's ``withWatermark``
+    (``eventtime``); it is recorded in the batch's manifest, so a replay uses the same value.
+    ``late_rows``: rows whose event time is <= the batch's watermark are dropped before any state
+    is touched (``"drop"``, default) or handed to the processor (``"keep"``); counted in
+    ``BatchProgress.late_rows`` either way.
     """
 
     def __init__(self, checkpoint_root: str, operator_id: str, key_columns: str | Sequence[str],
@@ -276,7 +306,9 @@ class StatefulOperator:
                  pre_aggregate: Sequence[Column] | None = None,
                  faults: Iterable[Fault | Mapping[str, Any]] | FaultHook = (),
                  clock: Callable[[], float] = time.time, coordinate: bool = True, materialize: str = "auto",
-                 takeover: bool | str = False, daemon_retries: int = 2) -> None:
+                 takeover: bool | str = False, daemon_retries: int = 2, time_mode: str = "none",
+                 event_time_column: str | None = None, watermark_delay: timedelta | None = None,
+                 late_rows: str = "drop") -> None:
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
         if materialize not in MATERIALIZE:
@@ -292,6 +324,7 @@ class StatefulOperator:
         if isinstance(daemon_retries, bool) or not isinstance(daemon_retries, int) or daemon_retries < 0:
             raise InterfaceError(f"daemon_retries must be an int >= 0, got {daemon_retries!r}")
         check_num_key_groups(num_key_groups)
+        self.time: TimeSettings = time_settings(time_mode, event_time_column, watermark_delay, late_rows)
         if num_key_groups < num_partitions:
             raise InterfaceError(f"num_key_groups ({num_key_groups}) must be >= num_partitions ({num_partitions})")
         self.root = checkpoint_root_uri(checkpoint_root)  # a relative path: refused
@@ -404,8 +437,9 @@ class StatefulOperator:
         prog.plan = time.perf_counter() - t0
         output, reports, refs = self._compute(plan, spark, prog, t0)
         try:
+            event_time = self._event_time(plan, prog)
             with _timed(prog, "manifest"):
-                self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)))
+                self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)), event_time)
             fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
             with _timed(prog, "sink"):
                 if sink is not None:
@@ -423,9 +457,14 @@ class StatefulOperator:
         ``VersionNotFoundError``, ``InterfaceError``; writes nothing but the claim (an owner record)."""
         owner = self._claim(query_id, batch_id)
         base = self.base_manifest(batch_id)
+        df = drop_heartbeat(df)
         missing = [c for c in self.key_columns if c not in df.columns]
         if missing:
             raise InterfaceError(f"key columns {missing} are not in the batch's columns {df.columns}")
+        watermark, seen = batch_watermark(self.time, base.metadata)
+        observation = None
+        if self.time.event:
+            df, observation = observe_event_time(df, self.time, watermark)
         routed, values = self.routed(df)
         spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
                         output_schema=self.arrow_schema, num_partitions=self.num_partitions,
@@ -435,8 +474,9 @@ class StatefulOperator:
                         fault_hook=self._fault_hook,
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
-                        daemon_retries=self.daemon_retries)
-        return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner)
+                        daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark)
+        return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
+                         max_event_time_ms=seen, observation=observation)
 
     def _claim(self, query_id: str | None, batch_id: int) -> OwnerRecord | None:
         """One writer per state: ``OwnerConflictError`` unless the streaming query ``query_id`` owns
@@ -634,7 +674,28 @@ class StatefulOperator:
 
         self._run(fence)
 
-    def _commit(self, plan: BatchPlan, refs: dict[int, CheckpointRef], states: dict | None = None) -> None:
+    def _event_time(self, plan: BatchPlan, prog: BatchProgress) -> dict[str, int | None]:
+        """After the job ran: the batch's watermark, max event time and late rows into ``prog``, and
+        the manifest metadata that lets batch ``batch_id + 1`` compute its watermark (and a replay of
+        this batch read the same): the watermark this batch used and the max event time of the
+        batches up to it. {} outside time_mode "event"."""
+        if not self.time.event:
+            return {}
+        top, late = observed_event_time(plan.observation)
+        prog.watermark_ms, prog.max_event_time_ms, prog.late_rows = plan.spec.watermark_ms, top, late
+        seen = plan.max_event_time_ms if top is None else top if plan.max_event_time_ms is None else max(
+            top, plan.max_event_time_ms)
+        return {WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: seen}
+
+    def with_heartbeat(self, events: DataFrame, rows_per_batch: int = 1) -> DataFrame:
+        """``events`` (the query's streaming DataFrame) with a heartbeat source, so that Spark calls
+        ``foreachBatch`` at every trigger even when no event arrives, and timers fire in idle
+        streams; the heartbeat's rows are dropped by the operator before anything else. Give the
+        query a trigger interval. See ``eventtime.with_heartbeat``."""
+        return with_heartbeat(events, rows_per_batch)
+
+    def _commit(self, plan: BatchPlan, refs: dict[int, CheckpointRef], states: dict | None = None,
+                event_time: dict[str, int | None] | None = None) -> None:
         """Step 6, after the fence: check the batch's query still owns the state (``OwnerConflictError``
         otherwise: an owner record newer than ``plan.owner``), then write manifest ``batch_id + 1``
         (replacing one an earlier attempt of the batch wrote): each partition's reported checkpoint,
@@ -647,6 +708,8 @@ class StatefulOperator:
                     "processor": type(self.processor).__qualname__, "batch_id": plan.batch_id}
         if states:
             metadata["states"] = states
+        if event_time:
+            metadata.update(event_time)
         op, root, known = self.operator_id, self.root, plan.owner
         if known is not None:  # who wrote it (the owner record's epoch)
             metadata["owner"], metadata["owner_epoch"] = known.owner, known.epoch
