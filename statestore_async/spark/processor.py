@@ -33,13 +33,21 @@ declarations (``declarations``), the operator keeps them in the manifest's metad
 (``"states"``), and a task whose processor declares a recorded variable differently refuses to run
 (``StateDeclarationError``, ``check_declarations``). Changing the length of a TTL is fine.
 
+Timers (``handle.timers``, also ``state.timers``, bound to the current key like the variables):
+``register(at_ms, kind=None)``, ``delete(at_ms, kind=None)``, ``list(kind=None)`` (sorted), where
+``kind`` is ``"processing"`` or ``"event"`` and None means the operator's ``time_mode``. A processor
+that uses timers defines ``handle_expired_timer(key, timer, state)``: it is called once per due
+timer (``ExpiredTimer(at_ms, kind)``), after the batch's rows, in time order within the partition,
+also for keys without rows; see ``docs/SPARK.md`` (Timers and TTL) and ``spark.timekeys``.
+
 Vectorized processors get a whole state partition at once (see ``VectorizedProcessor``).
 """
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -49,6 +57,7 @@ import pyarrow as pa
 from statestore_async.codecs import valuecodec
 from statestore_async.errors import InterfaceError, StateDeclarationError
 from statestore_async.ids import _check_name
+from statestore_async.spark.timekeys import EVENT, PROCESSING, check_time
 
 VALUE, LIST, MAP, VECTORIZED = "value", "list", "map", "vectorized"
 _PUT, _DEL = 1, 2  # what a batch did to a key's value (``_StateVar._dirty``)
@@ -138,6 +147,7 @@ class _StateVar:
         self._written = bytearray()
         self._i = -1
         self._now = 0
+        self._ttl_removed = 0                # values of the last batch removed because they expired
 
     # -- runtime side --
     def _begin(self, raw: pa.Array, now_ms: int) -> None:
@@ -196,8 +206,11 @@ class _StateVar:
             values = [(expires, v) for v in values]
         enc = valuecodec.encode_rows(values)
         gone = (dirty == _DEL) & self._had
+        self._ttl_removed = 0
         if self._expired is not None:
-            gone |= self._expired & (dirty == 0)
+            leftovers = self._expired & (dirty == 0)
+            self._ttl_removed = int(np.count_nonzero(leftovers))
+            gone |= leftovers
         self._values, self._written, self._had, self._expired = [], bytearray(), None, None  # the batch is done
         put_keys = keys if len(enc) == len(keys) else keys.filter(pa.array(put))
         return put_keys, pa.array(enc, pa.binary()), keys.filter(pa.array(gone))
@@ -303,11 +316,84 @@ class MapState(_StateVar):
             self.clear()
 
 
-class StateHandle:
-    """Given to ``StatefulProcessor.init``: declares the processor's state variables."""
+@dataclass(frozen=True)
+class ExpiredTimer:
+    """A due timer, as ``handle_expired_timer`` gets it: its time (ms since the epoch) and kind
+    (``"processing"`` or ``"event"``)."""
 
-    def __init__(self):
+    at_ms: int
+    kind: str
+
+
+class Timers:
+    """The current key's timers (``handle.timers`` / ``state.timers``; the runtime binds it like the
+    state variables). Registering a timer that exists, or deleting one that does not, does nothing.
+
+    ``kind`` None is the operator's ``time_mode``; with ``time_mode="none"`` give it explicitly.
+    Processing-time timers are due when ``at_ms <= handle.processing_time_ms``, event-time timers
+    when ``at_ms <= handle.watermark_ms``.
+    """
+
+    def __init__(self, time_mode: str = "none", enabled: bool = False):
+        self.time_mode = time_mode
+        self.enabled = enabled
+        self._i = -1
+        # key index -> {(kind, at_ms): True registered / False deleted} by this batch
+        self._changes: dict[int, dict[tuple[str, int], bool]] = {}
+        self._existing: dict[int, set[tuple[str, int]]] | None = None  # key index -> stored timers (lazy)
+        self._load: Callable[[], dict[int, set[tuple[str, int]]]] | None = None
+
+    def _kind(self, kind: str | None) -> str:
+        if not self.enabled:
+            raise InterfaceError("timers need a processor that defines handle_expired_timer(self, key, timer, state): "
+                                 "define it to receive the timers it registers")
+        if self._i < 0:
+            raise InterfaceError("timers are used outside handle_rows / handle_expired_timer (no current key)")
+        if kind is None:
+            if self.time_mode == "none":
+                raise InterfaceError('the operator has time_mode="none": give the timer\'s kind ("processing" or '
+                                     '"event"), or create the StatefulOperator with time_mode=')
+            return self.time_mode
+        if kind not in (PROCESSING, EVENT):
+            raise InterfaceError(f'a timer\'s kind is "processing" or "event" (None: the time mode), got {kind!r}')
+        return kind
+
+    def register(self, at_ms: int, kind: str | None = None) -> None:
+        """A timer for the current key at ``at_ms`` (ms since the epoch)."""
+        k = self._kind(kind)
+        self._changes.setdefault(self._i, {})[(k, check_time(at_ms))] = True
+
+    def delete(self, at_ms: int, kind: str | None = None) -> None:
+        """Remove the current key's timer at ``at_ms`` (nothing when there is none)."""
+        k = self._kind(kind)
+        self._changes.setdefault(self._i, {})[(k, check_time(at_ms))] = False
+
+    def list(self, kind: str | None = None) -> list[int]:
+        """The times of the current key's timers of ``kind``, ascending."""
+        k = self._kind(kind)
+        if self._existing is None:
+            self._existing = self._load() if self._load is not None else {}
+        have = set(self._existing.get(self._i, ()))
+        for t, on in self._changes.get(self._i, {}).items():
+            if on:
+                have.add(t)
+            else:
+                have.discard(t)
+        return sorted(at for kk, at in have if kk == k)
+
+
+
+class StateHandle:
+    """Given to ``StatefulProcessor.init``: declares the processor's state variables. Also holds the
+    key-bound ``timers`` and the batch's clock values ``processing_time_ms`` (the batch's time,
+    the same for every task of it) and ``watermark_ms`` (the event-time watermark the batch uses,
+    None before there is one), set before every call."""
+
+    def __init__(self, time_mode: str = "none", timers_enabled: bool = False):
         self.variables: dict[str, _StateVar] = {}
+        self.timers = Timers(time_mode, timers_enabled)
+        self.processing_time_ms: int = 0
+        self.watermark_ms: int | None = None
 
     def _add(self, cls, name: str, ttl: timedelta | None, ttl_seconds: float | None, ttl_ms: int | None):
         _check_name("state name", name)
@@ -335,15 +421,21 @@ class StateHandle:
 
 
 class KeyState:
-    """The state variables by name (``state.total`` or ``state["total"]``), bound to the current key."""
+    """The state variables by name (``state.total`` or ``state["total"]``), bound to the current key;
+    ``state.timers`` is the key's timers (a variable named "timers" is then ``state["timers"]``)."""
 
-    def __init__(self, variables: dict[str, _StateVar]):
+    def __init__(self, variables: dict[str, _StateVar], timers: Timers | None = None):
         self._vars = variables
+        if timers is not None:
+            self.__dict__["timers"] = timers
 
     def __getattr__(self, name):
         try:
             return self.__dict__["_vars"][name]
         except KeyError:
+            if name == "timers":
+                raise InterfaceError("timers need a processor that defines handle_expired_timer(self, key, timer, "
+                                     "state): define it to receive the timers it registers") from None
             raise AttributeError(f"no state variable {name!r} (declared: {sorted(self._vars)})") from None
 
     def __getitem__(self, name) -> _StateVar:
@@ -360,6 +452,18 @@ class StatefulProcessor:
     def handle_rows(self, key: tuple, rows: list[tuple], state: KeyState) -> Iterable[tuple]:
         """Handle one grouping key's rows of this batch; return or yield output tuples."""
         raise NotImplementedError
+
+    def handle_expired_timer(self, key: tuple, timer: ExpiredTimer, state: KeyState) -> Iterable[tuple]:
+        """Handle one due timer of ``key`` (optional: define it to use timers); return or yield
+        output tuples. The timer is deleted before the call, in the same commit; the key's state
+        and timers are bound as in ``handle_rows``."""
+        raise NotImplementedError
+
+
+def uses_timers(processor: object) -> bool:
+    """Whether a processor defines ``handle_expired_timer`` (and so may register timers)."""
+    fn = getattr(type(processor), "handle_expired_timer", None)
+    return fn is not None and fn is not StatefulProcessor.handle_expired_timer
 
     def close(self) -> None:
         """Called once per task after the last key (optional)."""

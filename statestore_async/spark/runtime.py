@@ -39,15 +39,19 @@ from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.spark import placement
 from statestore_async.spark.coordinator import location_of
 from statestore_async.spark.processor import (
+    ExpiredTimer,
     KeyState,
     StatefulProcessor,
     StateHandle,
     VectorizedProcessor,
     _StateVar,
     check_declarations,
+    uses_timers,
     vectorized_declarations,
 )
 from statestore_async.spark.routing import KG_COLUMN
+from statestore_async.spark.timekeys import TIME_MODES
+from statestore_async.spark.timework import TaskTime
 
 if TYPE_CHECKING:
     from statestore_async.client.clients import Client, StoreHandle
@@ -408,17 +412,27 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     Opens the store at ``spec.refs[partition]``, commits, calls ``report(TaskReport(...))`` after
     the commit (``timings``: seconds spent grouping, in the store, in the processor; ``node``: where
     it ran, for the coordinator, see ``_coordinate``). A partition without rows opens nothing and
-    reports nothing. A daemon lost on the way (``DAEMON_LOST``) makes the task try again
-    (``_commit_partition``); only the commit it reports counts.
+    reports nothing, unless its processor has time work (timers or TTLs, ``_has_time_work``): then
+    it opens the store, fires its due timers and removes its expired values, and commits and reports
+    only when that changed something. A daemon lost on the way (``DAEMON_LOST``) makes the task try
+    again (``_commit_partition``); only the commit it reports counts.
     """
     t0 = time.perf_counter()
+    if spec.time_mode not in TIME_MODES:
+        raise InterfaceError(f"time_mode is one of {TIME_MODES}, got {spec.time_mode!r}")
     table = _table_of([b for b in batches if b.num_rows])
+    idle = table is None
     if table is None:
-        return spec.output_schema.empty_table()
+        if not _has_time_work(processor):
+            return spec.output_schema.empty_table()
+        table = pa.table({KG_COLUMN: pa.array([], pa.int32())})
     kg = table[KG_COLUMN].to_numpy()
     _check_routing(kg, partition, spec)
-    keys_table, rows_table = table.select(list(spec.key_columns)), table.select(list(spec.value_columns))
-    if spec.keys_unique:
+    if idle:
+        keys_table = rows_table = pa.table({})
+    else:
+        keys_table, rows_table = table.select(list(spec.key_columns)), table.select(list(spec.value_columns))
+    if spec.keys_unique or idle:
         offsets, kgs = np.arange(table.num_rows + 1, dtype=np.int64), kg
     else:
         order, offsets = group_rows(table, list(spec.key_columns))
@@ -427,7 +441,7 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
         keys_table, rows_table = keys_table.take(pa.array(firsts)), rows_table.take(pa.array(order))
     timings = {"rows": table.num_rows, "keys": len(kgs), "group": time.perf_counter() - t0}
 
-    def apply(client: Client, retry: int) -> tuple[pa.Table, CheckpointRef, dict[str, dict[str, Any]]]:
+    def apply(client: Client, retry: int) -> tuple[pa.Table, CheckpointRef | None, dict[str, dict[str, Any]]]:
         base = spec.refs[partition]
         puts: Puts
         removes: Removes
@@ -437,7 +451,10 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
                                                              handle, timings)
             else:
                 out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
-                                                          timings)
+                                                          timings, partition)
+                if idle and not len(puts[0]) and (removes is None or not len(removes)):
+                    handle.abort()  # nothing was due: the manifest keeps the partition's state
+                    return out, None, states
             t = time.perf_counter()
             write_all(handle, puts, removes)
             fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path, retry)
@@ -446,6 +463,8 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
         return out, ref, states
 
     client, (out, ref, states) = _commit_partition(spec, partition, apply, timings)
+    if ref is None:
+        return out
     node = _coordinate(client, spec, partition)
     timings["total"] = time.perf_counter() - t0
     if report is not None:
@@ -503,55 +522,154 @@ def _coordinate(client: Client, spec: TaskSpec, partition: int) -> dict[str, Any
     return node
 
 
+def _has_time_work(processor: StatefulProcessor | VectorizedProcessor) -> bool:
+    """Whether a task must run even without rows: the processor defines ``handle_expired_timer`` or
+    declares a state variable with a TTL (its ``init`` runs on a scratch handle to tell)."""
+    if isinstance(processor, VectorizedProcessor):
+        return False
+    if uses_timers(processor):
+        return True
+    h = StateHandle()
+    processor.init(h)
+    return any(v.ttl_ms is not None for v in h.variables.values())
+
+
 def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table,
                  offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
-                 timings: dict[str, float]) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array, dict[str, dict[str, Any]]]:
+                 timings: dict[str, float], partition: int = 0,
+                 ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array, dict[str, dict[str, Any]]]:
     """A ``StatefulProcessor`` over the partition's keys: every key's state read in one call and
     decoded in one, then ``handle_rows`` per key; returns the output table, the state's puts and
     removals (Arrow arrays: the store keys never become Python objects), and the state
-    declarations (checked against ``spec.declared`` before any state is read)."""
-    h = StateHandle()
+    declarations (checked against ``spec.declared`` before any state is read).
+
+    With time work (timers, TTLs: ``TaskTime``) the keys of due timers join the batch's keys (their
+    state is read in the same call), ``handle_expired_timer`` runs per due timer after the rows,
+    and the timers' and the expiry index's records, and the expired values found by the index,
+    join the writes."""
+    h = StateHandle(spec.time_mode, uses_timers(processor))
     processor.init(h)
     variables = list(h.variables.values())
     if not variables:
         raise InterfaceError(f"{type(processor).__name__}.init declared no state")
     states = h.declarations()
     check_declarations(spec.declared, states, _where(processor, spec))
-    skeys = [arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(v.name,), key=True) for v in variables]
+    h.processing_time_ms, h.watermark_ms = spec.now_ms, spec.watermark_ms
+    n = keys_table.num_rows
+    if n:
+        skeys = [arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(v.name,), key=True)
+                 for v in variables]
+    else:
+        skeys = [pa.array([], pa.binary()) for _ in variables]
+    tt: TaskTime | None = None
+    keys: list[tuple] | None = None
+    if h.timers.enabled or any(v.ttl_ms is not None for v in variables):
+        t = time.perf_counter()
+        tt = TaskTime(handle, partition, spec.num_partitions, spec.num_key_groups, spec.now_ms, spec.watermark_ms,
+                      h.timers)
+        keys = list(zip(*[c.to_pylist() for c in keys_table.columns])) if n else []
+        if h.timers.enabled:
+            tt.add_batch_keys(keys, kgs.tolist())
+            extra_keys, extra_kgs = tt.scan_due()
+            if extra_keys:
+                keys = keys + extra_keys
+                skeys = [pa.concat_arrays([sk, pa.array(store_keys(v.name, extra_keys, extra_kgs, spec.num_key_groups),
+                                                        pa.binary())]) for sk, v in zip(skeys, variables)]
+            h.timers._load = tt.load_timers
+        timings["time_scan"] = time.perf_counter() - t
     t = time.perf_counter()
     raw = handle.get_many_arrow(skeys[0] if len(skeys) == 1 else pa.concat_arrays(skeys))
     timings["read"] = time.perf_counter() - t
     with _gc_paused():  # turned back on once the per-key objects are gone (freed as _per_key returns)
-        table, puts, removes = _per_key(processor, spec, variables, skeys, raw, keys_table, rows_table, offsets, timings)
+        table, puts, removes = _per_key(processor, spec, variables, skeys, raw, keys_table, rows_table, offsets, timings,
+                                        h, tt, keys)
     return table, puts, removes, states
 
 
 def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_StateVar], skeys: list[pa.Array],
              raw: pa.Array, keys_table: pa.Table, rows_table: pa.Table, offsets: np.ndarray,
-             timings: dict[str, float]) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array]:
-    """The Python part of ``_run_per_key``: decode, call per key, collect the changes and the output."""
-    n = keys_table.num_rows
+             timings: dict[str, float], h: StateHandle | None = None, tt: TaskTime | None = None,
+             all_keys: list[tuple] | None = None) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array]:
+    """The Python part of ``_run_per_key``: decode, call per key (then per due timer), collect the
+    changes and the output."""
+    n = len(skeys[0])  # the batch's keys, and the keys of due timers without rows after them
     t = time.perf_counter()
     for j, v in enumerate(variables):
         v._begin(raw.slice(j * n, n), spec.now_ms)
-    keys = list(zip(*[c.to_pylist() for c in keys_table.columns]))
+    keys = all_keys if all_keys is not None else list(zip(*[c.to_pylist() for c in keys_table.columns]))
     rows = (list(zip(*[c.to_pylist() for c in rows_table.columns])) if spec.value_columns
             else [()] * rows_table.num_rows)
     timings["decode"] = time.perf_counter() - t
     t = time.perf_counter()
-    results = _call_per_key(processor, variables, keys, rows, offsets.tolist())
+    timers = h.timers if h is not None and h.timers.enabled else None
+    results = _call_per_key(processor, variables, keys, rows, offsets.tolist(), timers)
     del rows
+    msg_keys = keys[:len(results)]
+    if tt is not None and timers is not None:
+        fired_results, fired_keys = _fire_timers(processor, variables, keys, tt, timers)
+        results += fired_results
+        msg_keys = msg_keys + fired_keys
+        timings["timers_fired"] = len(fired_results)
     close = getattr(processor, "close", None)
     if close is not None:
         close()
     timings["call"] = time.perf_counter() - t
     changes = [v._changes(ks) for v, ks in zip(variables, skeys)]
-    puts = (_concat([c[0] for c in changes]), _concat([c[1] for c in changes]))
-    removes = _concat([c[2] for c in changes])
+    put_keys, put_values = [c[0] for c in changes], [c[1] for c in changes]
+    removes = [c[2] for c in changes]
+    if tt is not None:
+        extra_puts: list[bytes] = []
+        extra_removes: list[bytes] = []
+        if timers is not None:
+            extra_puts, extra_removes = tt.timer_changes()
+        for v, c in zip(variables, changes):
+            if v.ttl_ms is not None:
+                extra_puts += tt.ttl_index(v, c[0])
+        if any(v.ttl_ms is not None for v in variables):
+            handled = set(itertools.chain.from_iterable(sk.to_pylist() for sk in skeys))
+            gone, removed = tt.ttl_cleanup(handled)
+            extra_removes += gone
+            timings["ttl_removed"] = removed + sum(v._ttl_removed for v in variables)
+        if extra_puts:
+            put_keys.append(pa.array(extra_puts, pa.binary()))
+            put_values.append(pa.array([b""] * len(extra_puts), pa.binary()))
+        if extra_removes:
+            removes.append(pa.array(extra_removes, pa.binary()))
+    puts = (_concat(put_keys), _concat(put_values))
     out = list(itertools.chain.from_iterable(results))
-    table = _output_table(out, spec.output_schema, keys, per_key=results)
+    table = _output_table(out, spec.output_schema, msg_keys, per_key=results)
     timings["process"] = time.perf_counter() - t
-    return table, puts, removes
+    return table, puts, _concat(removes)
+
+
+def _fire_timers(processor: StatefulProcessor, variables: list[_StateVar], keys: list[tuple], tt: TaskTime,
+                 timers: Any) -> tuple[list[Sequence[Any]], list[tuple]]:
+    """``handle_expired_timer`` of every due timer (``TaskTime.due_now``), in time order, its key's
+    state and timers bound; each timer is deleted before its call. A timer registered by a call
+    fires in a later batch, never in this one (as in Spark's transformWithState, whose scan of due
+    timers does not see timers registered while it runs). The rows and keys of each call."""
+    fn = processor.handle_expired_timer
+    state = KeyState({v.name: v for v in variables}, timers)
+    results: list[Sequence[Any]] = []
+    fired_keys: list[tuple] = []
+    due = tt.due_now()
+    for v in variables:
+        v._bind()
+    try:
+        for at, kind, i in due:
+            for v in variables:
+                v._i = i
+            timers._i = i
+            timers._changes.setdefault(i, {})[(kind, at)] = False
+            key = keys[i]
+            res = fn(key, ExpiredTimer(at, kind), state)
+            results.append(res if type(res) is tuple else _rows_of(res, processor, key, "handle_expired_timer"))
+            fired_keys.append(key)
+    finally:
+        timers._i = -1
+        for v in variables:
+            v._unbind()
+    return results, fired_keys
 
 
 @contextlib.contextmanager
@@ -577,16 +695,18 @@ def _concat(arrays: list[pa.Array]) -> pa.Array:
 
 
 def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys: list[tuple], rows: list[tuple],
-                  off: list[int]) -> list[Sequence[Any]]:
+                  off: list[int], timers: Any = None) -> list[Sequence[Any]]:
     """``handle_rows`` of every key (key i: ``rows[off[i]:off[i+1]]``) with the state variables bound
     to it; the rows each call gave, a tuple or list per key. A generator is drained while its key is
     bound (it may read and write the key's state)."""
     fn = processor.handle_rows
-    state = KeyState({v.name: v for v in variables})
+    state = KeyState({v.name: v for v in variables}, timers)
     results: list[Sequence[Any]] = []
     add = results.append
     for v in variables:
         v._bind()
+    if timers is not None:  # the timers follow the key too: one more binding per key
+        variables = [*variables, timers]
     try:
         if len(variables) == 1:
             v0 = variables[0]
@@ -602,17 +722,20 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
                 add(res if type(res) is tuple else _rows_of(res, processor, key))
     finally:
         for v in variables:
-            v._unbind()
+            if v is timers:
+                v._i = -1
+            else:
+                v._unbind()
     return results
 
 
-def _rows_of(res: Any, processor: StatefulProcessor, key: tuple) -> tuple:
+def _rows_of(res: Any, processor: StatefulProcessor, key: tuple, method: str = "handle_rows") -> tuple:
     """What ``handle_rows`` gave for ``key`` (not a tuple) as a tuple of rows: None gives none, an
     iterable is drained now (its key still bound); a dict, str or bytes is refused."""
     if res is None:
         return ()
     if isinstance(res, (dict, str, bytes)):
-        raise OutputRowError(f"{type(processor).__name__}.handle_rows returned a {type(res).__name__} for key "
+        raise OutputRowError(f"{type(processor).__name__}.{method} returned a {type(res).__name__} for key "
                              f"{_short(key)}: return or yield rows (tuples in the output schema's order)")
     return tuple(res)
 

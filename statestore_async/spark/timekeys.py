@@ -1,0 +1,130 @@
+"""Store keys of timers and of the TTL expiry index, beside the state variables' keys in a partition's store.
+
+State variable records are ``key group (2) + valuecodec.encode_key((state_name, *grouping_key))``:
+their third byte is always ``valuecodec``'s tuple tag (0x08). The time records use third bytes no
+encoded key can have, so the key spaces never meet, and each is one ordered range per key group:
+
+* timer, by time: ``kg | 0xF0 | kind (1) | u64 BE (at_ms + 2**63) | encode_key(grouping_key)``
+  — the due timers of a key group are one range scan (``due_ranges``);
+* timer, by key: ``kg | 0xF1 | encode_key(grouping_key) | kind (1) | u64 BE (at_ms + 2**63)``
+  — a key's timers are one prefix (``encode_key`` is prefix-free);
+* TTL expiry: ``kg | 0xF3 | u64 BE (expires_at_ms + 2**63) | state key without its key group``
+  — the values due to expire by ``now`` are one range scan per key group.
+
+Every value is empty. The records are versioned, committed and checkpointed with the state, in
+the same version: a replayed batch sees the same timers, a fired timer's deletion commits with
+the state its callback wrote.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable
+
+from statestore_async.errors import InterfaceError
+
+TIMER_AT = 0xF0
+TIMER_KEY = 0xF1
+TTL_EXPIRY = 0xF3
+PROCESSING, EVENT = "processing", "event"
+KIND_BYTE = {PROCESSING: 0x01, EVENT: 0x02}
+KIND_OF = {v: k for k, v in KIND_BYTE.items()}
+_BIAS = 1 << 63
+_TIME = struct.Struct(">Q")
+_KG = struct.Struct(">H")
+TIME_MODES = ("none", PROCESSING, EVENT)
+
+
+def time_bytes(ms: int) -> bytes:
+    """``ms`` (a signed 64-bit millisecond time) as 8 bytes whose byte order is the time's order."""
+    return _TIME.pack(ms + _BIAS)
+
+
+def time_of(b: bytes, pos: int = 0) -> int:
+    return int(_TIME.unpack_from(b, pos)[0]) - _BIAS
+
+
+def check_time(at_ms: object, what: str = "at_ms") -> int:
+    """``at_ms`` when it is an int in the signed 64-bit range, else ``InterfaceError``."""
+    if isinstance(at_ms, bool) or not isinstance(at_ms, int):
+        raise InterfaceError(f"{what} is an int of milliseconds since the epoch, got {type(at_ms).__name__} {at_ms!r}")
+    if not -_BIAS <= at_ms < _BIAS:
+        raise InterfaceError(f"{what}={at_ms} is outside the signed 64-bit range of milliseconds")
+    return at_ms
+
+
+def timer_at_key(kg: bytes, kind: str, at_ms: int, enc_key: bytes) -> bytes:
+    return kg + bytes((TIMER_AT, KIND_BYTE[kind])) + time_bytes(at_ms) + enc_key
+
+
+def timer_by_key_key(kg: bytes, enc_key: bytes, kind: str, at_ms: int) -> bytes:
+    return kg + bytes((TIMER_KEY,)) + enc_key + bytes((KIND_BYTE[kind],)) + time_bytes(at_ms)
+
+
+def parse_timer_at(key: bytes) -> tuple[bytes, str, int, bytes]:
+    """``(kg prefix, kind, at_ms, encoded grouping key)`` of a by-time timer record."""
+    return key[:2], KIND_OF[key[3]], time_of(key, 4), key[12:]
+
+
+def key_prefix(kg: bytes, enc_key: bytes) -> bytes:
+    """The prefix of one grouping key's by-key timer records."""
+    return kg + bytes((TIMER_KEY,)) + enc_key
+
+
+def parse_timer_by_key(key: bytes, prefix_len: int) -> tuple[str, int]:
+    """``(kind, at_ms)`` of a by-key timer record whose key prefix is ``prefix_len`` bytes."""
+    return KIND_OF[key[prefix_len]], time_of(key, prefix_len + 1)
+
+
+def prefix_stop(prefix: bytes) -> bytes | None:
+    """The smallest key above every key starting with ``prefix`` (None: no such key)."""
+    p = bytearray(prefix)
+    while p and p[-1] == 0xFF:
+        p.pop()
+    if not p:
+        return None
+    p[-1] += 1
+    return bytes(p)
+
+
+def owned_key_groups(partition: int, num_partitions: int, num_key_groups: int) -> range:
+    """The key groups whose rows the routing sends to ``partition`` (``kg * N // G == partition``)."""
+    lo = -(-partition * num_key_groups // num_partitions)
+    hi = -(-(partition + 1) * num_key_groups // num_partitions)
+    return range(lo, hi)
+
+
+def due_ranges(kgs: Iterable[int], thresholds: dict[str, int]) -> list[tuple[bytes, bytes | None]]:
+    """Ascending ranges holding every by-time timer of the key groups ``kgs`` (ascending) of each kind
+    in ``thresholds`` whose time is <= that kind's threshold."""
+    kinds = sorted(thresholds, key=KIND_BYTE.__getitem__)
+    out: list[tuple[bytes, bytes | None]] = []
+    for g in kgs:
+        kg = _KG.pack(g)
+        for kind in kinds:
+            head = kg + bytes((TIMER_AT, KIND_BYTE[kind]))
+            out.append((head, head + time_bytes(thresholds[kind] + 1) if thresholds[kind] < _BIAS - 1 else prefix_stop(head)))
+    return out
+
+
+def ttl_key(state_key: bytes, expires_ms: int) -> bytes:
+    """The expiry index record of a TTL'd value stored under ``state_key``."""
+    return state_key[:2] + bytes((TTL_EXPIRY,)) + time_bytes(expires_ms) + state_key[2:]
+
+
+def parse_ttl_key(key: bytes) -> tuple[int, bytes]:
+    """``(expires_ms, state key)`` of an expiry index record."""
+    return time_of(key, 3), key[:2] + key[11:]
+
+
+def ttl_ranges(kgs: Iterable[int], now_ms: int) -> list[tuple[bytes, bytes | None]]:
+    """Ascending ranges holding every expiry index record of ``kgs`` with expiry <= ``now_ms``."""
+    out: list[tuple[bytes, bytes | None]] = []
+    for g in kgs:
+        head = _KG.pack(g) + bytes((TTL_EXPIRY,))
+        out.append((head, head + time_bytes(now_ms + 1)))
+    return out
+
+
+def is_state_key(key: bytes) -> bool:
+    """Whether a store record of the operator is a state variable's (not a timer or an expiry index entry)."""
+    return len(key) < 3 or key[2] not in (TIMER_AT, TIMER_KEY, TTL_EXPIRY)

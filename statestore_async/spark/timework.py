@@ -1,0 +1,150 @@
+"""A per-key task's work with time: due timers, its keys' timers, the expiry index and TTL cleanup.
+
+``TaskTime`` talks to the open version of the partition's store through range scans
+(``StoreHandle.scan_ranges``): the due timers are one range per owned key group and kind, the
+values due to expire one range per owned key group (``spark.timekeys``), so a batch pays
+O(key groups + due) for them, whatever the store holds. Nothing here runs for a processor that
+uses neither timers nor TTLs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from statestore_async.codecs import keylayout, valuecodec
+from statestore_async.spark import timekeys as tk
+from statestore_async.spark.processor import Timers, _StateVar
+
+if TYPE_CHECKING:
+    from statestore_async.client.clients import StoreHandle
+
+
+class TaskTime:
+    """One try of one partition's batch: which timers are due, the keys they belong to, and the
+    store changes that timers and TTLs make (``changes``)."""
+
+    def __init__(self, handle: StoreHandle, partition: int, num_partitions: int, num_key_groups: int,
+                 now_ms: int, watermark_ms: int | None, timers: Timers):
+        self.handle = handle
+        self.now_ms = now_ms
+        self.kgs = tk.owned_key_groups(partition, num_partitions, num_key_groups)
+        self.prefixes = keylayout.prefixes(num_key_groups)
+        self.timers = timers
+        self.thresholds: dict[str, int] = {}
+        if timers.enabled:
+            self.thresholds[tk.PROCESSING] = now_ms
+            if watermark_ms is not None:
+                self.thresholds[tk.EVENT] = watermark_ms
+        self.enc: list[bytes] = []       # key index -> encode_key(grouping key)
+        self.kg: list[int] = []          # key index -> key group
+        self.index: dict[bytes, int] = {}
+        self.stored_due: list[tuple[str, int, int]] = []  # (kind, at_ms, key index), from the store
+        self.fired = 0
+        self.ttl_removed = 0
+
+    # -- keys ----------------------------------------------------------------------------------------
+    def add_batch_keys(self, keys: list[tuple], kgs: list[int]) -> None:
+        """The batch's keys, in key index order (their rows' order)."""
+        for enc, g in zip(valuecodec.encode_keys(keys), kgs):
+            self.index[enc] = len(self.enc)
+            self.enc.append(enc)
+            self.kg.append(g)
+
+    def scan_due(self) -> tuple[list[tuple], list[int]]:
+        """Read the due timers the store holds; returns the keys (tuples) and key groups of those
+        that are not batch keys (the timers' keys without rows), which get the next key indexes."""
+        extra_keys: list[tuple] = []
+        extra_kgs: list[int] = []
+        if not self.thresholds:
+            return extra_keys, extra_kgs
+        for k, _ in self.handle.scan_ranges(tk.due_ranges(self.kgs, self.thresholds)):
+            kgp, kind, at, enc = tk.parse_timer_at(k)
+            i = self.index.get(enc)
+            if i is None:
+                i = self.index[enc] = len(self.enc)
+                self.enc.append(enc)
+                self.kg.append(int.from_bytes(kgp, "big"))
+                extra_keys.append(tuple(valuecodec.decode_row(enc)))
+                extra_kgs.append(self.kg[-1])
+            self.stored_due.append((kind, at, i))
+        return extra_keys, extra_kgs
+
+    def load_timers(self) -> dict[int, set[tuple[str, int]]]:
+        """Every stored timer of every key of the task (one request), by key index: for ``list``."""
+        prefixes = sorted((self.prefixes[g] + bytes((tk.TIMER_KEY,)) + enc, i)
+                          for i, (enc, g) in enumerate(zip(self.enc, self.kg)))
+        out: dict[int, set[tuple[str, int]]] = {}
+        if not prefixes:
+            return out
+        ranges = [(p, tk.prefix_stop(p)) for p, _ in prefixes]
+        starts = [p for p, _ in prefixes]
+        j = 0
+        for k, _ in self.handle.scan_ranges(ranges):
+            while not k.startswith(starts[j]):
+                j += 1
+            out.setdefault(prefixes[j][1], set()).add(tk.parse_timer_by_key(k, len(starts[j])))
+        return out
+
+    # -- firing ---------------------------------------------------------------------------------------
+    def due_now(self) -> list[tuple[int, str, int]]:
+        """``(at_ms, kind, key index)`` of every timer to fire after the rows, in time order: the
+        stored due ones the rows did not delete, and the ones the rows registered at a due time."""
+        changes = self.timers._changes
+        due = {(at, kind, i) for kind, at, i in self.stored_due if changes.get(i, {}).get((kind, at)) is not False}
+        for i, per_key in changes.items():
+            for (kind, at), on in per_key.items():
+                if on and kind in self.thresholds and at <= self.thresholds[kind]:
+                    due.add((at, kind, i))
+        return sorted(due, key=lambda t: (t[0], tk.KIND_BYTE[t[1]], self.kg[t[2]], self.enc[t[2]]))
+
+    # -- what the batch writes ------------------------------------------------------------------------
+    def timer_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys to put with an empty value, keys to remove) of the timers' two indexes."""
+        puts: list[bytes] = []
+        removes: list[bytes] = []
+        for i, per_key in self.timers._changes.items():
+            kg, enc = self.prefixes[self.kg[i]], self.enc[i]
+            for (kind, at), on in per_key.items():
+                keys = (tk.timer_at_key(kg, kind, at, enc), tk.timer_by_key_key(kg, enc, kind, at))
+                (puts if on else removes).extend(keys)
+        return puts, removes
+
+    def ttl_index(self, var: _StateVar, put_keys: pa.Array) -> list[bytes]:
+        """The expiry index records of a TTL'd variable's values written this batch (all expire at
+        ``now + ttl``)."""
+        assert var.ttl_ms is not None
+        expires = self.now_ms + var.ttl_ms
+        return [tk.ttl_key(k, expires) for k in put_keys.to_pylist()]
+
+    def ttl_cleanup(self, handled: set[bytes]) -> tuple[list[bytes], int]:
+        """The expiry index records due by ``now`` (all removed) and the values they name that are
+        expired: removed too unless this batch handled their key (``handled``: the store keys whose
+        values the task read, which the variables remove or rewrite themselves). Returns the keys
+        to remove and how many values of them are expired ones."""
+        due = [k for k, _ in self.handle.scan_ranges(tk.ttl_ranges(self.kgs, self.now_ms))]
+        if not due:
+            return [], 0
+        targets = sorted({sk for sk in (tk.parse_ttl_key(k)[1] for k in due) if sk not in handled})
+        removes = list(due)
+        removed = 0
+        if targets:
+            for sk, raw in zip(targets, self.handle.get_many(targets)):
+                if raw is None:
+                    continue
+                expires = _expiry_of(raw)
+                if expires is not None and expires <= self.now_ms:
+                    removes.append(sk)
+                    removed += 1
+        return removes, removed
+
+
+def _expiry_of(raw: bytes) -> int | None:
+    """The expiry of a TTL'd value record ``encode_row((expires_at_ms, value))`` (None: not one)."""
+    try:
+        row: Any = valuecodec.decode_row(raw)
+    except ValueError:
+        return None
+    if isinstance(row, tuple) and len(row) == 2 and isinstance(row[0], int):
+        return row[0]
+    return None
