@@ -2,6 +2,10 @@
 
 Both read the manifest of a version (the latest when ``version`` is None) and load each partition's
 named checkpoint from files alone (``loader.load_store``: GETs of named files, no daemon).
+
+They give the state variables' records only: timers and the TTL expiry index (``spark.timekeys``)
+are left out. A TTL'd value past its expiry by the clock of the batch that wrote the version is
+not in it (that batch removed it); ``now_ms`` also leaves out the values expired by that time.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import list_manifest_versions, read_manifest
 from statestore_async.ids import DEFAULT_STORE_NAME, StoreId
 from statestore_async.objectstore import open_object_store
+from statestore_async.spark.timekeys import is_state_key
 
 
 def _open(root: str, s3_options: dict | None):
@@ -71,21 +76,39 @@ def load_partition(root: str, operator_id: str, partition: int, ckpt_version: in
     return asyncio.run(go())
 
 
-def load_state(root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None) -> dict:
-    """``{(state_name, grouping_key): value}`` of the committed version (the latest by default)."""
+def _live(name: str, value: object, ttl_states: set[str], now_ms: int | None) -> bool:
+    """Whether a record of state ``name`` is live at ``now_ms`` (None: no clock given, all are)."""
+    if now_ms is None or name not in ttl_states or not isinstance(value, tuple) or len(value) != 2:
+        return True
+    return not isinstance(value[0], int) or value[0] > now_ms
+
+
+def _ttl_states(manifest) -> set[str]:
+    states = (manifest.metadata or {}).get("states") or {}
+    return {name for name, d in states.items() if isinstance(d, dict) and d.get("ttl")}
+
+
+def load_state(root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
+               now_ms: int | None = None) -> dict:
+    """``{(state_name, grouping_key): value}`` of the committed version (the latest by default);
+    with ``now_ms``, TTL'd values expired by then are left out."""
 
     async def go():
         r, store = _open(root, s3_options)
         try:
             m = await _manifest(store, operator_id, version)
+            ttl = _ttl_states(m)
             out = {}
             for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
                 if ref.is_empty_state:
                     continue
                 vs, _ = await load_store(store, StoreId(r, operator_id, p), ref)
                 for k, v in vs.items():
+                    if not is_state_key(k):
+                        continue
                     _, name, key, value = decode_record(k, v)
-                    out[(name, key)] = value
+                    if _live(name, value, ttl, now_ms):
+                        out[(name, key)] = value
             return out
         finally:
             await store.close()
@@ -93,8 +116,10 @@ def load_state(root: str, operator_id: str, version: int | None = None, *, s3_op
     return asyncio.run(go())
 
 
-def read_state(spark, root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None):
-    """A DataFrame ``(partition int, key_group int, state string, key string, value string)``.
+def read_state(spark, root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
+               now_ms: int | None = None):
+    """A DataFrame ``(partition int, key_group int, state string, key string, value string)`` of the
+    state variables' records (with ``now_ms``: without TTL'd values expired by then).
 
     One Spark task per state partition loads that partition's checkpoint from files; ``key`` (the
     grouping key tuple as a list) and ``value`` are JSON (dates, decimals, bytes as strings).
@@ -110,11 +135,16 @@ def read_state(spark, root: str, operator_id: str, version: int | None = None, *
     r, m = asyncio.run(man())
     refs = [(p, ref.version, ref.ckptid) for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME])]
     opts = s3_options
+    ttl = _ttl_states(m)
 
     def load(items):
         for p, v, c in items:
             for k, val in load_partition(r, operator_id, p, v, c, opts):
+                if not is_state_key(k):
+                    continue
                 kg, name, key, value = decode_record(k, val)
+                if not _live(name, value, ttl, now_ms):
+                    continue
                 yield (p, kg, name, json.dumps(list(key), default=str), json.dumps(value, default=str))
 
     schema = "partition int, key_group int, state string, key string, value string"
