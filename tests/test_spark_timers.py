@@ -283,3 +283,49 @@ def test_ttl_entries_of_keys_never_seen_again_are_gone_from_the_files(daemon, ro
     job.run([], now_ms=6000)  # everything expired: state and index are empty in the files
     recs = job.records()
     assert recs == {}
+
+
+@pytest.mark.spark
+def test_operator_in_spark_fires_timers_of_idle_keys_and_cleans_ttl(spark, daemon, tmp_path):
+    """The whole operator in Spark local mode: batches with rows register timers and TTL'd values;
+    a batch with no rows still runs every partition's task, whose timers fire and whose expired
+    values go; the manifest records the partitions that changed."""
+    import sys
+
+    from pyspark import cloudpickle
+
+    from statestore_async.spark import StatefulOperator, load_state
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    root = f"file://{tmp_path}/state"
+    now = [10.0]
+    op = StatefulOperator(root, "sessions", ["k"], SessionsTTL(), "k string, at bigint, kind string, n bigint", N, G,
+                          socket_path=daemon.socket, clock=lambda: now[0], time_mode="processing")
+    out: dict = {}
+    sink = lambda df, b: out.__setitem__(b, sorted(tuple(r) for r in df.collect()))
+    batch = lambda rows: spark.createDataFrame(rows, "k string, v bigint")
+    op.process_batch(batch([("a", 1), ("b", 1), ("b", 2), ("c", 5)]), 0, sink)
+    assert out[0] == []
+    now[0] = 10.5
+    op.process_batch(batch([("a", 7)]), 1, sink)
+    assert out[1] == []
+    now[0] = 11.2  # b's and c's timers (11 000) are due; a's moved to 11 500; nothing has rows
+    op.process_batch(batch([]), 2, sink)
+    assert out[2] == [("b", 11_000, "processing", 2), ("c", 11_000, "processing", 1)]
+    state = load_state(root, "sessions")
+    assert sorted(k for (name, k) in state if name == "count") == [("a",)]
+    now[0] = 30.0  # a's timer fires; every TTL'd "last" (10 s) has expired: the files hold nothing
+    op.process_batch(batch([]), 3, sink)
+    assert out[3] == [("a", 11_500, "processing", 2)]
+    assert load_state(root, "sessions") == {}
+    assert sum(t.get("ttl_removed", 0) for t in op.last_progress.tasks.values()) == 3
+
+
+class SessionsTTL(Sessions):
+    def init(self, handle):
+        super().init(handle)
+        self.last = handle.value_state("last", ttl_ms=10_000)
+
+    def handle_rows(self, key, rows, state):
+        self.last.update(rows[-1][0])
+        return super().handle_rows(key, rows, state)
