@@ -604,11 +604,11 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     timers = h.timers if h is not None and h.timers.enabled else None
     results = _call_per_key(processor, variables, keys, rows, offsets.tolist(), timers)
     del rows
-    msg_keys = keys[:len(results)]
+    msg_keys = keys
     if tt is not None and timers is not None:
         fired_results, fired_keys = _fire_timers(processor, variables, keys, tt, timers)
+        msg_keys = keys[:len(results)] + fired_keys
         results += fired_results
-        msg_keys = msg_keys + fired_keys
         timings["timers_fired"] = len(fired_results)
     close = getattr(processor, "close", None)
     if close is not None:
