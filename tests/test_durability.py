@@ -187,7 +187,7 @@ async def test_snapshots_every_n_and_retention_keeps_the_window_loadable(make_da
             await h.put_many([(key(i), b"%d" % v) for i in range(v, v + 20)])
             ref = await h.commit()
             assert await c.await_durable(sid, ref, timeout=20)
-            await wait_until(lambda: not d.maintenance.stats()["in_progress"])
+            await wait_until(lambda: d.maintenance.idle)
             states[ref] = None
     async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
         names = {o.key async for o in st.list(sid.prefix + "/")}
@@ -289,7 +289,7 @@ async def test_retention_never_deletes_what_another_daemons_attempt_in_the_windo
             ref, _ = await commit_version(ca, sid, ref.version, ckptid=ref.ckptid or None)
             refs[ref.version] = ref
             assert await ca.await_durable(sid, ref, timeout=20)
-            await wait_until(lambda: not a.maintenance.stats()["in_progress"])  # snapshot + retention finished
+            await wait_until(lambda: a.maintenance.idle)  # snapshot + retention finished
 
     async with AsyncClient(a.config.socket) as ca, AsyncClient(b.config.socket) as cb:
         await a_commits(ca, 8)

@@ -463,7 +463,7 @@ async def test_retention_batches_its_cleanups_and_keeps_the_window(make_daemon, 
             ref = await h.commit()
             assert await c.await_durable(sid, ref, 10)
             for _ in range(200):
-                if not d.maintenance.stats()["in_progress"]:
+                if d.maintenance.idle:
                     break
                 await asyncio.sleep(0.01)
     m = d.maintenance.counters
@@ -487,3 +487,51 @@ def test_the_daemon_makes_malloc_return_large_freed_blocks():
     # and after evictions it hands the heap's free pages back (malloc_trim)
     assert server._MALLOC_TRIM is not None
     server.give_back_free_pages()
+
+
+async def test_a_slow_cleanup_holds_up_no_snapshot(make_daemon, root, monkeypatch):
+    """Retention runs beside the snapshots, not in their queue: while one store's cleanup hangs
+    (its LIST waiting on an unreachable object store, here a gate), other stores' snapshots are
+    still written — and the hung one is not started twice."""
+    from statestore_async.daemon import maintenance
+
+    gate = asyncio.Event()
+    started: list[StoreId] = []
+    real_cleanup = maintenance.cleanup_store
+
+    async def slow_cleanup(objstore, store_id, keep, **kw):
+        started.append(store_id)
+        await gate.wait()
+        return await real_cleanup(objstore, store_id, keep, **kw)
+
+    monkeypatch.setattr(maintenance, "cleanup_store", slow_cleanup)
+    d = await make_daemon(snapshot_interval=2, retention_versions=4)
+    a, b = StoreId(root, "slowret", 0), StoreId(root, "slowret", 1)
+    async with AsyncClient(d.config.socket) as c:
+        refs = {a: CheckpointRef(0, ""), b: CheckpointRef(0, "")}
+
+        async def commit(sid: StoreId) -> None:
+            ref = refs[sid]
+            h = await c.open(sid, ref.version, ref.ckptid or None)
+            await h.put_many([(key(ref.version), b"%d" % ref.version)])
+            refs[sid] = await h.commit()
+            assert await c.await_durable(sid, refs[sid], 30)
+
+        deadline = asyncio.get_running_loop().time() + 60
+        while not started:  # store a's first cleanup is due once its window (4) has aged out
+            assert asyncio.get_running_loop().time() < deadline, "no cleanup started"
+            await commit(a)
+            await asyncio.sleep(0.01)
+        for _ in range(6):  # meanwhile store b commits past several snapshot intervals
+            await commit(b)
+        while not d.registry.get(b).has_snapshot(refs[b]):  # version 6: a snapshot is due every 2
+            assert asyncio.get_running_loop().time() < deadline, "store b's snapshot waited for a's cleanup"
+            await asyncio.sleep(0.01)
+        for _ in range(4):
+            await commit(a)  # a's snapshots go on too; its cleanup is not started a second time
+        assert started.count(a) == 1 and d.maintenance.stats()["cleanups_in_progress"] >= 1
+        gate.set()
+        while not d.maintenance.idle:
+            assert asyncio.get_running_loop().time() < deadline + 60, "the cleanups did not finish"
+            await asyncio.sleep(0.01)
+    assert d.maintenance.counters["cleanups"] >= 1 and d.maintenance.counters["cleanup_errors"] == 0

@@ -10,7 +10,8 @@ daemon's event loop spends nothing on it. Only once the snapshot is in the objec
 store learn of it (``mark_snapshot``), so later deltas' lineages stop there.
 After a snapshot, once a quarter of the window has aged out since the last cleanup, retention
 deletes files older than the window (the last ``retention_versions`` versions) that no state in the
-window needs (``retention.cleanup_store`` with ``keep=None``).
+window needs (``retention.cleanup_store`` with ``keep=None``), in a task of its own: snapshots are
+encoded one at a time, cleanups run one at a time, and neither waits for the other.
 
 Maintenance never blocks a commit; it is best effort: a failed snapshot is retried at the next
 durable delta, a failed cleanup at the next snapshot.
@@ -22,6 +23,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 # 256 KiB blocks took over a millisecond and showed in the commit latency tail).
 STEP_BLOCK_BYTES = 64 << 10
 _DONE = object()  # the end of snapshot_steps
+CLEANED_KEPT = 1 << 16  # stores whose last cleanup is remembered after they leave memory
 
 
 class _Pacer:
@@ -121,8 +124,12 @@ class Maintenance:
         self.retention_versions = retention_versions
         self._chain_bytes: dict[StoreId, int] = {}
         self._headers: dict[StoreId, dict[str, FileHeader]] = {}  # per store: file key -> parsed header (files never change)
-        self._cleaned_below: dict[StoreId, int] = {}  # per store: min_version of its last cleanup
-        self._busy: set[StoreId] = set()
+        # per store: min_version of its last cleanup, kept across evictions (the most recent
+        # CLEANED_KEPT stores): a store reloaded all the time does not LIST its folder at each reload
+        self._cleaned_below: OrderedDict[StoreId, int] = OrderedDict()
+        self._busy: set[StoreId] = set()  # stores with a snapshot queued or in progress
+        self._cleaning: set[StoreId] = set()  # stores with a cleanup queued or in progress
+        self._cleanup_sem = asyncio.Semaphore(1)
         self._tasks: set[asyncio.Task[None]] = set()
         self._sem = asyncio.Semaphore(concurrency)
         self._closed = False
@@ -168,12 +175,18 @@ class Maintenance:
         # The store is looked up by id, never held across an await: the registry may evict it
         # meanwhile (a snapshot in progress must not keep an evicted store alive). Only the frozen
         # view holds it, while the records are encoded, and the registry evicts no store with a view.
+        # ``_sem`` bounds the encoding (event-loop work, or the worker's); the file's upload and the
+        # cleanup after it run outside it: waiting on IO, a snapshot never holds up the next one's
+        # encoding, and no snapshot waits for a cleanup (a cleanup LISTs and deletes: with it inside,
+        # a daemon reloading stores all the time queued 60-90 snapshots behind cleanups, its delta
+        # chains grew, and so did what each load read and held).
         try:
             async with self._sem:
                 store = self._registry.get(store_id)
                 if store is None or self._closed:
                     return
                 objstore = self._objstores(store_id.root)
+                data: bytes | None = None
                 if self._worker is not None:
                     # the worker reads files: snapshot the newest durable state (``ref``, whose
                     # ancestors are durable too), if it is still on the head's lineage
@@ -190,19 +203,22 @@ class Maintenance:
                         return
                     view = store.freeze()
                     del store
-                    size = await self._snapshot_here(view, objstore)
-                self.counters["snapshots"] += 1
-                self.counters["snapshot_bytes"] += size
-                log.info("snapshot of %s at %s: %d bytes", store_id, ref, size)
-                store = self._registry.get(store_id)
-                if store is None:
-                    # evicted meanwhile: keep nothing of it (``forget`` ran); a reload reads the
-                    # files, this snapshot included, and its next snapshot cleans up
-                    return
-                store.mark_snapshot(ref)
-                del store
-                self._chain_bytes[store_id] = 0
-                await self._cleanup(objstore, store_id, ref)
+                    data = await self._encode_here(view)
+            if data is not None:
+                size = await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)
+                del data
+            self.counters["snapshots"] += 1
+            self.counters["snapshot_bytes"] += size
+            log.info("snapshot of %s at %s: %d bytes", store_id, ref, size)
+            store = self._registry.get(store_id)
+            if store is None:
+                # evicted meanwhile: keep nothing of it (``forget`` ran); a reload reads the
+                # files, this snapshot included, and its next snapshot cleans up
+                return
+            store.mark_snapshot(ref)
+            del store
+            self._chain_bytes[store_id] = 0
+            self._schedule_cleanup(objstore, store_id, ref)
         except StateStoreError as exc:
             self.counters["snapshot_errors"] += 1
             log.warning("snapshot of %s at %s failed (retried at the next durable delta): %s", store_id, ref, exc)
@@ -212,10 +228,9 @@ class Maintenance:
         finally:
             self._busy.discard(store_id)
 
-    async def _snapshot_here(self, view: FrozenView, objstore: ObjectStore) -> int:
-        """Encode the snapshot of ``view`` (released here) in this process, in bounded steps
-        between requests, and create its file."""
-        store_id, ref = view.store_id, view.ref
+    async def _encode_here(self, view: FrozenView) -> bytes:
+        """The snapshot file of ``view`` (released here), encoded in this process in bounded steps
+        between requests."""
         try:
             parts: list[bytes] = []
             steps = snapshot_steps(view, block_bytes=STEP_BLOCK_BYTES)
@@ -233,18 +248,33 @@ class Maintenance:
                     parts = cast("list[bytes]", item)
         finally:
             view.release()
-        data = await asyncio.to_thread(b"".join, parts)  # a large join releases the GIL
-        del parts
-        return await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)
+        return await asyncio.to_thread(b"".join, parts)  # a large join releases the GIL
 
-    async def _cleanup(self, objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef) -> None:
+    def _schedule_cleanup(self, objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef) -> None:
+        """Start retention for ``store_id`` after its snapshot at ``ref``, when due: its own task,
+        one cleanup at a time (``_cleanup_sem``), at most one per store at any time."""
         min_version = ref.version - self.retention_versions + 1
-        if min_version <= 1:
+        if min_version <= 1 or store_id in self._cleaning or self._closed:
             return
         # Batch the deletions: a cleanup LISTs the store's folder and parses every entry on the
         # event loop (~2 ms at 120 files), so it runs once a quarter of the window has aged out,
         # not after every snapshot. Files outlive the window by at most that quarter.
         if min_version - self._cleaned_below.get(store_id, 0) < max(1, self.retention_versions // 4):
+            return
+        self._cleaning.add(store_id)
+        task = asyncio.get_running_loop().create_task(self._cleanup(objstore, store_id, min_version))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _cleanup(self, objstore: ObjectStore, store_id: StoreId, min_version: int) -> None:
+        try:
+            async with self._cleanup_sem:
+                await self._cleanup_now(objstore, store_id, min_version)
+        finally:
+            self._cleaning.discard(store_id)
+
+    async def _cleanup_now(self, objstore: ObjectStore, store_id: StoreId, min_version: int) -> None:
+        if self._closed:
             return
         try:
             headers = self._headers.setdefault(store_id, {})
@@ -256,8 +286,16 @@ class Maintenance:
             log.warning("retention of %s failed (retried after the next snapshot): %s", store_id, exc)
             return
         self._cleaned_below[store_id] = min_version
+        self._cleaned_below.move_to_end(store_id)
+        while len(self._cleaned_below) > CLEANED_KEPT:
+            self._cleaned_below.popitem(last=False)
         self.counters["cleanups"] += 1
         self.counters["files_deleted"] += len(report.deleted)
+
+    @property
+    def idle(self) -> bool:
+        """True when no snapshot and no cleanup is queued or in progress."""
+        return not self._busy and not self._cleaning
 
     async def close(self) -> None:
         """Stop: cancel snapshots in progress (they are optional; the deltas are the truth)."""
@@ -270,7 +308,8 @@ class Maintenance:
             await self._worker.close()
 
     def stats(self) -> dict[str, Any]:
-        out = {"in_progress": len(self._busy), "builder": "process" if self._worker else "inline", **self.counters}
+        out = {"in_progress": len(self._busy), "cleanups_in_progress": len(self._cleaning),
+               "builder": "process" if self._worker else "inline", **self.counters}
         if self._worker is not None:
             out.update(self._worker.stats())
         return out
