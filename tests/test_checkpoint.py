@@ -1,8 +1,10 @@
 """Checkpoint files: format round trips, key-group index, streaming reads, and corruption detection."""
+import json
 import random
 import types
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -350,3 +352,40 @@ async def test_old_and_new_files_load_into_one_state(tmp_path):
             await create_checkpoint_file(objstore, sid, d.ref, DELTA, data)
         loaded, _ = await load_store(objstore, sid, s.head)
         assert list(loaded.items()) == list(s.items())
+
+
+@pytest.mark.parametrize("kind", [DELTA, SNAPSHOT])
+def test_the_footer_names_each_blocks_first_key(kind):
+    """``first_keys`` lets a reader find the block of any key from the footer alone (the cold tier
+    reads one block, not the file); a footer written without it (before the cold tier) still reads,
+    and one that does not match the blocks is a typed error."""
+    s, d = big_delta(n=4000, groups=64)
+    if kind == DELTA:
+        data = encode_delta(d, block_bytes=2048)
+    else:
+        with s.freeze() as view:
+            data = encode_snapshot(view, block_bytes=2048)
+    f = read_checkpoint(data, "f")
+    assert len(f.footer.blocks) > 10 and read_index(data, "f").first_keys == f.footer.first_keys
+    starts = [0]
+    for b in f.footer.blocks[:-1]:
+        starts.append(starts[-1] + b.count)
+    assert f.footer.first_keys == [f.records[i][0] for i in starts]
+
+    def with_footer(change) -> bytes:
+        off, n, _ = checkpoint.read_trailer(data, "f")
+        body = json.loads(data[off + 6: off + n])
+        change(body)
+        raw = json.dumps(body, separators=(",", ":")).encode()
+        footer = checkpoint._FOOT.pack(checkpoint.FOOTER_MARK, len(raw)) + raw
+        return data[:off] + footer + checkpoint._TRAIL.pack(off, len(footer), xxhash.xxh3_64_intdigest(footer),
+                                                           checkpoint.END_MAGIC)
+
+    old = read_checkpoint(with_footer(lambda body: body.pop("first_keys")), "f")
+    assert old.footer.first_keys is None and old.records == f.records
+    swapped = with_footer(lambda body: body["first_keys"].reverse())
+    with pytest.raises(CorruptFileError, match="first keys"):
+        read_checkpoint(swapped, "f")
+    short = with_footer(lambda body: body["first_keys"].pop())
+    with pytest.raises(CorruptFileError, match="first keys for"):
+        read_index(short, "f")

@@ -9,12 +9,16 @@ File layout (every integer little-endian)::
               "codec": "zstd" | "none", "created": unix seconds, "writer": "statestore_async x.y"}
     blocks   record blocks (statestore_async.codecs.blockcodec: magic, lengths, xxh3 checksum, zstd body)
     footer   b"\\xf0\\x07" | u32 n | n bytes of JSON:
-             {"records": total, "blocks": [[offset, length, count, first_kg, last_kg], ...]}
+             {"records": total, "blocks": [[offset, length, count, first_kg, last_kg], ...],
+              "first_keys": [hex of each block's first key, ...]}
     trailer  u64 footer offset | u32 footer length | u64 xxh3(footer) | b"SSCE"   (24 bytes)
 
 Records are in key order, so key groups (the first two key bytes) ascend through the file and the
 footer's block index (each block's smallest and largest key group) tells which byte ranges hold a
-range of key groups (for a rescale). In a delta a tombstone (value None) marks a removed key.
+range of key groups (for a rescale). ``first_keys`` (files written since the cold tier; older files
+lack it and read the same) names each block's first key, so that a reader can find the block of any
+key from the footer alone and read just that block (``files.coldrun``: a snapshot serves as the cold
+level of a store without being read whole). In a delta a tombstone (value None) marks a removed key.
 Readers do not rely on the order: files written in commit order read the same.
 
 Writing: the records of an engine table are written into block payloads straight from its arena
@@ -107,6 +111,23 @@ class BlockIndexEntry:
 class Footer:
     records: int
     blocks: list[BlockIndexEntry] = field(default_factory=list)
+    # each block's first key, in block order (None: a file written before the footer carried them)
+    first_keys: list[bytes] | None = None
+
+
+def first_key_of_payload(payload: bytes | memoryview) -> bytes:
+    """The key of the first record of a non-empty records payload (``blockcodec`` layout:
+    kind byte, varint key length, key)."""
+    n = shift = 0
+    pos = 1
+    while True:
+        b = payload[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            break
+        shift += 7
+    return bytes(payload[pos:pos + n])
 
 
 _kg = key_group_or_zero
@@ -189,6 +210,7 @@ class CheckpointWriter:
         self._parts: list[bytes] = [head]
         self._offset = len(head)
         self._index: list[BlockIndexEntry] = []
+        self._first_keys: list[bytes] = []
         self._records = 0
 
     def add_records(self, records: Sequence[Record]) -> Iterator[None]:
@@ -198,13 +220,15 @@ class CheckpointWriter:
         while start < n:
             block, nxt = blockcodec.encode_block(records, start, self._block_bytes, self._codec, self._level)
             kgs_first, kgs_last = blockcodec.key_group_range(records, start, nxt)
-            self.add_block(block, nxt - start, kgs_first, kgs_last)
+            self.add_block(block, nxt - start, kgs_first, kgs_last, bytes(records[start][0]))
             start = nxt
             yield
 
-    def add_block(self, block: bytes, count: int, first_kg: int, last_kg: int) -> None:
-        """Append an encoded block of ``count`` records whose key groups span ``first_kg..last_kg``."""
+    def add_block(self, block: bytes, count: int, first_kg: int, last_kg: int, first_key: bytes) -> None:
+        """Append an encoded block of ``count`` records whose key groups span ``first_kg..last_kg``
+        and whose first key is ``first_key``."""
         self._index.append(BlockIndexEntry(self._offset, len(block), count, first_kg, last_kg))
+        self._first_keys.append(first_key)
         self._parts.append(block)
         self._offset += len(block)
         self._records += count
@@ -228,7 +252,7 @@ class CheckpointWriter:
             payload, nxt, lo, hi = records.chunk_packed(pos, limit)
             if nxt == pos:
                 return
-            self.add_block(self._encode(payload, nxt - pos), nxt - pos, lo, hi)
+            self.add_block(self._encode(payload, nxt - pos), nxt - pos, lo, hi, first_key_of_payload(payload))
             pos = nxt
             yield
 
@@ -242,23 +266,24 @@ class CheckpointWriter:
             return
         limit = self._payload_limit()
         pool = _encode_pool() if threads else None
-        pending: deque[tuple[Future[bytes], int, int, int]] = deque()
+        pending: deque[tuple[Future[bytes], int, int, int, bytes]] = deque()
         try:
             pos = 0
             while pos < n:
                 payload, nxt, lo, hi = records.chunk_packed(pos, limit)
                 count = nxt - pos
+                first = first_key_of_payload(payload)
                 if pool is None or (pos == 0 and nxt >= n):  # one block: no hand-over
-                    self.add_block(self._encode(payload, count), count, lo, hi)
+                    self.add_block(self._encode(payload, count), count, lo, hi, first)
                 else:
-                    pending.append((pool.submit(self._encode, payload, count), count, lo, hi))
+                    pending.append((pool.submit(self._encode, payload, count), count, lo, hi, first))
                     while len(pending) > 2 * ENCODE_THREADS:
-                        fut, c, a, b = pending.popleft()
-                        self.add_block(fut.result(), c, a, b)
+                        fut, c, a, b, k = pending.popleft()
+                        self.add_block(fut.result(), c, a, b, k)
                 pos = nxt
             while pending:
-                fut, c, a, b = pending.popleft()
-                self.add_block(fut.result(), c, a, b)
+                fut, c, a, b, k = pending.popleft()
+                self.add_block(fut.result(), c, a, b, k)
         finally:
             for fut, *_ in pending:  # after a failure: nothing more is needed
                 fut.cancel()
@@ -273,6 +298,7 @@ class CheckpointWriter:
             {
                 "records": self._records,
                 "blocks": [[b.offset, b.length, b.count, b.first_kg, b.last_kg] for b in self._index],
+                "first_keys": [k.hex() for k in self._first_keys],
             },
             separators=(",", ":"),
         ).encode()
@@ -376,7 +402,12 @@ def _parse_footer(name: str, data: bytes, offset: int, length: int, checksum: in
     try:
         f = json.loads(footer[_FOOT.size :])
         blocks = [BlockIndexEntry(*map(int, b)) for b in f["blocks"]]
-        return Footer(int(f["records"]), blocks)
+        first_keys = f.get("first_keys")
+        if first_keys is not None:
+            first_keys = [bytes.fromhex(k) for k in first_keys]
+            if len(first_keys) != len(blocks):
+                raise ValueError(f"{len(first_keys)} first keys for {len(blocks)} blocks")
+        return Footer(int(f["records"]), blocks, first_keys)
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptFileError(name, f"bad footer: {exc}", offset) from None
 
@@ -415,6 +446,7 @@ class CheckpointParser:
         self._pos = 0  # absolute offset of self._buf[0]
         self.header: FileHeader | None = None
         self._blocks: list[BlockIndexEntry] = []
+        self._first_keys: list[bytes] = []
         self._records = 0
         self._footer_at: int | None = None
         self._done = False
@@ -456,6 +488,7 @@ class CheckpointParser:
                 self._fail(f"block {len(self._blocks)}: {exc}", self._pos + consumed)
             first, last = (_kg(records[0][0]), _kg(records[-1][0])) if records else (0, 0)
             self._blocks.append(BlockIndexEntry(self._pos + consumed, total, count, first, last))
+            self._first_keys.append(records[0][0] if records else b"")
             self._records += count
             out.extend(records)
             consumed = nxt
@@ -492,6 +525,8 @@ class CheckpointParser:
         for i, (a, b) in enumerate(zip(footer.blocks, self._blocks)):
             if a.offset != b.offset or a.length != b.length or a.count != b.count:
                 self._fail(f"footer entry {i} does not match block {i}", self._footer_at)
+        if footer.first_keys is not None and footer.first_keys != self._first_keys:
+            self._fail("the footer's first keys do not match the blocks' first keys", self._footer_at)
         self._done = True
         return footer
 
