@@ -1,0 +1,342 @@
+"""Gap-based sessionization by event time, for tests and benchmarks: a deterministic event stream
+and the same logic written four ways — a plain-Python batch computation, Spark's
+``applyInPandasWithState`` with ``GroupStateTimeout.EventTimeTimeout``, Spark's
+``transformWithStateInPandas`` with event-time timers, and this project's ``StatefulOperator``.
+
+A session of a user is a maximal run of the user's events whose consecutive event times are at
+most ``gap_ms`` apart; it is emitted once, as ``(user, start_ms, end_ms, events)``, in the batch
+whose watermark first passes ``end + gap`` (no later event can join it then: every event that is
+not late is after the watermark). Late events (event time <= the batch's watermark) are dropped.
+
+The stream (``generate``) is built so that the four agree exactly although the engines differ in
+details: event times are whole seconds and ``gap_ms`` ends in 500 ms, so a session's close time
+never equals a watermark (Spark's ``applyInPandasWithState`` fires a timeout when it is *below*
+the watermark, timers when *at or below*); and a late event is at or before the watermark of the
+*previous* batch, every other event after the watermark of its own batch (Spark filters late rows
+with the previous batch's watermark, and closes sessions with the current one; this project uses
+the current one for both). ``sessions_of`` then computes the expected sessions from the admitted
+events alone, as a batch job would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from statestore_async.spark.eventtime import next_watermark
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+Session = tuple[int, int, int]            # (start_ms, end_ms, events)
+Emitted = tuple[str, int, int, int]       # (user, start_ms, end_ms, events)
+OUTPUT_SCHEMA = "user string, start_ms bigint, end_ms bigint, events bigint"
+INPUT_SCHEMA = "user string, et bigint"
+T0_MS = 1_700_000_000_000                 # the stream's first second
+ROCKSDB_PROVIDER = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+
+
+@dataclass(frozen=True)
+class SessionStream:
+    """Micro-batches of ``(user, event time ms)``, the session gap and the watermark delay, and the
+    watermark of every batch (``watermarks[b]``; ``watermarks[len(batches)]`` is the one after the
+    last batch, which a trailing batch without events uses)."""
+
+    batches: list[list[tuple[str, int]]]
+    gap_ms: int
+    delay_ms: int
+    watermarks: list[int | None]
+
+    @property
+    def final_watermark(self) -> int | None:
+        return self.watermarks[-1]
+
+    def admitted(self) -> list[tuple[str, int]]:
+        """Every event that is not late (event time > its batch's watermark)."""
+        return [(u, t) for b, rows in enumerate(self.batches) for u, t in rows if not _late(t, self.watermarks[b])]
+
+    def late(self) -> list[int]:
+        """Per batch, its late events."""
+        return [sum(_late(t, self.watermarks[b]) for _, t in rows) for b, rows in enumerate(self.batches)]
+
+
+def _late(t: int, watermark: int | None) -> bool:
+    return watermark is not None and t <= watermark
+
+
+def generate(users: int = 200, batches: int = 8, seed: int = 0, gap_s: int = 30, delay_s: int = 20,
+             step_s: int = 45, active: float = 0.5, out_of_order: float = 0.15, late: float = 0.05) -> SessionStream:
+    """A deterministic stream: in batch ``b`` each user is active with probability ``active`` (so
+    users go quiet and come back) and then has 1-3 events in the batch's ``step_s`` seconds; some
+    users also send an out-of-order event (between the batch's watermark and its time span) or a
+    late one (at or before the previous batch's watermark). ``gap_ms = gap_s * 1000 + 500``."""
+    rng = random.Random(seed)
+    gap_ms, delay_ms, step = gap_s * 1000 + 500, delay_s * 1000, step_s * 1000
+    names = [f"u{i:06d}" for i in range(users)]
+    out: list[list[tuple[str, int]]] = []
+    marks: list[int | None] = [None]
+    top: int | None = None
+    for b in range(batches):
+        wm, prev = marks[b], marks[b - 1] if b else None
+        start = T0_MS + b * step
+        rows: list[tuple[str, int]] = []
+        for u in names:
+            if rng.random() < active:
+                rows += [(u, start + 1000 * rng.randrange(step_s)) for _ in range(rng.randint(1, 3))]
+            if wm is not None and rng.random() < out_of_order and start - wm > 1000:
+                rows.append((u, wm + 1000 * rng.randint(1, (start - wm) // 1000)))  # after W(b): admitted
+            if prev is not None and rng.random() < late:
+                rows.append((u, prev - 1000 * rng.randrange(60)))  # at or before W(b-1): late for everyone
+        rng.shuffle(rows)
+        out.append(rows)
+        batch_top = max((t for _, t in rows), default=None)
+        if batch_top is not None:
+            top = batch_top if top is None else max(top, batch_top)
+        marks.append(next_watermark(marks[b], top, delay_ms))
+    return SessionStream(out, gap_ms, delay_ms, marks)
+
+
+# -- the logic, shared by every implementation ----------------------------------------------------
+def add_events(sessions: Iterable[Session], times: Iterable[int], gap_ms: int) -> list[Session]:
+    """``sessions`` (non-overlapping) with the events at ``times`` added: runs within ``gap_ms`` of
+    each other merge (an event may join two sessions into one). Sorted by start."""
+    parts = sorted([*map(tuple, sessions), *((t, t, 1) for t in times)])
+    merged: list[Session] = []
+    for s, e, n in parts:
+        if merged and s - merged[-1][1] <= gap_ms:
+            ps, pe, pn = merged[-1]
+            merged[-1] = (ps, max(pe, e), pn + n)
+        else:
+            merged.append((s, e, n))
+    return merged
+
+
+def split_due(sessions: Iterable[Session], watermark: int | None, gap_ms: int) -> tuple[list[Session], list[Session]]:
+    """``(closed, open)``: a session is closed once the watermark passed ``end + gap``."""
+    closed: list[Session] = []
+    still: list[Session] = []
+    for start, end, n in sessions:
+        due = watermark is not None and watermark > 0 and end + gap_ms <= watermark
+        (closed if due else still).append((start, end, n))
+    return closed, still
+
+
+def sessions_of(stream: SessionStream) -> list[Emitted]:
+    """The plain-Python batch computation: the sessions of the admitted events that the final
+    watermark closed, sorted."""
+    per_user: dict[str, list[int]] = {}
+    for u, t in stream.admitted():
+        per_user.setdefault(u, []).append(t)
+    out = []
+    for u, times in per_user.items():
+        closed, _ = split_due(add_events((), times, stream.gap_ms), stream.final_watermark, stream.gap_ms)
+        out += [(u, *s) for s in closed]
+    return sorted(out)
+
+
+# -- input files ----------------------------------------------------------------------------------
+def write_batches(stream: SessionStream, folder: str, trailing_empty: bool = True) -> int:
+    """One parquet file per batch in ``folder`` (``maxFilesPerTrigger=1`` reads one per batch, in
+    order: their modification times increase), plus an empty one when ``trailing_empty`` (its batch
+    has no events and uses the final watermark, as Spark's no-data batch or a heartbeat would).
+    Returns the number of files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(folder, exist_ok=True)
+    files = [*stream.batches, []] if trailing_empty else list(stream.batches)
+    for i, rows in enumerate(files):
+        path = os.path.join(folder, f"batch-{i:05d}.parquet")
+        pq.write_table(pa.table({"user": pa.array([u for u, _ in rows], pa.string()),
+                                 "et": pa.array([t for _, t in rows], pa.int64())}), path)
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    return len(files)
+
+
+def read_stream(spark: SparkSession, folder: str) -> DataFrame:
+    """The files of ``write_batches`` as a stream, one file per micro-batch."""
+    return spark.readStream.schema(INPUT_SCHEMA).option("maxFilesPerTrigger", 1).parquet(folder)
+
+
+def run_to_end(df: DataFrame, checkpoint: str, sink: Any, timeout: int = 600) -> None:
+    """Run ``df.writeStream.foreachBatch(sink)`` over everything available (AvailableNow), raising
+    the query's error."""
+    q = (df.writeStream.outputMode("update").foreachBatch(sink).option("checkpointLocation", checkpoint)
+         .trigger(availableNow=True).start())
+    try:
+        q.awaitTermination(timeout)
+    finally:
+        if q.isActive:
+            q.stop()
+            raise TimeoutError(f"the query did not finish within {timeout}s")
+    exc = q.exception()
+    if exc is not None:
+        raise exc
+
+
+def collect_into(out: list[Emitted]):
+    """A foreachBatch sink that appends the emitted sessions to ``out``."""
+
+    def sink(df: DataFrame, batch_id: int) -> None:
+        out.extend((r[0], int(r[1]), int(r[2]), int(r[3])) for r in df.collect())
+
+    return sink
+
+
+# -- Spark's applyInPandasWithState (GroupStateTimeout.EventTimeTimeout) ------------------------------
+# the open sessions of a user as JSON text (PySpark 4.3's Python workers fail to parse an array type
+# in a state schema: KeyError 'elementType' in ArrayType.fromJson)
+STATE_SCHEMA = "sessions string"
+
+
+def _load(state_tuple: tuple | None) -> list[Session]:
+    return [(int(s), int(e), int(n)) for s, e, n in json.loads(state_tuple[0])] if state_tuple else []
+
+
+def _dump(sessions: list[Session]) -> tuple[str]:
+    return (json.dumps(sessions),)
+
+
+def _frame(user: str, sessions: list[Session]):
+    import pandas as pd  # type: ignore[import-untyped]
+
+    return pd.DataFrame({"user": pd.Series([user] * len(sessions), dtype=object),
+                         "start_ms": pd.Series([s for s, _, _ in sessions], dtype="int64"),
+                         "end_ms": pd.Series([e for _, e, _ in sessions], dtype="int64"),
+                         "events": pd.Series([n for _, _, n in sessions], dtype="int64")})
+
+
+def group_state_sessions(gap_ms: int):
+    """The function for ``applyInPandasWithState``: one timeout per user, at its earliest open
+    session's close time; on data, sessions already due close first (a timeout may not be set
+    before the watermark)."""
+
+    def fn(key: tuple, pdfs: Iterator[Any], state: Any) -> Iterator[Any]:
+        (user,) = key
+        wm = state.getCurrentWatermarkMs()
+        sessions = _load(state.get if state.exists else None)
+        closed, sessions = split_due(sessions, wm, gap_ms)
+        if not state.hasTimedOut:
+            times = [int(t) for pdf in pdfs for t in pdf["et"].tolist()]
+            sessions = add_events(sessions, times, gap_ms)
+        if sessions:
+            state.update(_dump(sessions))
+            state.setTimeoutTimestamp(min(e for _, e, _ in sessions) + gap_ms)
+        else:
+            state.remove()
+        if closed:
+            yield _frame(user, closed)
+
+    return fn
+
+
+def apply_in_pandas_with_state(events: DataFrame, gap_ms: int, delay_ms: int) -> DataFrame:
+    """The sessions by ``applyInPandasWithState`` over ``events`` (columns user, et in ms)."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    return (events.withColumn("ts", F.timestamp_millis("et")).withWatermark("ts", f"{delay_ms} milliseconds")
+            .groupBy("user").applyInPandasWithState(group_state_sessions(gap_ms), OUTPUT_SCHEMA, STATE_SCHEMA,
+                                                    "update", GroupStateTimeout.EventTimeTimeout))
+
+
+# -- Spark's transformWithStateInPandas (event-time timers) -------------------------------------------
+def tws_processor(gap_ms: int):
+    """A ``pyspark.sql.streaming.StatefulProcessor`` for ``transformWithStateInPandas``: a timer at
+    each open session's close time (registering one twice is harmless; a timer whose session grew
+    fires and closes nothing)."""
+    from pyspark.sql.streaming import StatefulProcessor
+
+    class TwsSessions(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            self.handle = handle
+            self.state = handle.getValueState("sessions", STATE_SCHEMA)
+
+        def _step(self, user: str, wm: int, times: list[int]) -> Iterator[Any]:
+            sessions = _load(self.state.get() if self.state.exists() else None)
+            closed, sessions = split_due(sessions, wm, gap_ms)
+            sessions = add_events(sessions, times, gap_ms)
+            if sessions:
+                self.state.update(_dump(sessions))
+                for _, e, _ in sessions:
+                    self.handle.registerTimer(e + gap_ms)
+            else:
+                self.state.clear()
+            if closed:
+                yield _frame(user, closed)
+
+        def handleInputRows(self, key: Any, rows: Iterator[Any], timerValues: Any) -> Iterator[Any]:
+            times = [int(t) for pdf in rows for t in pdf["et"].tolist()]
+            yield from self._step(key[0], timerValues.getCurrentWatermarkInMs(), times)
+
+        def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Iterator[Any]:
+            yield from self._step(key[0], timerValues.getCurrentWatermarkInMs(), [])
+
+        def close(self) -> None:
+            pass
+
+    return TwsSessions()
+
+
+def transform_with_state_in_pandas(events: DataFrame, gap_ms: int, delay_ms: int) -> DataFrame:
+    """The sessions by ``transformWithStateInPandas`` (time mode EventTime) over ``events``. Needs
+    the RocksDB state store provider (``ROCKSDB_PROVIDER``) in the session's configuration."""
+    from pyspark.sql import functions as F
+
+    return (events.withColumn("ts", F.timestamp_millis("et")).withWatermark("ts", f"{delay_ms} milliseconds")
+            .groupBy("user").transformWithStateInPandas(tws_processor(gap_ms), OUTPUT_SCHEMA, "Update", "EventTime"))
+
+
+# -- this project's StatefulOperator ----------------------------------------------------------------
+def session_processor(gap_ms: int):
+    """A per-key ``StatefulProcessor`` of this project with event-time timers (``handle.timers``,
+    ``handle.watermark_ms``, ``handle_expired_timer``): the same steps as the Spark versions."""
+    from statestore_async.spark.processor import StatefulProcessor
+
+    class Sessions(StatefulProcessor):
+        def init(self, handle: Any) -> None:
+            self.handle = handle
+            self.sessions = handle.value_state("sessions")
+
+        def _step(self, key: tuple, times: list[int]) -> Iterator[Emitted]:
+            closed, sessions = split_due(self.sessions.get() or (), self.handle.watermark_ms, gap_ms)
+            sessions = add_events(sessions, times, gap_ms)
+            if sessions:
+                self.sessions.update(tuple(sessions))
+                for _, e, _ in sessions:
+                    self.handle.timers.register(e + gap_ms)
+            else:
+                self.sessions.clear()
+            for s in closed:
+                yield (key[0], *s)
+
+        def handle_rows(self, key: tuple, rows: list[tuple], state: Any) -> Iterator[Emitted]:
+            yield from self._step(key, [et for (et,) in rows])
+
+        def handle_expired_timer(self, key: tuple, timer: Any, state: Any) -> Iterator[Emitted]:
+            yield from self._step(key, [])
+
+    return Sessions()
+
+
+def session_operator(root: str, operator_id: str, gap_ms: int, delay_ms: int, num_partitions: int = 2,
+                     **kw: Any):
+    """The ``StatefulOperator`` that sessionizes ``(user, et)`` rows (``et`` in ms)."""
+    from datetime import timedelta
+
+    from statestore_async.spark.operator import StatefulOperator
+
+    return StatefulOperator(root, operator_id, ["user"], session_processor(gap_ms), OUTPUT_SCHEMA, num_partitions,
+                            value_columns=["et"], time_mode="event", event_time_column="et",
+                            watermark_delay=timedelta(milliseconds=delay_ms), **kw)
+
+
+__all__ = [
+    "INPUT_SCHEMA", "OUTPUT_SCHEMA", "ROCKSDB_PROVIDER", "SessionStream", "add_events", "apply_in_pandas_with_state",
+    "collect_into", "generate", "group_state_sessions", "read_stream", "run_to_end", "session_operator",
+    "session_processor", "sessions_of", "split_due", "transform_with_state_in_pandas", "tws_processor",
+    "write_batches",
+]
