@@ -16,6 +16,16 @@ reading any file. Keys are bytes in the layout of ``statestore_async.codecs.keyl
 
 A ``StoreVersion`` is single-use: UPDATING → COMMITTED | ABORTED, checked on every call. At most
 one is UPDATING per store (one writer per store and version).
+
+**State larger than memory.** ``VersionedStore.spill(cold)`` hands the committed map of an idle
+store to a *cold level* (``ColdLevel``: in the daemon a ``files.coldrun.ColdRun``, the store's
+snapshot file on local disk read a block at a time) that holds exactly the head state; the map in
+memory becomes a *hot* table of what changed since, plus the pre-images of the keys changed
+(read from the cold level once, so that undo and redo stay in memory). In the hot table a
+tombstone entry hides a key the cold level still has. Reads look at the overlay, then the hot
+table, then the cold level; ordered reads merge the three. A commit costs O(changed keys) cold
+lookups on top (block reads, cached by the daemon's block cache). The engine does no IO: the cold
+level does.
 """
 from __future__ import annotations
 
@@ -23,9 +33,10 @@ import enum
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeAlias
+from typing import Protocol, TypeAlias
 
-from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
+from statestore_async.codecs import blockcodec, framing
+from statestore_async.codecs.keylayout import KEY_GROUP_BYTES, key_group_or_zero
 from statestore_async.codecs.packed import PackedList, PackedPairs
 from statestore_async.engine import table as _table
 from statestore_async.engine.table import Table, TableView
@@ -45,6 +56,22 @@ MAX_LINEAGE = 1000
 Changes: TypeAlias = Mapping[bytes, bytes | None]
 # a request's key count is checked by the protocol already: the table routines need no lower cap
 _ANY_COUNT = (1 << 32) - 1
+
+
+class ColdLevel(Protocol):
+    """The committed records of one state (``ref``) outside memory, read on demand: key order, no
+    tombstones. ``nbytes`` is what it holds in memory itself (its index)."""
+
+    ref: CheckpointRef
+    nbytes: int
+
+    def __len__(self) -> int: ...
+
+    def get(self, key: bytes) -> bytes | None: ...
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
+
+    def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]: ...
 
 
 class State(enum.Enum):
@@ -177,7 +204,8 @@ class FrozenView:
     Made by ``VersionedStore.freeze()`` for snapshot writing: the committed table is frozen
     (``Table.freeze``: its arena stays append-only while the view lives, and the view keeps the
     records' order), so reading the view stays exact while puts and commits go on. ``release()``
-    it when done.
+    it when done. A spilled store's view is its frozen hot table over its cold level (which
+    never changes); its ``chunk``/``chunk_packed`` are read in order, from position 0.
     """
 
     def __init__(self, store: VersionedStore):
@@ -186,6 +214,9 @@ class FrozenView:
         self.ref = store.head
         self.lineage = store.lineage
         self._view: TableView | None = store._data.freeze()
+        self._cold = store._cold
+        self._len: int | None = None
+        self._cursor: tuple[int, Iterator[tuple[bytes, bytes]], tuple[bytes, bytes] | None] | None = None
 
     def _live(self) -> TableView:
         if self._view is None:
@@ -193,37 +224,100 @@ class FrozenView:
         return self._view
 
     def __len__(self) -> int:
-        return len(self._view) if self._view is not None else 0
+        if self._view is None:
+            return 0
+        if self._cold is None:
+            return len(self._view)
+        if self._len is None:
+            self._len = sum(1 for _ in self.items())
+        return self._len
 
     def keys(self) -> list[bytes]:
         """The keys of the frozen state, in key order."""
         if self._view is None:
             return []
-        return [k for k, _ in self._view.items()]
+        return [k for k, _ in self.items()]
 
     def get(self, key: bytes) -> bytes | None:
         """The frozen value of ``key`` (None if it was not in the frozen state)."""
-        return self._live().get(key)
+        view = self._live()
+        if self._cold is None or view.get(key) is not None:
+            return view.get(key)
+        if _has_entry(view, key):
+            return None  # removed since the cold state
+        return self._cold.get(key)
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         """The frozen records in key order (key groups ascending)."""
-        return self._live().items()  # type: ignore[return-value]  # a committed table holds no tombstone
+        view = self._live()
+        if self._cold is None:
+            return view.items()  # type: ignore[return-value]  # a committed table holds no tombstone
+        return merge_lazy(view.items(), self._cold.items())
+
+    def _merged_from(self, pos: int) -> tuple[Iterator[tuple[bytes, bytes]], tuple[bytes, bytes] | None]:
+        if self._cursor is not None and self._cursor[0] == pos:
+            return self._cursor[1], self._cursor[2]
+        if pos != 0:
+            raise InterfaceError(f"the view of spilled store {self.store_id} is read in order: position {pos} "
+                                 f"follows {self._cursor[0] if self._cursor else 0}")
+        return self.items(), None
 
     def chunk(self, pos: int, max_bytes: int) -> tuple[list[tuple[bytes, bytes]], int]:
         """The records from position ``pos`` in key order while ``len(key) + len(value) + 11``
         adds up to at most ``max_bytes`` (at least one when any is left), and the next position;
         an empty list at the end."""
-        return self._live().chunk(pos, max_bytes)  # type: ignore[return-value]
+        if self._cold is None:
+            return self._live().chunk(pos, max_bytes)  # type: ignore[return-value]
+        self._live()
+        it, held = self._merged_from(pos)
+        out: list[tuple[bytes, bytes]] = []
+        size = 0
+        while True:
+            rec = held if held is not None else next(it, None)
+            held = None
+            if rec is None:
+                break
+            n = len(rec[0]) + len(rec[1]) + 11
+            if out and size + n > max_bytes:
+                held = rec
+                break
+            out.append(rec)
+            size += n
+        self._cursor = (pos + len(out), it, held)
+        return out, pos + len(out)
 
     def chunk_packed(self, pos: int, max_bytes: int) -> tuple[bytes, int, int, int]:
         """The records from position ``pos`` as one encoded block payload (``TableView.chunk_packed``):
         ``(payload, next_pos, min_kg, max_kg)``."""
-        return self._live().chunk_packed(pos, max_bytes)
+        if self._cold is None:
+            return self._live().chunk_packed(pos, max_bytes)
+        self._live()
+        it, held = self._merged_from(pos)
+        out: list[tuple[bytes, bytes]] = []
+        size = 0
+        while True:
+            rec = held if held is not None else next(it, None)
+            held = None
+            if rec is None:
+                break
+            n = _record_size(rec[0], rec[1])
+            if out and size + n > max_bytes:
+                held = rec
+                break
+            out.append(rec)
+            size += n
+        self._cursor = (pos + len(out), it, held)
+        if not out:
+            return b"", pos, 0, 0
+        kgs = [key_group_or_zero(k) for k, _ in out]
+        return blockcodec.encode_records_raw(out), pos + len(out), min(kgs), max(kgs)
 
     def release(self) -> None:
         """End the view: the table may reclaim what only the view needed, and the view lets go of the store."""
         store, view = self._store, self._view
         self._store = self._view = None
+        self._cold = None
+        self._cursor = None
         if view is not None:
             view.release()
         if store is not None:
@@ -234,6 +328,26 @@ class FrozenView:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def _record_size(key: bytes, value: bytes) -> int:
+    """Bytes of one record in a ``blockcodec`` records payload."""
+    return 1 + _varint_len(len(key)) + len(key) + _varint_len(len(value)) + len(value)
+
+
+def _has_entry(table: Table | TableView, key: bytes) -> bool:
+    """Whether ``table`` has an entry for ``key`` (a tombstone included)."""
+    if isinstance(table, Table):
+        return key in table
+    return any(True for _ in table.items(key, key + b"\x00"))
 
 
 class VersionedStore:
@@ -258,7 +372,8 @@ class VersionedStore:
             data = Table()
         elif not isinstance(data, Table):
             data = table_of(data)
-        self._data: Table = data
+        self._data: Table = data  # the committed map; once spilled, the hot part over ``_cold``
+        self._cold: ColdLevel | None = None
         self._head = head
         self._lineage = tuple(lineage)
         self._history_limit = history
@@ -286,16 +401,48 @@ class VersionedStore:
 
     def __len__(self) -> int:
         self.apply_pending()
-        return len(self._data)
+        if self._cold is None:
+            return len(self._data)
+        return sum(1 for _ in self.items())
 
     @property
     def memory_bytes(self) -> int:
-        """Approximate bytes held: committed map, open overlay and the undo/redo history."""
+        """Approximate bytes held: committed map (once spilled: its hot part and the cold level's
+        index), open overlay and the undo/redo history."""
         self.apply_pending()
         total = self._data.nbytes + sum(c.nbytes for c in self._history)
+        if self._cold is not None:
+            total += self._cold.nbytes
         if self._writer is not None:
             total += self._writer._overlay.nbytes
         return total
+
+    # --- the cold level ---------------------------------------------------------------------------
+    @property
+    def cold(self) -> ColdLevel | None:
+        """The cold level under the hot map, once spilled (None: the whole map is in memory)."""
+        return self._cold
+
+    @property
+    def hot_bytes(self) -> int:
+        """Memory the committed map takes (the hot part, once spilled)."""
+        self.apply_pending()
+        return self._data.nbytes
+
+    def spill(self, cold: ColdLevel) -> int:
+        """Hand the committed map to ``cold``, which must hold exactly the head state: the map in
+        memory starts over empty (the history of recent commits is kept: rollbacks and retries stay
+        in memory). Only an idle store spills (no writer). Returns the bytes the map took."""
+        self.apply_pending()
+        if self._writer is not None:
+            raise StoreStateError(f"store {self.store_id} has a writer at version {self._writer.version}: "
+                                  "it cannot spill until it commits or aborts")
+        if cold.ref != self._head:
+            raise InterfaceError(f"store {self.store_id}: the cold level holds {cold.ref}, the head is {self._head}")
+        freed = self._data.nbytes
+        self._data = Table()
+        self._cold = cold
+        return freed
 
     def known_states(self) -> list[CheckpointRef]:
         """Every committed state this store can switch to without reading a file."""
@@ -328,12 +475,16 @@ class VersionedStore:
     def get(self, key: bytes) -> bytes | None:
         """The committed value of ``key`` at the head (None if absent)."""
         self.apply_pending()
-        return self._data.get(key)
+        if self._cold is None or key in self._data:
+            return self._data.get(key)
+        return self._cold.get(key)
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         """The committed records at the head, in key order (do not commit while iterating; use freeze())."""
         self.apply_pending()
-        return self._data.items()  # type: ignore[return-value]  # a committed table holds no tombstone
+        if self._cold is None:
+            return self._data.items()  # type: ignore[return-value]  # a committed table holds no tombstone
+        return merge_lazy(self._data.items(), self._cold.items())
 
     def freeze(self) -> FrozenView:
         """A view of the head that later commits and rollbacks leave unchanged."""
@@ -448,8 +599,36 @@ class VersionedStore:
 
     def _mutate(self, changes: Table) -> tuple[Table, Table]:
         """Apply key → value|None to the map in one pass (``table.apply``; frozen views keep
-        seeing what they froze). Returns (the changes that changed something, their pre-images)."""
-        return _table.apply(self._data, changes)
+        seeing what they froze). Returns (the changes that changed something, their pre-images).
+
+        Spilled, the hot map first gets the cold values of the changed keys it lacks (their
+        pre-images: undo needs them), and a removed key the cold level still has keeps a tombstone
+        entry in the hot map."""
+        cold = self._cold
+        if cold is None:
+            return _table.apply(self._data, changes)
+        hot = self._data
+        missing: list[bytes] = []
+        gone: list[bytes] = []  # removals of keys the hot map already hides: no change at all
+        for k, v in changes.items():
+            if k not in hot:
+                missing.append(k)
+            elif v is None and hot.get(k) is None:
+                gone.append(k)
+        if gone:
+            dropped = set(gone)
+            changes = table_of((k, v) for k, v in changes.items() if k not in dropped)
+        if missing:
+            for k, v in zip(missing, cold.get_many(missing)):
+                if v is not None:
+                    hot.put(k, v)
+        applied, undo = _table.apply(hot, changes)
+        removed = [k for k, v in applied.items() if v is None]
+        if removed:
+            for k, v in zip(removed, cold.get_many(removed)):
+                if v is not None:
+                    hot.put(k, None)
+        return applied, undo
 
     def _child(self, ckptid: str | None) -> CheckpointRef:
         """The state a commit on the head makes (a fresh checkpoint id when None), checked new."""
@@ -504,13 +683,14 @@ def _upload_bytes(records: Table) -> int:
 class StoreVersion:
     """One writer's open version: reads see the overlay first, then the committed map."""
 
-    __slots__ = ("_base", "_overlay", "_result", "_store", "parent", "state", "store_id")
+    __slots__ = ("_base", "_cold", "_overlay", "_result", "_store", "parent", "state", "store_id")
 
     def __init__(self, store: VersionedStore):
         # None and empty once the version is committed or aborted: a finished version someone
         # keeps (a connection's handle, a caller's variable) holds neither the store nor its map.
         self._store: VersionedStore | None = store
         self._base: Table = store._data
+        self._cold: ColdLevel | None = store._cold
         self.store_id = store.store_id
         self._overlay = Table()
         self.state = State.UPDATING
@@ -539,6 +719,7 @@ class StoreVersion:
         store = self._store
         self.state = state
         self._overlay = self._base = _EMPTY
+        self._cold = None
         self._store = None
         if store is not None:
             store._writer = None
@@ -548,24 +729,48 @@ class StoreVersion:
         self._check_updating("get from")
         if key in self._overlay:
             return self._overlay.get(key)
-        return self._base.get(key)
+        if self._cold is None or key in self._base:
+            return self._base.get(key)
+        return self._cold.get(key)
 
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         self._check_updating("get from")
-        return _table.get_list(self._overlay, self._base, keys)
+        cold = self._cold
+        if cold is None:
+            return _table.get_list(self._overlay, self._base, keys)
+        keys = [bytes(k) for k in keys]
+        out = _table.get_list(self._overlay, self._base, keys)
+        overlay, hot = self._overlay, self._base
+        cold_at = [i for i, k in enumerate(keys) if out[i] is None and k not in overlay and k not in hot]
+        if cold_at:
+            for i, v in zip(cold_at, cold.get_many([keys[i] for i in cold_at])):
+                out[i] = v
+        return out
 
     def get_many_packed(self, keys: PackedList) -> bytes:
         """The values of the keys of a packed list, as a packed optional list (None: absent), written
-        straight from the tables' memory without a Python object per value."""
+        straight from the tables' memory without a Python object per value (once spilled: through
+        ``get_many``, the cold level's blocks being read anyway)."""
         self._check_updating("get from")
-        return _table.get_packed(self._overlay, self._base, keys.buf, keys.offset, _ANY_COUNT)
+        if self._cold is None:
+            return _table.get_packed(self._overlay, self._base, keys.buf, keys.offset, _ANY_COUNT)
+        return framing.encode_optional_list(self.get_many(keys))
+
+    def _committed(self, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes | None]]:
+        """The committed records with ``start <= key < stop`` in key order (hot over cold)."""
+        if self._cold is None:
+            return self._base.items(start, stop)
+        return merge_lazy(self._base.items(start, stop), self._cold.items(start, stop))
 
     def scan(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) whose key starts with ``prefix``, this version's changes included, in
         key order. Costs O(log n + matches) (the tables keep an order index once scanned)."""
         self._check_updating("scan")
         prefix = bytes(prefix)
-        return merge_ordered(self._overlay.scan(prefix), self._base.scan(prefix))
+        if self._cold is None:
+            return merge_ordered(self._overlay.scan(prefix), self._base.scan(prefix))
+        stop = prefix_stop(prefix)
+        return merge_lazy(self._overlay.items(prefix, stop), self._committed(prefix, stop))
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         return self.scan(b"")
@@ -583,11 +788,13 @@ class StoreVersion:
         stop = None if stop is None else bytes(stop)
         if limit == 0 or (stop is not None and stop <= start):
             return []
-        merged = merge_lazy(self._overlay.items(start, stop), self._base.items(start, stop))
+        merged = merge_lazy(self._overlay.items(start, stop), self._committed(start, stop))
         return list(merged if limit is None else itertools.islice(merged, limit))
 
     def __len__(self) -> int:
         self._check_updating("count")
+        if self._cold is not None:
+            return sum(1 for _ in self.scan(b""))
         base = self._base
         n = len(base)
         for k, v in self._overlay.items():
@@ -666,6 +873,12 @@ class StoreVersion:
 
 # what a finished StoreVersion reads from (never: its state checks come first); none of the store's
 _EMPTY = Table()
+
+
+def prefix_stop(prefix: bytes) -> bytes | None:
+    """The smallest key above every key that starts with ``prefix`` (None: there is none)."""
+    p = prefix.rstrip(b"\xff")
+    return p[:-1] + bytes([p[-1] + 1]) if p else None
 
 
 def merge_lazy(changes: Iterator[tuple[bytes, bytes | None]],

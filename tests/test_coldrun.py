@@ -1,0 +1,182 @@
+"""The cold level: a snapshot file on local disk read a block at a time (``files.coldrun``), and a
+spilled engine store over it (``VersionedStore.spill``) that answers exactly as the same store kept
+whole in memory — reads, ordered scans, commits, rollbacks, retries and snapshots."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import xxhash
+
+from statestore_async.codecs import framing
+from statestore_async.codecs.keylayout import store_key
+from statestore_async.codecs.packed import PackedList
+from statestore_async.engine.store import VersionedStore
+from statestore_async.errors import CorruptFileError, StoreStateError, VersionNotFoundError
+from statestore_async.files import checkpoint
+from statestore_async.files.checkpoint import encode_snapshot, read_checkpoint
+from statestore_async.files.coldrun import BlockCache, ColdRun
+from statestore_async.ids import CheckpointRef, StoreId
+
+SID = StoreId("file:///tmp/cold", "agg", 0)
+
+
+def filled(n: int, seed: int = 1, groups: int = 16) -> VersionedStore:
+    rnd = random.Random(seed)
+    s = VersionedStore(SID)
+    w = s.open(0)
+    w.put_many([(store_key(rnd.randrange(groups), b"k%06d" % i), b"v%d" % rnd.randrange(10**6)) for i in range(n)])
+    w.commit()
+    return s
+
+
+def write_snapshot(store: VersionedStore, path, block_bytes: int = 2048) -> str:
+    with store.freeze() as view:
+        data = encode_snapshot(view, block_bytes=block_bytes)
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_a_run_reads_only_the_blocks_it_needs_and_matches_the_file(tmp_path):
+    s = filled(5000)
+    path = write_snapshot(s, tmp_path / "s")
+    cache = BlockCache(1 << 30)
+    run = ColdRun.open(path, SID, s.head, cache)
+    records = dict(s.items())
+    assert len(run) == 5000 and run.blocks_read == 0  # opening reads the header and footer only
+    keys = sorted(records)
+    probe = random.Random(2).sample(keys, 20)
+    assert run.get_many(probe + [b"\x00\x00absent", b"\xff\xff"]) == [records[k] for k in probe] + [None, None]
+    assert 1 <= run.blocks_read <= 20
+    read = run.blocks_read
+    assert [run.get(k) for k in probe] == [records[k] for k in probe]
+    assert run.blocks_read == read and cache.hits >= 20  # the cache answered
+    assert list(run.items()) == sorted(records.items())
+    lo, hi = keys[1000], keys[1100]
+    assert list(run.items(lo, hi)) == [(k, records[k]) for k in keys[1000:1100]]
+    run.close()
+    assert len(cache) == 0
+
+
+def test_the_block_cache_holds_its_bound_and_drops_the_least_recent(tmp_path):
+    s = filled(5000)
+    run = ColdRun.open(write_snapshot(s, tmp_path / "s"), SID, s.head, cache := BlockCache(64 << 10))
+    assert list(run.items()) == list(s.items())
+    assert 0 < cache.nbytes <= 64 << 10 and cache.evictions > 0
+    first = next(iter(s.items()))
+    before = run.blocks_read
+    assert run.get(first[0]) == first[1]
+    assert run.blocks_read == before + 1  # the first block was evicted long ago: read again
+
+
+def test_a_file_without_first_keys_opens_by_reading_its_blocks_once(tmp_path):
+    s = filled(3000)
+    with s.freeze() as view:
+        data = encode_snapshot(view, block_bytes=2048)
+    off, n, _ = checkpoint.read_trailer(data, "f")
+    body = json.loads(data[off + 6: off + n])
+    del body["first_keys"]
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    footer = checkpoint._FOOT.pack(checkpoint.FOOTER_MARK, len(raw)) + raw
+    old = data[:off] + footer + checkpoint._TRAIL.pack(off, len(footer), xxhash.xxh3_64_intdigest(footer),
+                                                      checkpoint.END_MAGIC)
+    (tmp_path / "old").write_bytes(old)
+    run = ColdRun.open(str(tmp_path / "old"), SID, s.head, BlockCache(1 << 30))
+    assert run.blocks_read == len(read_checkpoint(old, "old").footer.blocks)
+    assert list(run.items()) == list(s.items())
+
+
+def test_damage_and_the_wrong_file_are_typed_errors_naming_the_file(tmp_path):
+    s = filled(3000)
+    path = write_snapshot(s, tmp_path / "s")
+    with pytest.raises(CorruptFileError, match="expected the snapshot"):
+        ColdRun.open(path, SID, CheckpointRef(7, "ab" * 16), BlockCache(1 << 30))
+    data = bytearray((tmp_path / "s").read_bytes())
+    f = read_checkpoint(bytes(data), "s")
+    victim = f.footer.blocks[3]
+    data[victim.offset + victim.length // 2] ^= 0x40
+    (tmp_path / "bad").write_bytes(bytes(data))
+    run = ColdRun.open(str(tmp_path / "bad"), SID, s.head, BlockCache(1 << 30))  # the footer is intact
+    with pytest.raises(CorruptFileError, match=r"bad.*block 3"):
+        list(run.items())
+    (tmp_path / "short").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(CorruptFileError):
+        ColdRun.open(str(tmp_path / "short"), SID, s.head, BlockCache(1 << 30))
+
+
+def test_only_an_idle_store_spills_and_only_onto_its_head(tmp_path):
+    s = filled(100)
+    run = ColdRun.open(write_snapshot(s, tmp_path / "s"), SID, s.head, BlockCache(1 << 30))
+    w = s.open(s.head.version)
+    with pytest.raises(StoreStateError, match="writer"):
+        s.spill(run)
+    w.put(store_key(1, b"x"), b"y")
+    w.commit()
+    with pytest.raises(Exception, match="cold level holds"):
+        s.spill(run)
+
+
+def _compare(a: VersionedStore, b: VersionedStore, rnd: random.Random, universe: list[bytes]) -> None:
+    """``b`` (spilled at times) answers exactly as ``a`` (always whole in memory)."""
+    assert a.head == b.head
+    assert list(a.items()) == list(b.items()) and len(a) == len(b)
+    probe = rnd.sample(universe, 40)
+    assert [a.get(k) for k in probe] == [b.get(k) for k in probe]
+    wa, wb = a.open(a.head.version, a.head.ckptid), b.open(b.head.version, b.head.ckptid)
+    assert wa.get_many(probe) == wb.get_many(probe)
+    packed = PackedList(framing.encode_list(probe), 0, len(probe))
+    assert wa.get_many_packed(packed) == wb.get_many_packed(packed)
+    lo, hi = sorted(rnd.sample(universe, 2))
+    assert wa.scan_range(lo, hi) == wb.scan_range(lo, hi)
+    assert wa.scan_range(lo, None, limit=7) == wb.scan_range(lo, None, limit=7)
+    prefix = lo[:3]
+    assert list(wa.scan(prefix)) == list(wb.scan(prefix))
+    wa.abort()
+    wb.abort()
+    with a.freeze() as va, b.freeze() as vb:
+        assert len(va) == len(vb)
+        if a.head.version == 0:
+            return  # the empty state has no snapshot file
+        got = read_checkpoint(checkpoint.encode_snapshot(vb, block_bytes=512, threads=False), "b").records
+        assert got == list(va.items())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_spilled_store_answers_as_the_store_in_memory(tmp_path, seed):
+    """Random commits (puts, removals of keys in memory and of keys only on disk, removals of
+    absent keys), rollbacks to earlier versions and sibling attempts, and spills at random points
+    (a snapshot file of the head, opened as the cold level): after every step the spilled store
+    reads, scans, counts and snapshots exactly as the same store kept whole."""
+    rnd = random.Random(seed)
+    universe = [store_key(rnd.randrange(8), b"k%05d" % i) for i in range(3000)]
+    a, b = VersionedStore(SID, history=3), VersionedStore(SID, history=3)
+    cache = BlockCache(rnd.choice([16 << 10, 1 << 30]))
+    spills = 0
+    for step in range(30):
+        action = rnd.random()
+        if action < 0.2 and b.head.version > 0:
+            b.spill(ColdRun.open(write_snapshot(b, tmp_path / f"s{step}", rnd.choice([256, 4096])), SID, b.head, cache))
+            spills += 1
+        elif action < 0.35 and a.known_states() != [a.head]:
+            target = rnd.choice([r for r in a.known_states() if r != a.head])  # a retry: roll back
+            try:
+                a.open(target.version, target.ckptid).abort()
+            except VersionNotFoundError:  # a state in the history no longer linked to the head
+                with pytest.raises(VersionNotFoundError):
+                    b.open(target.version, target.ckptid)
+                continue
+            b.open(target.version, target.ckptid).abort()
+        else:
+            base = a.head
+            wa, wb = a.open(base.version, base.ckptid), b.open(base.version, base.ckptid)
+            puts = [(k, b"s%d-%d" % (step, rnd.randrange(99))) for k in rnd.sample(universe, rnd.randrange(1, 300))]
+            removes = rnd.sample(universe, rnd.randrange(0, 120))
+            for w in (wa, wb):
+                w.put_many(puts)
+                w.remove_many(removes)
+            ckptid = "%032x" % (seed * 1000 + step)
+            da, db = wa.commit(ckptid), wb.commit(ckptid)
+            assert list(da.records.items()) == list(db.records.items())  # the same delta file
+        _compare(a, b, rnd, universe)
+    assert spills >= 2
