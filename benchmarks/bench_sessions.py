@@ -1,0 +1,230 @@
+"""Gap-based sessionization by event time (issue 19) through our operator and Spark's two stateful
+Python APIs, in one run, one table.
+
+    .venv/bin/python benchmarks/bench_sessions.py                  # 100k users, 1 + 3 measured batches
+    .venv/bin/python benchmarks/bench_sessions.py --quick          # 10k users, 1 + 2 batches
+    .venv/bin/python benchmarks/bench_sessions.py --users 200000 --repeat 3
+
+The stream is ``statestore_async.testing.sessions.generate``: per batch about half the users are
+active with 1-3 events each, 15% send an out-of-order event and 5% a late one (users go quiet and
+come back); 30.5 s session gap, 20 s watermark delay. One parquet file per batch read by the file
+source (``maxFilesPerTrigger=1``, ``Trigger.AvailableNow``), plus a trailing empty file (a batch
+whose watermark closes what the last events left open); local[2], 2 state partitions / shuffle
+partitions.
+
+  ours per-key   StatefulOperator(time_mode="event") + testing.sessions.session_processor (a Python
+                 call per user with rows and per due timer; value state + event-time timers)
+  AIPWS          applyInPandasWithState + GroupStateTimeout.EventTimeTimeout (RocksDB state store)
+  TWS            transformWithStateInPandas, time mode EventTime, event-time timers (RocksDB)
+
+Figure: input rows / the time of every batch after the first data batch (Spark's
+``durationMs.triggerExecution``, the batches without data included: Spark's peers fire their
+timers in such batches), the median over ``--repeat`` runs. Every run's output is checked against
+the plain-Python batch computation (``sessions_of``): "correct" means the same sessions, none twice.
+
+``--overhead`` adds the cost of event time itself: our operator with a trivial per-key counter over
+the same files with ``time_mode="none"`` and with ``time_mode="event"`` (the Observation of max
+event time and late rows, the late-row filter, the watermark in the manifest), median batch ms.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from statestore_async.testing import sessions as S
+
+PEERS = {"ours": "ours per-key", "aipws": "AIPWS applyInPandasWithState", "tws": "TWS transformWithStateInPandas"}
+
+
+def run_query(df, ckpt: str, sink, timeout: int) -> list[dict]:
+    """Run to the end (AvailableNow); every batch's progress, the data-less ones included."""
+    q = (df.writeStream.outputMode("update").foreachBatch(sink).option("checkpointLocation", ckpt)
+         .trigger(availableNow=True).start())
+    q.awaitTermination(timeout)
+    if q.isActive:
+        q.stop()
+        raise TimeoutError(f"not done after {timeout}s")
+    if q.exception() is not None:
+        raise RuntimeError(str(q.exception())[:2000])
+    return list(q.recentProgress)
+
+
+def figure(progress: list[dict]) -> dict:
+    """rows/s over the batches after the first data batch (which warms the query up)."""
+    first = next((i for i, p in enumerate(progress) if p["numInputRows"]), 0)
+    measured = progress[first + 1:]
+    rows = sum(p["numInputRows"] for p in measured)
+    ms = sum(p["durationMs"].get("triggerExecution", 0) for p in measured)
+    data = [p["durationMs"].get("triggerExecution", 0) for p in measured if p["numInputRows"]]
+    return {"rows_s": rows / ms * 1000 if ms else 0.0, "rows": rows, "batches": len(measured),
+            "data_batch_ms": statistics.median(data) if data else 0}
+
+
+def checked(out: list, expected: list) -> bool | str:
+    dup = sum(n - 1 for n in Counter(out).values() if n > 1)
+    if dup:
+        return f"{dup} emitted twice"
+    return sorted(out) == expected or f"{len(out)} sessions, expected {len(expected)}"
+
+
+def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int) -> dict:
+    from statestore_async.spark import placement
+
+    sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
+    sock = os.path.join(sockdir, "d.sock")
+    placement.start_daemon(sock, args=["--log-level", "warning"])
+    try:
+        op = S.session_operator("file://" + os.path.join(work, "state"), "sessions", stream.gap_ms, stream.delay_ms,
+                                socket_path=sock, fence_timeout=120)
+        out: list = []
+        prog = run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), op.foreach_batch(S.collect_into(out)),
+                         timeout)
+        fig = figure(prog)
+        fig["out"] = out
+        hist = op.history[1:] or op.history
+        fig["phases"] = {ph: round(statistics.median(getattr(p, ph) for p in hist) * 1000) for ph in
+                         ("plan", "compute", "fence", "manifest", "sink", "total")} if hist else {}
+        return fig
+    finally:
+        placement.stop_daemon(sock)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def spark_peer(spark, src: str, work: str, stream: S.SessionStream, timeout: int, build) -> dict:
+    key = "spark.sql.streaming.stateStore.providerClass"
+    spark.conf.set(key, S.ROCKSDB_PROVIDER)
+    try:
+        out: list = []
+        prog = run_query(build(S.read_stream(spark, src), stream.gap_ms, stream.delay_ms), os.path.join(work, "ckpt"),
+                         S.collect_into(out), timeout)
+    finally:
+        spark.conf.unset(key)
+    fig = figure(prog)
+    fig["out"] = out
+    return fig
+
+
+def overhead(spark, src: str, work: str, timeout: int) -> dict[str, float]:
+    """Median batch ms (after the first) of a trivial per-key counter, without and with event time."""
+    from datetime import timedelta
+
+    from statestore_async.spark import StatefulOperator, placement
+    from statestore_async.spark.examples import CountSum
+
+    sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
+    sock = os.path.join(sockdir, "d.sock")
+    placement.start_daemon(sock, args=["--log-level", "warning"])
+    res = {}
+    try:
+        for mode in ("none", "event"):
+            kw = {"time_mode": mode}
+            if mode == "event":
+                kw.update(event_time_column="et", watermark_delay=timedelta(seconds=20))
+            d = os.path.join(work, f"overhead-{mode}")
+            op = StatefulOperator("file://" + os.path.join(d, "state"), "o", ["user"], CountSum(),
+                                  "user string, count bigint, sum bigint", 2, socket_path=sock, value_columns=["et"],
+                                  **kw)
+            run_query(S.read_stream(spark, src), os.path.join(d, "ckpt"),
+                      op.foreach_batch(lambda df, b: df.write.format("noop").mode("overwrite").save()), timeout)
+            res[mode] = statistics.median(p.total * 1000 for p in op.history[1:] if p.partitions_committed)
+    finally:
+        placement.stop_daemon(sock)
+        shutil.rmtree(sockdir, ignore_errors=True)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="10k users, 1 + 2 batches")
+    ap.add_argument("--users", type=int, default=None, help="users (default 100,000)")
+    ap.add_argument("--batches", type=int, default=None, help="measured batches after the first (default 3)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every peer; the figure is their median")
+    ap.add_argument("--peers", default="ours,aipws,tws")
+    ap.add_argument("--overhead", action="store_true", help="also measure what event time adds per batch")
+    ap.add_argument("--timeout", type=int, default=3600)
+    a = ap.parse_args()
+    users = a.users or (10_000 if a.quick else 100_000)
+    batches = 1 + (a.batches or (2 if a.quick else 3))
+    peers = a.peers.split(",")
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        ap.error(f"unknown peers {unknown}; choose from {sorted(PEERS)}")
+
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    work = tempfile.mkdtemp(prefix="bench-sessions-")
+    spark = (SparkSession.builder.master("local[2]").appName("bench_sessions").config("spark.ui.enabled", "false")
+             .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
+             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(S)  # the workers import it by value (no install needed)
+    results: dict[str, list[dict]] = {}
+    try:
+        t = time.perf_counter()
+        stream = S.generate(users=users, batches=batches, seed=1)
+        src = os.path.join(work, "in")
+        S.write_batches(stream, src)
+        expected = S.sessions_of(stream)
+        n_rows = sum(map(len, stream.batches))
+        print(f"# {users:,} users, {batches} batches, {n_rows:,} events ({sum(stream.late()):,} late), "
+              f"{len(expected):,} sessions; written in {time.perf_counter() - t:.1f}s", flush=True)
+        runs = {
+            "ours": lambda d: ours(spark, src, d, stream, a.timeout),
+            "aipws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.apply_in_pandas_with_state),
+            "tws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.transform_with_state_in_pandas),
+        }
+        for r in range(a.repeat):
+            for short in peers:
+                d = os.path.join(work, f"{short}-{r}")
+                os.makedirs(d)
+                t = time.perf_counter()
+                try:
+                    fig = runs[short](d)
+                    fig["correct"] = checked(fig.pop("out"), expected)
+                except Exception as exc:
+                    fig = {"rows_s": 0.0, "correct": f"error: {str(exc).splitlines()[0][:200]}"}
+                fig["wall"] = time.perf_counter() - t
+                results.setdefault(short, []).append(fig)
+                print(f"  run {r + 1} {PEERS[short]:32s} {fig['rows_s']:>10,.0f} rows/s ({fig.get('batches', 0)} "
+                      f"batches, data batch median {fig.get('data_batch_ms', 0):,.0f} ms, wall {fig['wall']:.0f}s, "
+                      f"correct={fig['correct']}) {fig.get('phases', '')}", flush=True)
+                shutil.rmtree(d, ignore_errors=True)
+        cost = overhead(spark, src, work, a.timeout) if a.overhead else None
+    finally:
+        spark.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {k: statistics.median(f["rows_s"] for f in v) for k, v in results.items()}
+    print()
+    print(f"sessionization: {users:,} users, 1 warm-up + {batches - 1} measured batches (+ a trailing empty one), "
+          f"local[2], 2 partitions; median of {a.repeat} run(s)")
+    print("| peer | rows/s | × AIPWS | × TWS | data batch ms | correct |")
+    print("|---|---:|---:|---:|---:|---|")
+    for short, figs in results.items():
+        rs = med[short]
+        ra, rt = med.get("aipws") or 0, med.get("tws") or 0
+        print(f"| {PEERS[short]} | {rs:,.0f} | {rs / ra if ra else 0:.1f} | {rs / rt if rt else 0:.1f} | "
+              f"{statistics.median(f.get('data_batch_ms', 0) for f in figs):,.0f} | "
+              f"{', '.join(str(f['correct']) for f in figs)} |")
+    if cost:
+        print(f"\nevent time's cost per batch (trivial counter, same files): time_mode='none' {cost['none']:,.0f} ms, "
+              f"'event' {cost['event']:,.0f} ms (+{cost['event'] - cost['none']:,.0f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
