@@ -13,6 +13,9 @@ steps, one method each:
    each partition counts; its number of partitions and key groups must equal the operator's (else
    ``OperatorConfigError``); route in the JVM (``routing.with_routing``): key group
    ``pmod(xxhash64(keys), G)``, task ``i`` gets exactly state partition ``i``; build the ``TaskSpec``;
+   with ``time_mode="event"`` the batch's watermark comes from manifest ``b``'s metadata (``eventtime``:
+   Spark's rule), the input is observed for its max event time and late rows, and late rows are
+   dropped before the routing (``late_rows="drop"``); the heartbeat's rows (``with_heartbeat``) go first;
 2. run (``_run_tasks``, lazy): one ``mapInArrow`` task per partition (``runtime.run_partition``)
    opens its store at the state the manifest names, applies the processor, commits, and reports a
    ``TaskReport`` through an accumulator (the tasks run in a single result stage: Spark merges the
@@ -31,7 +34,8 @@ steps, one method each:
    before uploading what a task committed): steps 2–5 run again from the same manifest with fresh
    checkpoint ids (``_compute``, ``daemon_retries`` times), then the batch fails and Spark replays it;
 6. commit (``_commit``): the owner is checked again, then ``_commits/<b+1>.json`` is written
-   (replacing the one of an earlier attempt of ``b``);
+   (replacing the one of an earlier attempt of ``b``), with the watermark the batch used and the
+   max event time seen so far (``_event_time``), from which batch ``b+1`` computes its own;
 7. ``sink(output_df, b)`` runs; then foreachBatch returns and Spark records the batch.
 
 A crash anywhere before step 7 ends makes Spark replay ``b``: the replay reads the same manifest
