@@ -329,3 +329,46 @@ class SessionsTTL(Sessions):
     def handle_rows(self, key, rows, state):
         self.last.update(rows[-1][0])
         return super().handle_rows(key, rows, state)
+
+
+class EventSessions(StatefulProcessor):
+    """Each key's timer at its latest event time + 100 ms (event time: fires once the watermark passes)."""
+
+    def init(self, handle):
+        self.last = handle.value_state("last")
+
+    def handle_rows(self, key, rows, state):
+        for t in state.timers.list():
+            state.timers.delete(t)
+        self.last.update(max(ts for (ts,) in rows))
+        state.timers.register(self.last.get() + 100)
+
+    def handle_expired_timer(self, key, timer, state):
+        yield (key[0], timer.at_ms, timer.kind, self.last.get())
+
+
+@pytest.mark.spark
+def test_operator_event_time_timers_follow_the_drivers_watermark(spark, daemon, tmp_path):
+    """Through the operator: batch b's watermark is max event time of batches < b minus the delay,
+    and an event-time timer fires in the first batch whose watermark reaches it — a batch without rows too."""
+    import sys
+    from datetime import timedelta
+
+    from pyspark import cloudpickle
+
+    from statestore_async.spark import StatefulOperator
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    op = StatefulOperator(f"file://{tmp_path}/state", "ev", ["k"], EventSessions(),
+                          "k string, at bigint, kind string, n bigint", N, G, socket_path=daemon.socket,
+                          time_mode="event", event_time_column="ts", watermark_delay=timedelta(milliseconds=50))
+    out: dict = {}
+    sink = lambda df, b: out.__setitem__(b, sorted(tuple(r) for r in df.collect()))
+    batch = lambda rows: spark.createDataFrame(rows, "k string, ts bigint")
+    op.process_batch(batch([("a", 1000), ("b", 1200)]), 0, sink)  # timers a@1100, b@1300; watermark None
+    op.process_batch(batch([("c", 1160)]), 1, sink)  # watermark 1200 - 50 = 1150: a fires, c@1260 set
+    assert out[0] == [] and out[1] == [("a", 1100, "event", 1000)]
+    op.process_batch(batch([("d", 1400)]), 2, sink)  # watermark 1150 still (max of batches < 2 is 1200)
+    assert out[2] == []
+    op.process_batch(batch([]), 3, sink)  # watermark 1400 - 50 = 1350: c@1260 and b@1300 fire, in time order
+    assert out[3] == [("b", 1300, "event", 1200), ("c", 1260, "event", 1160)]
