@@ -76,6 +76,13 @@ class DaemonConfig:
     log_format: str = field(default="text", metadata={"help": "text or json", "choices": ("text", "json")})
     memory_budget: int = field(default=2 << 30, metadata={
         "help": "bytes of state kept in memory before idle stores are evicted", "parse": parse_size})
+    block_cache_bytes: int = field(default=0, metadata={
+        "help": "part of memory_budget for the cached blocks of stores spilled to local disk (0 = a quarter of it)",
+        "parse": parse_size})
+    spill_min_bytes: int = field(default=1 << 20, metadata={
+        "help": "an idle store whose map takes this much or more spills to its snapshot file on local disk "
+                "(s3:// roots need cache_dir) when memory is over budget; a smaller one is evicted whole",
+        "parse": parse_size})
     max_frame_bytes: int = field(default=64 << 20, metadata={"help": "largest protocol frame accepted", "parse": parse_size})
     max_batch: int = field(default=100_000, metadata={"help": "most keys in one batched request", "parse": int})
     max_inflight: int = field(default=64, metadata={"help": "pipelined requests in flight per connection", "parse": int})

@@ -146,8 +146,9 @@ def _compare(a: VersionedStore, b: VersionedStore, rnd: random.Random, universe:
 def test_a_spilled_store_answers_as_the_store_in_memory(tmp_path, seed):
     """Random commits (puts, removals of keys in memory and of keys only on disk, removals of
     absent keys), rollbacks to earlier versions and sibling attempts, and spills at random points
-    (a snapshot file of the head, opened as the cold level): after every step the spilled store
-    reads, scans, counts and snapshots exactly as the same store kept whole."""
+    (a snapshot file of the head, opened as the cold level; a spill drops the history, so rollbacks
+    reach the states committed since): after every step the spilled store reads, scans, counts and
+    snapshots exactly as the same store kept whole."""
     rnd = random.Random(seed)
     universe = [store_key(rnd.randrange(8), b"k%05d" % i) for i in range(3000)]
     a, b = VersionedStore(SID, history=3), VersionedStore(SID, history=3)
@@ -158,8 +159,9 @@ def test_a_spilled_store_answers_as_the_store_in_memory(tmp_path, seed):
         if action < 0.2 and b.head.version > 0:
             b.spill(ColdRun.open(write_snapshot(b, tmp_path / f"s{step}", rnd.choice([256, 4096])), SID, b.head, cache))
             spills += 1
-        elif action < 0.35 and a.known_states() != [a.head]:
-            target = rnd.choice([r for r in a.known_states() if r != a.head])  # a retry: roll back
+        elif action < 0.35 and b.known_states() != [b.head]:
+            # a retry: roll back (a spill drops the history: b knows only the states since)
+            target = rnd.choice([r for r in b.known_states() if r != b.head])
             try:
                 a.open(target.version, target.ckptid).abort()
             except VersionNotFoundError:  # a state in the history no longer linked to the head

@@ -135,9 +135,12 @@ class Maintenance:
         self._closed = False
         self.counters = {"snapshots": 0, "snapshot_bytes": 0, "snapshot_errors": 0, "cleanups": 0,
                          "files_deleted": 0, "cleanup_errors": 0}
+        self._spill_after: set[StoreId] = set()  # stores to spill once their snapshot is written
         listeners = getattr(registry, "evict_listeners", None)
         if listeners is not None:
             listeners.append(self.forget)
+        if hasattr(registry, "request_spill"):
+            registry.request_spill = self.request_spill
 
     def forget(self, store_id: StoreId) -> None:
         """Drop what is kept for ``store_id`` (its store left memory): a daemon that serves many
@@ -145,7 +148,24 @@ class Maintenance:
         starts over: its delta chain is counted again, its next cleanup LISTs once more."""
         self._headers.pop(store_id, None)
         self._chain_bytes.pop(store_id, None)
+        self._spill_after.discard(store_id)
         self._cleaned_below.pop(store_id, None)
+
+    def request_spill(self, store_id: StoreId) -> None:
+        """The registry wants ``store_id`` out of memory: snapshot its head now (whatever its delta
+        chain), then let the registry spill it onto that file (``StoreRegistry.spill_at``)."""
+        if self._closed:
+            return
+        self._spill_after.add(store_id)
+        if store_id in self._busy:
+            return  # a snapshot is on its way: it spills at its end
+        store = self._registry.get(store_id)
+        if store is None:
+            return
+        self._busy.add(store_id)
+        task = asyncio.get_running_loop().create_task(self._snapshot(store_id, store.head))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def note_durable(self, store_id: StoreId, ref: CheckpointRef, nbytes: int,
                      lineage: Iterable[CheckpointRef] | None = None) -> None:
@@ -218,6 +238,9 @@ class Maintenance:
             store.mark_snapshot(ref)
             del store
             self._chain_bytes[store_id] = 0
+            if store_id in self._spill_after:
+                self._spill_after.discard(store_id)
+                self._registry.spill_at(store_id, ref)
             self._schedule_cleanup(objstore, store_id, ref)
         except StateStoreError as exc:
             self.counters["snapshot_errors"] += 1

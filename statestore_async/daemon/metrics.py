@@ -21,8 +21,12 @@ _GAUGES = (
      "open_versions"),
     ("statestore_stores", "stores in memory", "registry", "stores"),
     ("statestore_memory_bytes", "bytes of state in memory", "registry", "memory_bytes"),
-    ("statestore_memory_budget_bytes", "memory budget (idle stores above it are evicted)", "registry",
-     "memory_budget"),
+    ("statestore_memory_budget_bytes", "memory budget (idle stores above it spill to disk or are evicted)",
+     "registry", "memory_budget"),
+    ("statestore_stores_spilled", "stores in memory whose committed map is mostly on local disk (cold level)",
+     "registry", "spilled"),
+    ("statestore_block_cache_bytes", "bytes of cold-level blocks cached in memory (in memory_bytes)", "registry",
+     "block_cache_bytes"),
     ("statestore_upload_queue_bytes", "bytes waiting for upload", "uploader", "queued_bytes"),
     ("statestore_degraded_roots", "object-store roots refusing uploads in a way retrying does not heal "
      "(credentials, permissions, bucket, full disk): the daemon is degraded", "uploader", "degraded_roots"),
@@ -35,6 +39,7 @@ _COUNTERS = (
     ("statestore_loads", "stores loaded from the object store", "registry", "loads"),
     ("statestore_load_errors", "loads that failed", "registry", "load_errors"),
     ("statestore_evictions", "stores evicted", "registry", "evictions"),
+    ("statestore_spills", "stores spilled onto their head's snapshot file on local disk", "registry", "spills"),
     ("statestore_uploads_durable", "deltas made durable", "uploader", "durable"),
     ("statestore_uploads_failed", "deltas that failed for good", "uploader", "failed"),
 )

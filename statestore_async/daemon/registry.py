@@ -7,15 +7,27 @@
   store wait for a single load.
 
 One writer per store: the engine raises ``WriterConflictError``. Memory is accounted with the
-engine's ``memory_bytes``; above ``memory_budget`` the least recently used stores that are idle
-(no writer) and whose head is durable (the uploader has nothing of them pending) are evicted —
-they reload from the object store when opened again. ``release`` evicts named stores on the same
-terms, at once (the driver's coordinator knows another node now owns them).
+engine's ``memory_bytes`` plus the block cache of the stores' cold levels; above ``memory_budget``
+the block cache gives back its least recently used blocks first, then the least recently used
+stores that are idle (no writer) and whose head is durable (the uploader has nothing of them
+pending) leave memory:
+
+* a store whose map takes ``spill_min_bytes`` or more *spills* (``VersionedStore.spill``): its
+  head's snapshot file, on local disk (the object store's cache, or a ``file://`` root's own file),
+  becomes its cold level (``files.coldrun.ColdRun``) and only what changes after stays in memory.
+  When the head has no snapshot yet, maintenance is asked for one (``request_spill``) and the store
+  spills once it is written;
+* a smaller store, or one whose head's snapshot has no local copy, is evicted whole — it reloads
+  from its files when opened again.
+
+``release`` evicts named stores on the same terms as eviction, at once (the driver's coordinator
+knows another node now owns them).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -24,7 +36,12 @@ from statestore_async.daemon.uploader import Uploader
 from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
 from statestore_async.errors import StateStoreError, VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader
+from statestore_async.files.coldrun import BlockCache, ColdRun
+from statestore_async.files.names import SNAPSHOT, file_key
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
+
+# a store whose committed map takes less is evicted whole rather than spilled (its reload is cheap)
+SPILL_MIN_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +50,24 @@ class StoreRegistry:
     """StoreId → ``VersionedStore``, with hot reopen, single loads and a memory budget."""
 
     def __init__(self, objstores: ObjectStores, uploader: Uploader, *, memory_budget: int = 2 << 30,
-                 history: int = DEFAULT_HISTORY) -> None:
+                 history: int = DEFAULT_HISTORY, block_cache_bytes: int | None = None,
+                 spill_min_bytes: int = SPILL_MIN_BYTES) -> None:
         self._objstores = objstores
         self._uploader = uploader
         self.memory_budget = memory_budget
         self._history = history
+        # decoded blocks of the spilled stores' cold levels (a quarter of the budget by default)
+        self.block_cache = BlockCache(memory_budget // 4 if block_cache_bytes is None else block_cache_bytes)
+        self.spill_min_bytes = spill_min_bytes
+        # set by maintenance: snapshot a store's head now, then call ``spill_at`` (None: no spilling
+        # of stores without a snapshot at their head)
+        self.request_spill: Callable[[StoreId], None] | None = None
         self._stores: OrderedDict[StoreId, VersionedStore] = OrderedDict()  # least recently used first
         self._loading: dict[StoreId, asyncio.Future[None]] = {}
         self._loads_running = 0
         self._load_finished = asyncio.Event()
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
-                         "evictions": 0, "writer_conflicts": 0, "released": 0}
+                         "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0, "cold_loads": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -122,7 +146,7 @@ class StoreRegistry:
                 await self._admit_load()
                 try:
                     store, report = await loader.load_store(self._objstores(store_id.root), store_id, ref,
-                                                            history=self._history)
+                                                            history=self._history, cold=self._cold_opener(store_id))
                 finally:
                     self._loads_running -= 1
                     self._load_finished.set()
@@ -138,10 +162,15 @@ class StoreRegistry:
                 log.exception("cannot load %s at %s", store_id, ref)
                 raise
             self.counters["loads"] += 1
+            if report.cold is not None:
+                self.counters["cold_loads"] += 1
             if report.damaged or report.missing_bases:
                 log.warning("loaded %s at %s from older states: snapshots damaged %s, missing %s; %d records "
                             "from %d files", store_id, ref, report.damaged, report.missing_bases, report.records,
                             len(report.files_read))
+            elif report.cold is not None:
+                log.info("loaded %s at %s over its local snapshot file %s (read by block on demand) and %d "
+                         "deltas", store_id, ref, report.cold, len(report.deltas))
             else:
                 log.info("loaded %s at %s: %d records from %d files", store_id, ref, report.records,
                          len(report.files_read))
@@ -163,32 +192,99 @@ class StoreRegistry:
     # --- memory ---------------------------------------------------------------------------------
     @property
     def memory_bytes(self) -> int:
-        return sum(s.memory_bytes for s in self._stores.values())
+        return sum(s.memory_bytes for s in self._stores.values()) + self.block_cache.nbytes
 
     def _evictable(self, store: VersionedStore) -> bool:
         return (store.writer is None and not store._views and store.store_id not in self._loading
                 and self._uploader.is_settled(store.store_id, store.head))
 
     def enforce_budget(self) -> int:
-        """Evict idle, durable stores (least recently used first) until under budget. Returns how many.
+        """Bring memory under budget: the block cache first, then idle, durable stores (least
+        recently used first) spill or leave memory (see the module doc). Returns the stores
+        evicted whole.
 
-        The budget covers the stores and the deltas waiting for upload (``Uploader.queued_bytes``):
-        a delta older than its store's history is held by the upload queue alone."""
+        The budget covers the stores, the block cache and the deltas waiting for upload
+        (``Uploader.queued_bytes``): a delta older than its store's history is held by the upload
+        queue alone."""
         total = self.memory_bytes + self._uploader.queued_bytes
         if total <= self.memory_budget:
             return 0
+        total -= self.block_cache.shrink(max(0, self.block_cache.nbytes - (total - self.memory_budget)))
         evicted = 0
-        for store_id, store in list(self._stores.items()):
+        # spilled stores keep little in memory and would reload their cold level: they go last
+        order = sorted(self._stores.items(), key=lambda item: item[1].cold is not None)
+        for store_id, store in order:
             if total <= self.memory_budget:
                 break
-            if self._evictable(store):
-                total -= store.memory_bytes
-                self._drop(store_id)
-                evicted += 1
-                log.info("evicted %s at %s (memory %d > budget %d)", store_id, store.head, total,
-                         self.memory_budget)
+            if not self._evictable(store):
+                continue
+            if store.hot_bytes >= self.spill_min_bytes:
+                freed = self._spill_now(store)
+                if freed:
+                    total -= freed
+                    continue
+                if not store.has_snapshot(store.head) and self.request_spill is not None:
+                    self.counters["spill_requests"] += 1
+                    self.request_spill(store_id)  # it spills once its snapshot is written
+                    continue
+            total -= store.memory_bytes
+            self._drop(store_id)
+            evicted += 1
+            log.info("evicted %s at %s (memory %d > budget %d)", store_id, store.head, total, self.memory_budget)
         self.counters["evictions"] += evicted
         return evicted
+
+    def _cold_opener(self, store_id: StoreId) -> Callable[[CheckpointRef], ColdRun | None]:
+        """For the loader: a cold level over the local copy of a snapshot of ``store_id``, when there
+        is one worth opening lazily (a file of at least a quarter of ``spill_min_bytes``: a
+        smaller store is read whole, its reads then never touch the disk)."""
+        objstore = self._objstores(store_id.root)
+
+        def open_cold(ref: CheckpointRef) -> ColdRun | None:
+            path = objstore.local_path(file_key(store_id, ref, SNAPSHOT))
+            try:
+                if path is None or os.path.getsize(path) < self.spill_min_bytes // 4:
+                    return None
+                return ColdRun.open(path, store_id, ref, self.block_cache)
+            except (OSError, StateStoreError) as exc:
+                log.warning("cannot open the local copy %s of the snapshot of %s at %s (reading the object store's "
+                            "instead): %s: %s", path, store_id, ref, type(exc).__name__, exc)
+                return None
+
+        return open_cold
+
+    def _spill_now(self, store: VersionedStore) -> int:
+        """Spill ``store`` onto the local copy of its head's snapshot; the bytes freed (0: no
+        snapshot of the head, or no local copy of it)."""
+        ref, store_id = store.head, store.store_id
+        if ref.version == 0 or not store.has_snapshot(ref) or (store.cold is not None and store.cold.ref == ref):
+            return 0
+        path = self._objstores(store_id.root).local_path(file_key(store_id, ref, SNAPSHOT))
+        if path is None:
+            return 0
+        try:
+            run = ColdRun.open(path, store_id, ref, self.block_cache)
+        except (OSError, StateStoreError) as exc:
+            log.warning("cannot spill %s onto %s: %s: %s", store_id, path, type(exc).__name__, exc)
+            return 0
+        before = store.memory_bytes
+        old = store.cold
+        store.spill(run)
+        if old is not None:
+            old.close()
+        self.counters["spills"] += 1
+        log.info("spilled %s at %s onto %s (%d bytes freed)", store_id, ref, path, before - store.memory_bytes)
+        return max(0, before - store.memory_bytes)
+
+    def spill_at(self, store_id: StoreId, ref: CheckpointRef) -> None:
+        """Maintenance wrote the snapshot of ``ref`` that a spill asked for: spill the store onto it
+        if it is still at ``ref``, idle and durable, and memory is still over budget."""
+        store = self._stores.get(store_id)
+        if store is None or store.head != ref or not self._evictable(store):
+            return
+        if self.memory_bytes + self._uploader.queued_bytes > self.memory_budget:
+            self._spill_now(store)
+            self.enforce_budget()
 
     def _drop(self, store_id: StoreId) -> None:
         del self._stores[store_id]
@@ -227,4 +323,6 @@ class StoreRegistry:
 
     def stats(self) -> dict[str, int]:
         return {"stores": len(self._stores), "memory_bytes": self.memory_bytes,
-                "memory_budget": self.memory_budget, "loading": len(self._loading), **self.counters}
+                "memory_budget": self.memory_budget, "loading": len(self._loading),
+                "spilled": sum(1 for s in self._stores.values() if s.cold is not None),
+                "block_cache_bytes": self.block_cache.nbytes, **self.counters}

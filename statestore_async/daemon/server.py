@@ -586,7 +586,9 @@ class Daemon:
         # more than the budget (commits wait for room, as they do for upload_queue_bytes)
         self.uploader = Uploader(self.objstores, concurrency=cfg.upload_concurrency,
                                  queue_bytes=min(cfg.upload_queue_bytes, cfg.memory_budget))
-        self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget)
+        self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget,
+                                      block_cache_bytes=cfg.block_cache_bytes or None,
+                                      spill_min_bytes=cfg.spill_min_bytes)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
             # the worker opens the same object stores from the same settings (a custom factory,

@@ -73,6 +73,9 @@ class ColdLevel(Protocol):
 
     def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]: ...
 
+    def close(self) -> None:
+        """Let go of what it holds (its store replaced it; no view of it is left)."""
+
 
 class State(enum.Enum):
     UPDATING = "UPDATING"
@@ -418,6 +421,19 @@ class VersionedStore:
         return total
 
     # --- the cold level ---------------------------------------------------------------------------
+    @classmethod
+    def over_cold(cls, store_id: StoreId, cold: ColdLevel, changes: Table, head: CheckpointRef,
+                  lineage: Sequence[CheckpointRef], *, history: int = DEFAULT_HISTORY) -> VersionedStore:
+        """A store at ``head``, spilled onto ``cold`` (a state on ``head``'s lineage, or ``head``
+        itself) with ``changes`` (key → value | None, the changes since ``cold.ref``) in memory:
+        what a load from a local snapshot file and the deltas after it makes."""
+        store = cls(store_id, head=cold.ref, head_has_snapshot=True, history=history)
+        store.spill(cold)
+        if len(changes):
+            store._mutate(changes)
+        store._head, store._lineage = head, tuple(lineage)
+        return store
+
     @property
     def cold(self) -> ColdLevel | None:
         """The cold level under the hot map, once spilled (None: the whole map is in memory)."""
@@ -431,16 +447,18 @@ class VersionedStore:
 
     def spill(self, cold: ColdLevel) -> int:
         """Hand the committed map to ``cold``, which must hold exactly the head state: the map in
-        memory starts over empty (the history of recent commits is kept: rollbacks and retries stay
-        in memory). Only an idle store spills (no writer). Returns the bytes the map took."""
+        memory starts over empty, and the history of recent commits goes too (its undo and redo
+        tables are as large as the commits: a retry of an earlier version now loads it from files).
+        Only an idle store spills (no writer). Returns the bytes freed."""
         self.apply_pending()
         if self._writer is not None:
             raise StoreStateError(f"store {self.store_id} has a writer at version {self._writer.version}: "
                                   "it cannot spill until it commits or aborts")
         if cold.ref != self._head:
             raise InterfaceError(f"store {self.store_id}: the cold level holds {cold.ref}, the head is {self._head}")
-        freed = self._data.nbytes
+        freed = self._data.nbytes + sum(c.nbytes for c in self._history)
         self._data = Table()
+        self._history = []
         self._cold = cold
         return freed
 

@@ -11,15 +11,22 @@ missing or damaged (truncated, corrupt: ``CorruptFileError``), the loader walks 
 state's own delta, whose lineage leads to an older snapshot or to version 0, and so on. Each such
 fallback is logged with the file (warning) and listed in ``LoadReport.damaged`` / ``missing_bases``.
 A damaged or missing delta has no substitute: the load fails naming the file.
+
+With ``cold`` (the daemon passes it), the base snapshot is not read at all when ``cold(ref)`` opens
+a cold level over a local copy of it (``files.coldrun.ColdRun``): the store starts spilled onto
+that file, with the deltas after it in memory — a restart on the same node serves at once, reading
+blocks as keys are asked for. A local copy that fails its checks is logged and the snapshot is read
+from the object store as usual.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
+from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, VersionedStore
 from statestore_async.engine.table import Table, load_records
 from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
 from statestore_async.files.checkpoint import FileHeader, Record
@@ -48,6 +55,7 @@ class LoadReport:
     missing_bases: list[str] = field(default_factory=list)
     bytes_read: int = 0
     records: int = 0
+    cold: str | None = None  # the local snapshot file the store was opened over, if any
 
 
 async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str,
@@ -59,10 +67,14 @@ async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
         report.bytes_read += stats.bytes_read
 
 
+OpenCold = Callable[[CheckpointRef], "ColdLevel | None"]
+
+
 async def _chain(
-    objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, report: LoadReport, max_depth: int
-) -> tuple[CheckpointRef, list[Record], list[tuple[CheckpointRef, list[Record]]]]:
-    """(base snapshot ref or EMPTY, its records, [(delta ref, records)] oldest first)."""
+    objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, report: LoadReport, max_depth: int,
+    cold: OpenCold | None = None,
+) -> tuple[CheckpointRef, list[Record] | ColdLevel, list[tuple[CheckpointRef, list[Record]]]]:
+    """(base snapshot ref or EMPTY, its records or a cold level over it, [(delta ref, records)] oldest first)."""
     pending: list[tuple[CheckpointRef, list[Record]]] = []
     current = ref
     depth = 0
@@ -70,6 +82,10 @@ async def _chain(
         if current.is_empty_state:
             return EMPTY_STATE, [], list(reversed(pending))
         damaged: CorruptFileError | None = None
+        if cold is not None:
+            level = cold(current)
+            if level is not None:
+                return current, level, list(reversed(pending))
         try:
             header, records = await read_file(objstore, store_id, current, SNAPSHOT, report)
             return current, records, list(reversed(pending))
@@ -133,12 +149,17 @@ async def load_store(
     *,
     history: int = DEFAULT_HISTORY,
     max_depth: int = 10000,
+    cold: OpenCold | None = None,
 ) -> tuple[VersionedStore, LoadReport]:
-    """Rebuild ``ref`` of ``store_id`` from files alone. Returns the store and what was read."""
+    """Rebuild ``ref`` of ``store_id`` from files alone. Returns the store and what was read.
+
+    ``cold(snapshot ref)`` may open a cold level over a local copy of that snapshot (None: read it)."""
     report = LoadReport(ref)
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
-    base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth)
+    base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth, cold)
+    if not isinstance(base_records, list):
+        return _over_cold(store_id, ref, base, base_records, deltas, report, history), report
     data = Table()
     load_records(data, base_records)  # a snapshot's records: no tombstones
     if base.version:
@@ -158,3 +179,24 @@ async def load_store(
         store.mark_snapshot(base)
     log.debug("loaded %s %s: %s", store_id, ref, report)
     return store, report
+
+
+def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level: ColdLevel,
+               deltas: list[tuple[CheckpointRef, list[Record]]], report: LoadReport, history: int) -> VersionedStore:
+    """The store at ``ref``: spilled onto ``level`` (the snapshot of ``base``), the deltas after it in memory."""
+    report.snapshot = base
+    report.cold = getattr(level, "path", repr(level))
+    changes = Table()
+    expect_version = base.version
+    for r, records in deltas:
+        expect_version += 1
+        if r.version != expect_version:
+            raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
+        for k, v in records:
+            changes.put(k, v)  # the newest change of each key; a tombstone stays one
+        report.deltas.append(r)
+    lineage = tuple(reversed([base] + [r for r, _ in deltas[:-1]])) if deltas else ()
+    store = VersionedStore.over_cold(store_id, level, changes, ref, lineage, history=history)
+    store.mark_snapshot(base)
+    report.records = len(level) + len(changes)  # an estimate: the deltas' keys may be in the snapshot
+    return store

@@ -76,6 +76,13 @@ class ObjectStore(abc.ABC):
         for key in keys:
             await self.delete(key)
 
+    def local_path(self, key: str) -> str | None:
+        """A file on this node holding the bytes of ``key``, an immutable object, if there is one
+        now (a local store's own file, a cache's copy); None otherwise. Blocking (a stat): call it
+        off the hot path. Open the file at once: a cache may later remove it (an open file stays
+        readable)."""
+        return None
+
     async def exists(self, key: str) -> bool:
         from statestore_async.errors import ObjectNotFoundError
 

@@ -117,6 +117,14 @@ class CachingObjectStore(ObjectStore):
             victims = self._evict_locked()
         self._unlink(victims)
 
+    def local_path(self, key: str) -> str | None:
+        """The cached copy of ``key`` (counted as a use), else the inner store's own local file."""
+        if self._touch(key):
+            path = self._path(key)
+            if path.is_file():
+                return str(path)
+        return self.inner.local_path(key)
+
     def cached_keys(self) -> set[str]:
         """The keys this cache holds a copy of, as it knows them."""
         with self._lock:

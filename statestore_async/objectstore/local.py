@@ -77,6 +77,10 @@ class LocalObjectStore(ObjectStore):
             raise InterfaceError("the object store is closed")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def local_path(self, key: str) -> str | None:
+        path = self._path(key)
+        return str(path) if path.is_file() else None
+
     # --- writes ----------------------------------------------------------------------------------
     def _write_temp(self, path: Path, key: str, data: bytes) -> Path:
         try:

@@ -1,0 +1,147 @@
+"""State larger than the memory budget (issue 20): stores spill onto their snapshot files on local
+disk and read them back by block; a daemon killed with state on disk restarts over its local files;
+a new node recovers from the object store alone. Real daemons, a real SeaweedFS for the S3 cases.
+Every wait is for a condition, with a generous deadline."""
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+
+import pytest
+
+from statestore_async.client import AsyncClient, Client
+from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
+
+DEADLINE = 90.0
+KEYS = 40_000
+
+
+def key(i: int) -> bytes:
+    return bytes([0, i % 7]) + b"key-%06d" % i
+
+
+def value(i: int, round_: int) -> bytes:
+    return b"r%03d-" % round_ + b"%035d" % (i * 7919 % 10**9)
+
+
+async def wait_for(condition, what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def fill(c: AsyncClient, sid: StoreId, expected: dict[bytes, bytes], rounds: int, rnd: random.Random,
+               ref: CheckpointRef = EMPTY_STATE) -> CheckpointRef:
+    """Commit ``rounds`` versions: the first writes every key, later ones rewrite a tenth and remove
+    a hundredth (keys on disk among them, once spilled); ``expected`` follows."""
+    for r in range(rounds):
+        h = await c.open(sid, ref.version, ref.ckptid or None)
+        keys = range(KEYS) if not expected else rnd.sample(range(KEYS), KEYS // 10)
+        puts = [(key(i), value(i, r)) for i in keys]
+        await h.put_many(puts)
+        expected.update(puts)
+        if r:
+            gone = [key(i) for i in rnd.sample(range(KEYS), KEYS // 100)]
+            await h.remove_many(gone)
+            for k in gone:
+                expected.pop(k, None)
+        ref = await h.commit()
+        assert await c.await_durable(sid, ref, timeout=DEADLINE)
+    return ref
+
+
+async def check(c: AsyncClient, sid: StoreId, ref: CheckpointRef, expected: dict[bytes, bytes]) -> None:
+    h = await c.open(sid, ref.version, ref.ckptid)
+    everything = [key(i) for i in range(KEYS)]
+    assert await h.get_many(everything) == [expected.get(k) for k in everything]
+    lo, hi = key(100), key(2000)
+    assert await h.scan_range(lo, hi) == sorted((k, v) for k, v in expected.items() if lo <= k < hi)
+    await h.abort()
+
+
+async def test_a_store_over_the_budget_spills_to_its_snapshot_file_and_reads_back_exactly(daemon_factory, tmp_path):
+    """A store whose map alone is over the budget is snapshotted at its head and spilled onto that
+    file: its map in memory empties, the daemon's count falls under the budget, and every read,
+    scan and later commit (changes to keys on disk included) gives exactly what a store kept in
+    memory would."""
+    d = await daemon_factory(memory_budget=3 << 20, spill_min_bytes=256 << 10, block_cache_bytes=256 << 10,
+                             snapshot_interval=1000)
+    sid = StoreId(f"file://{tmp_path}/root", "spill", 0)
+    rnd = random.Random(1)
+    expected: dict[bytes, bytes] = {}
+    async with AsyncClient(d.config.socket) as c:
+        ref = await fill(c, sid, expected, 2, rnd)
+        await wait_for(lambda: d.registry.counters["spills"] >= 1, "the store to spill")
+        store = d.registry.get(sid)
+        assert store is not None and store.cold is not None
+        assert d.registry.counters["spill_requests"] >= 1 and d.maintenance.counters["snapshots"] >= 1
+        await wait_for(lambda: d.registry.memory_bytes <= d.registry.memory_budget, "memory under the budget")
+        await check(c, sid, ref, expected)
+        assert d.registry.get(sid).cold.blocks_read > 0  # read from disk
+        ref = await fill(c, sid, expected, 3, rnd, ref)  # commits over the cold level
+        await check(c, sid, ref, expected)
+        requests = d.registry.counters["spill_requests"]
+        for _ in range(30):  # the hot part grows with each commit until the store asks to spill again
+            if d.registry.counters["spill_requests"] > requests:
+                break
+            ref = await fill(c, sid, expected, 1, rnd, ref)
+        await wait_for(lambda: d.registry.counters["spills"] >= 2, "a second spill, once the hot part grew")
+        await check(c, sid, ref, expected)
+        assert d.registry.stats()["spilled"] == 1 and d.registry.counters["evictions"] == 0
+
+
+@pytest.fixture
+def s3_daemon(daemon_process, seaweedfs, aws_env):
+    def start(cache: str, *args: str):
+        return daemon_process("--s3-endpoint-url", seaweedfs.endpoint_url, "--s3-region", "us-east-1",
+                              "--s3-addressing-style", "path", "--cache-dir", cache, "--memory-budget", "3MiB",
+                              "--spill-min-bytes", "256KiB", "--block-cache-bytes", "256KiB",
+                              "--snapshot-interval", "1000", *args)
+    return start
+
+
+async def test_a_daemon_killed_with_state_on_disk_restarts_over_its_local_files(s3_daemon, s3_bucket, tmp_path):
+    """kill -9 while a store is spilled (its snapshot on local disk, later commits in memory and in
+    S3): a daemon restarted on the same node with the same cache folder loads the store over the
+    local snapshot file — no download of it — plus the deltas after it, and reads back exactly."""
+    cache = str(tmp_path / "cache")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "spill", 0)
+    rnd = random.Random(2)
+    expected: dict[bytes, bytes] = {}
+    d = s3_daemon(cache)
+    with Client(d.socket) as sc:
+        async with AsyncClient(d.socket) as c:
+            ref = await fill(c, sid, expected, 2, rnd)
+            await wait_for(lambda: sc.stats()["registry"]["spills"] >= 1, "the store to spill")
+            ref = await fill(c, sid, expected, 2, rnd, ref)  # durable, in memory over the cold level
+    assert d.kill() == -signal.SIGKILL
+    d2 = s3_daemon(cache)
+    async with AsyncClient(d2.socket) as c:
+        await check(c, sid, ref, expected)
+    with Client(d2.socket) as sc:
+        st = sc.stats()
+    assert st["registry"]["cold_loads"] == 1 and st["registry"]["loads"] == 1
+    gets = st["object_stores"][sid.root].get("GET", 0)
+    assert gets <= 3, st["object_stores"]  # the deltas after the snapshot at most, never the snapshot
+
+
+async def test_a_new_node_recovers_a_spilled_store_from_the_object_store_alone(s3_daemon, s3_bucket, tmp_path):
+    cache = str(tmp_path / "cache")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "spill", 1)
+    rnd = random.Random(3)
+    expected: dict[bytes, bytes] = {}
+    d = s3_daemon(cache)
+    with Client(d.socket) as sc:
+        async with AsyncClient(d.socket) as c:
+            ref = await fill(c, sid, expected, 2, rnd)
+            await wait_for(lambda: sc.stats()["registry"]["spills"] >= 1, "the store to spill")
+            ref = await fill(c, sid, expected, 1, rnd, ref)
+    assert d.kill() == -signal.SIGKILL
+    d2 = s3_daemon(str(tmp_path / "another-node-cache"))
+    async with AsyncClient(d2.socket) as c:
+        await check(c, sid, ref, expected)
+    with Client(d2.socket) as sc:
+        assert sc.stats()["registry"]["cold_loads"] == 0  # nothing local: read from S3
