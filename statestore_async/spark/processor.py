@@ -460,14 +460,27 @@ class StatefulProcessor:
         and timers are bound as in ``handle_rows``."""
         raise NotImplementedError
 
+    def handle_initial_state(self, key: tuple, rows: list[tuple], state: KeyState) -> Iterable[tuple]:
+        """Handle one grouping key's rows of the operator's ``initial_state`` (optional: define it to
+        use ``initial_state=``): called once per key, before the first batch, with the key's state
+        and timers bound as in ``handle_rows``; return or yield output tuples (they join the first
+        batch's output)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Called once per task after the last key (optional)."""
+
 
 def uses_timers(processor: object) -> bool:
     """Whether a processor defines ``handle_expired_timer`` (and so may register timers)."""
     fn = getattr(type(processor), "handle_expired_timer", None)
     return fn is not None and fn is not StatefulProcessor.handle_expired_timer
 
-    def close(self) -> None:
-        """Called once per task after the last key (optional)."""
+
+def uses_initial_state(processor: object) -> bool:
+    """Whether a per-key processor defines ``handle_initial_state`` (and so takes ``initial_state=``)."""
+    fn = getattr(type(processor), "handle_initial_state", None)
+    return fn is not None and fn is not StatefulProcessor.handle_initial_state
 
 
 class VectorizedProcessor:

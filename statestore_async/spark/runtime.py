@@ -46,6 +46,7 @@ from statestore_async.spark.processor import (
     VectorizedProcessor,
     _StateVar,
     check_declarations,
+    uses_initial_state,
     uses_timers,
     vectorized_declarations,
 )
@@ -417,13 +418,37 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     only when that changed something. A daemon lost on the way (``DAEMON_LOST``) makes the task try
     again (``_commit_partition``); only the commit it reports counts.
     """
+    return _run(processor, spec, partition, attempt, batches, report, initial=False)
+
+
+def run_initial_state(processor: StatefulProcessor, spec: TaskSpec, partition: int, attempt: int,
+                      batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None = None) -> pa.Table:
+    """Apply ``processor.handle_initial_state`` to one state partition's rows of the operator's
+    ``initial_state`` (routed as a batch's rows: key columns, ``spec.value_columns``, the key group
+    column); returns its output table.
+
+    Like ``run_partition`` (same grouping, one read, one write, one commit on top of
+    ``spec.refs[partition]``, reported the same way, the same retries when the daemon is lost), but
+    each key's rows go to ``handle_initial_state``; timers it registers and TTL'd values it writes
+    are stored as in a batch, and nothing fires nor expires (the first batch does that). A
+    partition without initial rows opens nothing and reports nothing. The driver runs it once, before
+    the first batch, and that batch reads the refs it reports (see ``docs/SPARK.md``)."""
+    if isinstance(processor, VectorizedProcessor) or not uses_initial_state(processor):
+        raise InterfaceError(
+            f"{type(processor).__name__} has no handle_initial_state(self, key, rows, state): define it on a "
+            "StatefulProcessor to use initial_state= (VectorizedProcessors take no initial state)")
+    return _run(processor, spec, partition, attempt, batches, report, initial=True)
+
+
+def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, partition: int, attempt: int,
+         batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None, initial: bool) -> pa.Table:
     t0 = time.perf_counter()
     if spec.time_mode not in TIME_MODES:
         raise InterfaceError(f"time_mode is one of {TIME_MODES}, got {spec.time_mode!r}")
     table = _table_of([b for b in batches if b.num_rows])
     idle = table is None
     if table is None:
-        if not _has_time_work(processor):
+        if initial or not _has_time_work(processor):
             return spec.output_schema.empty_table()
         table = pa.table({KG_COLUMN: pa.array([], pa.int32())})
     kg = table[KG_COLUMN].to_numpy()
@@ -451,7 +476,7 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
                                                              handle, timings)
             else:
                 out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
-                                                          timings, partition)
+                                                          timings, partition, initial)
                 if idle and not len(puts[0]) and (removes is None or not len(removes)):
                     handle.abort()  # nothing was due: the manifest keeps the partition's state
                     return out, None, states
@@ -536,7 +561,7 @@ def _has_time_work(processor: StatefulProcessor | VectorizedProcessor) -> bool:
 
 def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Table, rows_table: pa.Table,
                  offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
-                 timings: dict[str, float], partition: int = 0,
+                 timings: dict[str, float], partition: int = 0, initial: bool = False,
                  ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array, dict[str, dict[str, Any]]]:
     """A ``StatefulProcessor`` over the partition's keys: every key's state read in one call and
     decoded in one, then ``handle_rows`` per key; returns the output table, the state's puts and
@@ -546,7 +571,8 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
     With time work (timers, TTLs: ``TaskTime``) the keys of due timers join the batch's keys (their
     state is read in the same call), ``handle_expired_timer`` runs per due timer after the rows,
     and the timers' and the expiry index's records, and the expired values found by the index,
-    join the writes."""
+    join the writes. ``initial``: the rows are the initial state's (``handle_initial_state`` per key;
+    timers registered and TTL'd values written are stored, nothing fires or expires)."""
     h = StateHandle(spec.time_mode, uses_timers(processor))
     processor.init(h)
     variables = list(h.variables.values())
@@ -570,7 +596,7 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
         keys = list(zip(*[c.to_pylist() for c in keys_table.columns])) if n else []
         if h.timers.enabled:
             tt.add_batch_keys(keys, kgs.tolist())
-            extra_keys, extra_kgs = tt.scan_due()
+            extra_keys, extra_kgs = tt.scan_due() if not initial else ([], [])
             if extra_keys:
                 keys = keys + extra_keys
                 skeys = [pa.concat_arrays([sk, pa.array(store_keys(v.name, extra_keys, extra_kgs, spec.num_key_groups),
@@ -582,14 +608,15 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
     timings["read"] = time.perf_counter() - t
     with _gc_paused():  # turned back on once the per-key objects are gone (freed as _per_key returns)
         table, puts, removes = _per_key(processor, spec, variables, skeys, raw, keys_table, rows_table, offsets, timings,
-                                        h, tt, keys)
+                                        h, tt, keys, initial)
     return table, puts, removes, states
 
 
 def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_StateVar], skeys: list[pa.Array],
              raw: pa.Array, keys_table: pa.Table, rows_table: pa.Table, offsets: np.ndarray,
              timings: dict[str, float], h: StateHandle | None = None, tt: TaskTime | None = None,
-             all_keys: list[tuple] | None = None) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array]:
+             all_keys: list[tuple] | None = None, initial: bool = False,
+             ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array]:
     """The Python part of ``_run_per_key``: decode, call per key (then per due timer), collect the
     changes and the output."""
     n = len(skeys[0])  # the batch's keys, and the keys of due timers without rows after them
@@ -602,10 +629,11 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     timings["decode"] = time.perf_counter() - t
     t = time.perf_counter()
     timers = h.timers if h is not None and h.timers.enabled else None
-    results = _call_per_key(processor, variables, keys, rows, offsets.tolist(), timers)
+    fn = processor.handle_initial_state if initial else processor.handle_rows
+    results = _call_per_key(processor, variables, keys, rows, offsets.tolist(), timers, fn)
     del rows
     msg_keys = keys
-    if tt is not None and timers is not None:
+    if tt is not None and timers is not None and not initial:
         fired_results, fired_keys = _fire_timers(processor, variables, keys, tt, timers)
         msg_keys = keys[:len(results)] + fired_keys
         results += fired_results
@@ -625,7 +653,7 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
         for v, c in zip(variables, changes):
             if v.ttl_ms is not None:
                 extra_puts += tt.ttl_index(v, c[0])
-        if any(v.ttl_ms is not None for v in variables):
+        if any(v.ttl_ms is not None for v in variables) and not initial:
             handled = set(itertools.chain.from_iterable(sk.to_pylist() for sk in skeys))
             gone, removed = tt.ttl_cleanup(handled)
             extra_removes += gone
@@ -695,11 +723,13 @@ def _concat(arrays: list[pa.Array]) -> pa.Array:
 
 
 def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys: list[tuple], rows: list[tuple],
-                  off: list[int], timers: Any = None) -> list[Sequence[Any]]:
-    """``handle_rows`` of every key (key i: ``rows[off[i]:off[i+1]]``) with the state variables bound
-    to it; the rows each call gave, a tuple or list per key. A generator is drained while its key is
-    bound (it may read and write the key's state)."""
-    fn = processor.handle_rows
+                  off: list[int], timers: Any = None, fn: Callable[..., Any] | None = None) -> list[Sequence[Any]]:
+    """``handle_rows`` (or ``fn``) of every key (key i: ``rows[off[i]:off[i+1]]``) with the state
+    variables bound to it; the rows each call gave, a tuple or list per key. A generator is drained
+    while its key is bound (it may read and write the key's state)."""
+    if fn is None:
+        fn = processor.handle_rows
+    name = getattr(fn, "__name__", "handle_rows")
     state = KeyState({v.name: v for v in variables}, timers)
     results: list[Sequence[Any]] = []
     add = results.append
@@ -713,13 +743,13 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
             for i, key, a, b in zip(itertools.count(), keys, off, itertools.islice(off, 1, None)):
                 v0._i = i
                 res = fn(key, rows[a:b], state)
-                add(res if type(res) is tuple else _rows_of(res, processor, key))
+                add(res if type(res) is tuple else _rows_of(res, processor, key, name))
         else:
             for i, key, a, b in zip(itertools.count(), keys, off, itertools.islice(off, 1, None)):
                 for v in variables:
                     v._i = i
                 res = fn(key, rows[a:b], state)
-                add(res if type(res) is tuple else _rows_of(res, processor, key))
+                add(res if type(res) is tuple else _rows_of(res, processor, key, name))
     finally:
         for v in variables:
             if v is timers:
@@ -830,5 +860,5 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
 __all__ = [
     "CheckpointRef", "Fault", "FaultHook", "FaultSite", "InjectedFault", "RoutingError", "TaskReport", "TaskSpec",
     "checkpoint_root", "fault_hook_for", "fault_point", "group_rows", "install_fault_hook_maker", "open_partition_store",
-    "run_partition", "store_keys",
+    "run_initial_state", "run_partition", "store_keys",
 ]
