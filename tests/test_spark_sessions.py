@@ -104,3 +104,39 @@ def test_our_operator_emits_exactly_the_same_sessions(spark, stream, tmp_path):
     _check(out, stream)
     assert [p.late_rows for p in op.history] == [*stream.late(), 0]
     assert [p.watermark_ms for p in op.history] == stream.watermarks
+
+
+@pytest.mark.spark
+@pytest.mark.skipif(not HAS_TIMERS, reason="the task runtime has no timers yet (handle.timers, handle_expired_timer)")
+def test_a_timer_at_the_watermark_fires_a_group_state_timeout_does_not(spark, rocksdb, tmp_path):
+    """What docs/PORTING.md's ``+ 1`` rests on: a session of ``a`` closes at 15 s and the watermark
+    reaches exactly 15 s in the last batch. transformWithState's timer and ours fire (``at <=
+    watermark``); applyInPandasWithState's timeout does not (``timeout < watermark``)."""
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[S.__name__])
+    tie = S.SessionStream([[("a", 10_000)], [("b", 15_000)]], gap_ms=5_000, delay_ms=0,
+                          watermarks=[None, 10_000, 15_000])
+    folder = str(tmp_path / "src")
+    S.write_batches(tie, folder)
+    tws = _run(spark, folder, str(tmp_path / "c1"), lambda df: S.transform_with_state_in_pandas(df, 5_000, 0))
+    aipws = _run(spark, folder, str(tmp_path / "c2"), lambda df: S.apply_in_pandas_with_state(df, 5_000, 0))
+    with Daemon() as d:
+        op = S.session_operator(f"file://{tmp_path}/state", "tie", 5_000, 0, socket_path=d.socket)
+        ours: list = []
+        S.run_to_end(S.read_stream(spark, folder), str(tmp_path / "c3"), op.foreach_batch(S.collect_into(ours)))
+    assert tws == ours == [("a", 10_000, 10_000, 1)] == S.sessions_of(tie)
+    assert aipws == []
+    assert op.history[-1].watermark_ms == 15_000
+
+
+@pytest.mark.spark
+def test_the_benchmarks_checksum_sink_agrees_with_the_python_checksum(spark, stream):
+    sessions = S.sessions_of(stream)
+    df = spark.createDataFrame(sessions, S.OUTPUT_SCHEMA)
+    out: list = []
+    S.checksum_into(out)(df, 0)
+    S.checksum_into(out)(df.limit(0), 1)
+    assert out == [S.checksum(sessions), (0, 0)]
+    assert S.checksum(sessions[1:]) != S.checksum(sessions)
+    assert S.checksum([(u, s, e, n + 1) for u, s, e, n in sessions]) != S.checksum(sessions)

@@ -186,6 +186,31 @@ def collect_into(out: list[Emitted]):
     return sink
 
 
+def checksum(sessions: Iterable[Emitted]) -> tuple[int, int]:
+    """``(count, sum of Spark's xxhash64(user, start_ms, end_ms, events))`` of emitted sessions: what
+    ``checksum_into`` computes in the JVM (a session lost, doubled or changed changes it)."""
+    from statestore_async.codecs import sparkhash
+
+    rows = list(sessions)
+    if not rows:
+        return 0, 0
+    return len(rows), sum(int(h) for h in sparkhash.hash_rows(rows, ["string", "bigint", "bigint", "bigint"]))
+
+
+def checksum_into(out: list[tuple[int, int]]):
+    """A foreachBatch sink that appends the batch's ``checksum`` to ``out``, computed by one
+    aggregate in the JVM (for benchmarks: no row crosses to the driver)."""
+
+    def sink(df: DataFrame, batch_id: int) -> None:
+        from pyspark.sql import functions as F
+
+        h = F.xxhash64("user", "start_ms", "end_ms", "events").cast("decimal(38,0)")
+        r = df.agg(F.count(F.lit(1)).alias("n"), F.sum(h).alias("h")).collect()[0]
+        out.append((int(r["n"]), int(r["h"] or 0)))
+
+    return sink
+
+
 # -- Spark's applyInPandasWithState (GroupStateTimeout.EventTimeTimeout) ------------------------------
 # the open sessions of a user as JSON text (PySpark 4.3's Python workers fail to parse an array type
 # in a state schema: KeyError 'elementType' in ArrayType.fromJson)
