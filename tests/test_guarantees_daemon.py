@@ -560,3 +560,45 @@ async def test_the_uploader_forgets_its_oldest_durable_uploads_beyond_its_bound(
     assert all(uploader.state(s, r) is UploadState.DURABLE for s, r in refs[-5:])
     assert len(uploader._durable_order) <= 5 + len(stores)  # the trimming order does not grow either
     await uploader.close()
+
+
+async def test_a_stalled_object_store_pins_no_store_above_the_budget(daemon_factory, tmp_path):
+    """Uploads held (an object store that stopped answering): commits to many stores fill the
+    upload queue, then wait for room; meanwhile the stores whose commits are queued still leave
+    memory, so stores + queue stay within the budget (one store's worth of slack). Once uploads
+    resume, every commit becomes durable and every store reloads exactly (a load waits for its
+    store's uploads)."""
+    budget = 256 << 10
+    d = await daemon_factory(memory_budget=budget)
+    root = f"file://{tmp_path}/root"
+    gate = asyncio.Event()
+    objstore = d.objstores(root)
+    real_put = objstore.put_if_absent
+
+    async def held_put(k: str, data: bytes) -> Any:
+        await gate.wait()
+        return await real_put(k, data)
+
+    objstore.put_if_absent = held_put
+    sids = [StoreId(root, "stall", p) for p in range(24)]
+
+    async def one(c: AsyncClient, sid: StoreId) -> CheckpointRef:
+        h = await c.open(sid, 0)
+        await h.put_many([(key(i), b"%s-%d" % (sid.partition_id.to_bytes(1, "big"), i) * 10) for i in range(200)])
+        return await h.commit()
+
+    async with AsyncClient(d.config.socket) as c:
+        commits = [asyncio.create_task(one(c, sid)) for sid in sids]
+        await async_wait_for(lambda: d.uploader._waiting, "commits waiting for room in the upload queue")
+        store_bytes = max(s.memory_bytes for s in (d.registry.get(sid) for sid in sids) if s is not None)
+        await async_wait_for(lambda: d.registry.memory_bytes + d.uploader.queued_bytes <= budget + store_bytes,
+                             "stores + queue within the budget while uploads are stalled")
+        assert d.registry.counters["evictions"] > 0
+        gate.set()
+        refs = await asyncio.gather(*commits)
+        for sid, ref in zip(sids, refs):
+            assert await c.await_durable(sid, ref, DEADLINE)
+        for sid, ref in zip(sids, refs):
+            h = await c.open(sid, ref.version, ref.ckptid)
+            assert await h.get_many([key(7)]) == [b"%s-7" % sid.partition_id.to_bytes(1, "big") * 10]
+            await h.abort()

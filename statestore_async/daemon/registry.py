@@ -9,8 +9,9 @@
 One writer per store: the engine raises ``WriterConflictError``. Memory is accounted with the
 engine's ``memory_bytes`` plus the block cache of the stores' cold levels; above ``memory_budget``
 the block cache gives back its least recently used blocks first, then the least recently used
-stores that are idle (no writer) and whose head is durable (the uploader has nothing of them
-pending) leave memory:
+stores that are idle (no writer, no frozen view) and whose head will be durable (its upload did
+not fail for good; it may still be on its way: the upload queue holds the delta, counted in the
+budget, and a later load of the store waits for its uploads) leave memory:
 
 * a store whose map takes ``spill_min_bytes`` or more *spills* (``VersionedStore.spill``): its
   head's snapshot file, on local disk (the object store's cache, or a ``file://`` root's own file),
@@ -67,7 +68,8 @@ class StoreRegistry:
         self._loads_running = 0
         self._load_finished = asyncio.Event()
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
-                         "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0, "cold_loads": 0}
+                         "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0, "cold_loads": 0,
+                         "loads_waited_for_uploads": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -143,6 +145,11 @@ class StoreRegistry:
         self._loading[store_id] = done
         try:
             try:
+                # an evicted store's last commits may still be uploading: its files are complete
+                # only once they are in the object store
+                if self._uploader.pending(store_id):
+                    self.counters["loads_waited_for_uploads"] += 1
+                    await self._uploader.wait_settled(store_id)
                 await self._admit_load()
                 try:
                     store, report = await loader.load_store(self._objstores(store_id.root), store_id, ref,
@@ -195,11 +202,15 @@ class StoreRegistry:
         return sum(s.memory_bytes for s in self._stores.values()) + self.block_cache.nbytes
 
     def _evictable(self, store: VersionedStore) -> bool:
+        # A head still uploading may leave memory: the upload queue holds its delta (counted in
+        # the budget), and a load of the store waits for its uploads (``_load_and_open``). Keeping
+        # such stores made a stalled object store pin every store with a commit queued — above the
+        # budget. A head whose upload failed for good stays: no file could reload it.
         return (store.writer is None and not store._views and store.store_id not in self._loading
-                and self._uploader.is_settled(store.store_id, store.head))
+                and self._uploader.will_settle(store.store_id, store.head))
 
     def enforce_budget(self) -> int:
-        """Bring memory under budget: the block cache first, then idle, durable stores (least
+        """Bring memory under budget: the block cache first, then idle stores (least
         recently used first) spill or leave memory (see the module doc). Returns the stores
         evicted whole.
 
@@ -310,7 +321,9 @@ class StoreRegistry:
             store = self._stores.get(store_id)
             if store is None or p in released or p in kept:
                 continue
-            if self._evictable(store) and store.head.version < below:
+            # another node will load it: its head must be in the object store already
+            if (self._evictable(store) and self._uploader.is_settled(store_id, store.head)
+                    and store.head.version < below):
                 self._drop(store_id)
                 released.append(p)
                 log.info("released %s at %s: another node owns it now", store_id, store.head)

@@ -408,6 +408,19 @@ class Uploader:
         q = self._by_store.get(store_id)
         return len(q) if q else 0
 
+    async def wait_settled(self, store_id: StoreId) -> None:
+        """Return once no upload of ``store_id`` is queued or running (each ends durable or failed)."""
+        while self.pending(store_id):
+            ev = self._changed.get(store_id)
+            if ev is None:
+                ev = self._changed[store_id] = asyncio.Event()
+            await ev.wait()
+
+    def will_settle(self, store_id: StoreId, ref: CheckpointRef) -> bool:
+        """True unless ``ref`` of ``store_id`` failed for good: it is durable, unknown here, or on
+        its way (its files will all be in the object store)."""
+        return self.state(store_id, ref) is not UploadState.FAILED
+
     def is_settled(self, store_id: StoreId, ref: CheckpointRef) -> bool:
         """True when nothing of the store is queued and ``ref`` is not a failed or pending upload."""
         if self.pending(store_id):
