@@ -107,13 +107,51 @@ def du(path: str) -> tuple[int, int]:
     return size, n
 
 
+def daemon_report(sock: str) -> str:
+    """The daemon's peak RSS, its budget and what its registry did (spills, cold loads, evictions)."""
+    from statestore_async.client import Client
+
+    with Client(sock, timeout=60) as c:
+        st = c.stats()
+    pid, reg = st["daemon"]["pid"], st["registry"]
+    with open(f"/proc/{pid}/status") as fh:
+        peak = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    return (f"daemon peak RSS {peak / 2**20:.0f} MiB, budget {reg['memory_budget'] / 2**20:.0f} MiB, counted "
+            f"{reg['memory_bytes'] / 2**20:.0f} MiB; spills {reg['spills']}, spilled stores {reg['spilled']}, "
+            f"evictions {reg['evictions']}, loads {reg['loads']} (over local files {reg['cold_loads']})")
+
+
+def raw_state_bytes(root: str, operator_id: str) -> int:
+    """Keys and values of the final state, in bytes (what a memory budget is compared with)."""
+    import asyncio
+
+    from statestore_async.files.loader import load_store
+    from statestore_async.files.manifest import list_manifest_versions, read_manifest
+    from statestore_async.ids import StoreId
+    from statestore_async.objectstore import LocalObjectStore
+
+    async def go() -> int:
+        async with LocalObjectStore(root) as st:
+            m = await read_manifest(st, operator_id, max(await list_manifest_versions(st, operator_id)))
+            total = 0
+            for name, refs in m.stores.items():
+                for p, ref in enumerate(refs):
+                    store, _ = await load_store(st, StoreId(st.uri, operator_id, p, name), ref)
+                    total += sum(len(k) + len(v) for k, v in store.items())
+            return total
+    return asyncio.run(go())
+
+
 # --- peers ----------------------------------------------------------------------------------------
+DAEMON_ARGS: list[str] = []  # extra daemon settings for our peers (--memory-budget)
+
+
 def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
     from statestore_async.spark import StatefulOperator, load_state, placement
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
     sock = os.path.join(sockdir, "d.sock")
-    placement.start_daemon(sock, args=["--log-level", "warning"])
+    placement.start_daemon(sock, args=["--log-level", "warning", *DAEMON_ARGS])
     root = os.path.join(work, "state")
     try:
         op = StatefulOperator("file://" + root, "w", ["key"], processor, OUT, 2, 4096, socket_path=sock,
@@ -129,6 +167,8 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
         tasks = [t for p in hist for t in p.tasks.values()]
         fig["task_ms"] = {k: round(statistics.median(t.get(k, 0) for t in tasks) * 1000) for k in
                           ("group", "read", "process", "write", "total")} if tasks else {}
+        if DAEMON_ARGS:
+            print(f"#   {daemon_report(sock)}; raw state {raw_state_bytes(root, 'w') / 2**20:.0f} MiB", flush=True)
         state = {k[0]: v for (n, k), v in load_state("file://" + root, "w").items()}
         fig["correct"] = (len(state), sum(c for c, _ in state.values()), sum(s for _, s in state.values())) == (
             oracle["keys"], oracle["count"], oracle["sum"])
@@ -288,6 +328,9 @@ def main() -> int:
     ap.add_argument("--warmup-rounds", type=int, default=1,
                     help="discarded rounds of every peer before measuring (warms the shared JVM; default 1)")
     ap.add_argument("--warmup-rows", type=int, default=None, help="rows per batch of the warm-up rounds (default B/2)")
+    ap.add_argument("--memory-budget", default=None, metavar="SIZE",
+                    help="our daemon's memory budget (e.g. 64MiB: state larger than memory); prints its peak RSS, "
+                         "spills and the raw state size after each of our runs")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra Spark setting for the session every peer shares (repeatable)")
     a = ap.parse_args()
@@ -297,6 +340,8 @@ def main() -> int:
         if not sep or not key:
             ap.error(f"--conf takes KEY=VALUE, got {c!r}")
         confs.append((key, value))
+    if a.memory_budget:
+        DAEMON_ARGS.extend(["--memory-budget", a.memory_budget])
     keys = [int(k) for k in (a.keys or ("20000" if a.quick else "100000,1000000")).split(",")]
     rows = a.rows or (200_000 if a.quick else 1_000_000)
     measured = a.batches or (2 if a.quick else 5)
