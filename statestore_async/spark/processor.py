@@ -54,11 +54,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from statestore_async.codecs import valuecodec
 from statestore_async.errors import InterfaceError, StateDeclarationError
 from statestore_async.ids import _check_name
-from statestore_async.spark.timekeys import EVENT, PROCESSING, check_time
+from statestore_async.spark.timekeys import EVENT, KIND_BYTE, KIND_OF, PROCESSING, check_time, timer_record_columns
 
 VALUE, LIST, MAP, VECTORIZED = "value", "list", "map", "vectorized"
 _PUT, _DEL = 1, 2  # what a batch did to a key's value (``_StateVar._dirty``)
@@ -483,6 +484,121 @@ def uses_initial_state(processor: object) -> bool:
     return fn is not None and fn is not StatefulProcessor.handle_initial_state
 
 
+class VectorizedTimers:
+    """A ``VectorizedProcessor``'s timers, in bulk (``self.timers`` during ``process`` and
+    ``handle_expired_timers``). Keys are named by their index into the ``keys`` table of the
+    running call: ``register(key_index, at_ms, kind=None)`` and ``delete(...)`` take arrays (numpy,
+    Arrow or lists; a scalar is broadcast), so no Python loop runs per key. Registering a timer that
+    exists, or deleting one that does not, does nothing; of two calls on the same timer the later
+    wins. ``kind`` None is the operator's ``time_mode``.
+    """
+
+    def __init__(self, time_mode: str = "none", enabled: bool = False):
+        self.time_mode = time_mode
+        self.enabled = enabled
+        self._enc: pa.Array | None = None     # the running call's keys: encode_key(grouping key) by index
+        self._kgs: np.ndarray | None = None   # and their key groups
+        # (key groups, encoded keys, kind bytes, times, registered?) of every register/delete, in order
+        self._ops: list[tuple[np.ndarray, pa.Array, np.ndarray, np.ndarray, bool]] = []
+        self._load: Callable[[pa.Array, np.ndarray], list[tuple[int, str, int]]] | None = None
+
+    def _bind(self, enc: pa.Array, kgs: np.ndarray) -> None:
+        self._enc, self._kgs = enc, np.asarray(kgs, np.uint16)
+
+    def _unbind(self) -> None:
+        self._enc = self._kgs = None
+
+    def _args(self, key_index: Any, at_ms: Any, kind: str | None) -> tuple[np.ndarray, np.ndarray, int]:
+        if not self.enabled:
+            raise InterfaceError("timers need a VectorizedProcessor that defines handle_expired_timers(self, keys, "
+                                 "timers, state, exists): define it to receive the timers it registers")
+        if self._enc is None:
+            raise InterfaceError("timers are used outside process / handle_expired_timers (no keys)")
+        if kind is None:
+            if self.time_mode == "none":
+                raise InterfaceError('the operator has time_mode="none": give the timers\' kind ("processing" or '
+                                     '"event"), or create the StatefulOperator with time_mode=')
+            kind = self.time_mode
+        if kind not in (PROCESSING, EVENT):
+            raise InterfaceError(f'a timer\'s kind is "processing" or "event" (None: the time mode), got {kind!r}')
+        idx = _int_column(key_index, "key_index")
+        at = _int_column(at_ms, "at_ms")
+        if idx.ndim == 0 and at.ndim == 0:
+            idx, at = idx.reshape(1), at.reshape(1)
+        idx, at = np.broadcast_arrays(idx, at)
+        n = len(self._enc)
+        if idx.size and (idx.min() < 0 or idx.max() >= n):
+            raise InterfaceError(f"key_index must be in [0, {n}) (rows of the call's keys table), got values from "
+                                 f"{int(idx.min())} to {int(idx.max())}")
+        return np.ascontiguousarray(idx), np.ascontiguousarray(at), KIND_BYTE[kind]
+
+    def _add(self, key_index: Any, at_ms: Any, kind: str | None, on: bool) -> None:
+        idx, at, kb = self._args(key_index, at_ms, kind)
+        if idx.size:
+            assert self._enc is not None and self._kgs is not None
+            self._ops.append((self._kgs[idx], self._enc.take(pa.array(idx)), np.full(idx.size, kb, np.uint8), at, on))
+
+    def register(self, key_index: Any, at_ms: Any, kind: str | None = None) -> None:
+        """A timer at ``at_ms[i]`` (ms since the epoch) for the key ``key_index[i]`` of the call's keys."""
+        self._add(key_index, at_ms, kind, True)
+
+    def delete(self, key_index: Any, at_ms: Any, kind: str | None = None) -> None:
+        """Remove the timers at ``at_ms[i]`` of the keys ``key_index[i]`` (nothing where there is none)."""
+        self._add(key_index, at_ms, kind, False)
+
+    def list(self, kind: str | None = None) -> pa.Table:
+        """Every timer of the call's keys (of ``kind``; None: the time mode), with this batch's
+        registrations and deletions: a table ``(key_index int64, at_ms int64)`` sorted by key and
+        time. One range scan per key of the call: meant for inspection, not for every batch."""
+        _, _, kb = self._args([], [], kind)
+        assert self._enc is not None and self._kgs is not None
+        have = {(i, a) for i, k, a in (self._load(self._enc, self._kgs) if self._load is not None else [])
+                if k == KIND_OF[kb]}
+        where = {e: i for i, e in enumerate(self._enc.to_pylist())}
+        for _, enc, kinds, ats, on in self._ops:
+            for e, k, a in zip(enc.to_pylist(), kinds.tolist(), ats.tolist()):
+                if k == kb and e in where:
+                    (have.add if on else have.discard)((where[e], a))
+        rows = sorted(have)
+        return pa.table({"key_index": pa.array([r[0] for r in rows], pa.int64()),
+                         "at_ms": pa.array([r[1] for r in rows], pa.int64())})
+
+    def _changes(self) -> tuple[pa.Array, pa.Array]:
+        """(records to put, records to remove) of every register/delete so far (the later call on a
+        timer wins), both indexes; forgets them."""
+        ops, self._ops = self._ops, []
+        if not ops:
+            empty = pa.array([], pa.binary())
+            return empty, empty
+        kg = np.concatenate([o[0] for o in ops])
+        enc = pa.concat_arrays([o[1].cast(pa.binary()) for o in ops])
+        kinds = np.concatenate([o[2] for o in ops])
+        at = np.concatenate([o[3] for o in ops])
+        on = np.concatenate([np.full(len(o[3]), o[4]) for o in ops])
+        by_time, by_key = timer_record_columns(kg, kinds, at, enc)
+        codes = pc.dictionary_encode(by_time).indices.to_numpy(zero_copy_only=False)
+        _, last_rev = np.unique(codes[::-1], return_index=True)
+        last = np.sort(len(codes) - 1 - last_rev)  # the last op of each timer
+        put = last[on[last]]
+        gone = last[~on[last]]
+        return (pa.concat_arrays([by_time.take(pa.array(put)), by_key.take(pa.array(put))]),
+                pa.concat_arrays([by_time.take(pa.array(gone)), by_key.take(pa.array(gone))]))
+
+
+def _int_column(values: Any, what: str) -> np.ndarray:
+    """``values`` (a scalar, list, numpy or Arrow array of ints) as int64, else ``InterfaceError``."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        if values.null_count:
+            raise InterfaceError(f"{what} has nulls")
+        values = values.to_numpy(zero_copy_only=False)
+    arr = np.asarray(values)
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        raise InterfaceError(f"{what} takes ints (ms since the epoch for at_ms), got {arr.dtype} values")
+    if arr.dtype == np.uint64 and arr.size and arr.max() >= 1 << 63:
+        raise InterfaceError(f"{what} is outside the signed 64-bit range")
+    return arr.astype(np.int64)
+
+
 class VectorizedProcessor:
     """Whole-partition, columnar stateful logic; subclass it.
 
@@ -500,14 +616,40 @@ class VectorizedProcessor:
     row per key (a row whose ``valid`` entry is False is removed; pass ``valid=None`` to keep all),
     and ``output`` a table matching the operator's output schema. Each state row is stored as one
     record, ``encode_row(tuple of the row)`` under ``encode_key((state_name, *key))``.
+
+    Timers: a processor that defines ``handle_expired_timers`` registers and deletes timers in bulk
+    with ``self.timers`` (a ``VectorizedTimers``: keys by their row in the call's ``keys``) in
+    ``process`` and ``handle_expired_timers``; ``self.processing_time_ms`` and
+    ``self.watermark_ms`` are the batch's clock and watermark. After ``process``, the partition's
+    due timers (processing: ``at_ms <= processing_time_ms``, event: ``at_ms <= watermark_ms``) go
+    to one call of ``handle_expired_timers``, also for keys without rows and in batches without
+    rows; each fires once, deleted in the commit that holds what the call wrote.
     """
 
     state_name = "state"
     state_schema = None  # pyarrow.Schema
+    # set by the runtime before every call (see "Timers" above)
+    timers: VectorizedTimers = VectorizedTimers()
+    processing_time_ms: int = 0
+    watermark_ms: int | None = None
 
     def process(self, keys, rows, offsets, state, exists):
         """Return ``(new_state_table, output_table)`` or ``(new_state_table, output_table, valid_mask)``."""
         raise NotImplementedError
+
+    def handle_expired_timers(self, keys, timers, state, exists):
+        """The partition's due timers (optional: define it to use ``self.timers``). ``keys``: one
+        row per key with a due timer; ``timers``: one row per due timer, in firing order, with the
+        key columns, ``key_index`` (int64, the row of ``keys``), ``at_ms`` (int64) and ``kind``
+        (string); ``state`` / ``exists``: those keys' state after this batch's ``process``. Returns
+        what ``process`` returns, for ``keys``."""
+        raise NotImplementedError
+
+
+def uses_vectorized_timers(processor: object) -> bool:
+    """Whether a ``VectorizedProcessor`` defines ``handle_expired_timers``."""
+    fn = getattr(type(processor), "handle_expired_timers", None)
+    return fn is not None and fn is not VectorizedProcessor.handle_expired_timers
 
 
 def vectorized_declarations(processor: VectorizedProcessor) -> dict[str, Declaration]:

@@ -44,15 +44,17 @@ from statestore_async.spark.processor import (
     StatefulProcessor,
     StateHandle,
     VectorizedProcessor,
+    VectorizedTimers,
     _StateVar,
     check_declarations,
     uses_initial_state,
     uses_timers,
+    uses_vectorized_timers,
     vectorized_declarations,
 )
 from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.timekeys import TIME_MODES
-from statestore_async.spark.timework import TaskTime
+from statestore_async.spark.timekeys import KIND_OF, TIME_MODES, owned_key_groups, parse_timer_columns, timer_record_columns
+from statestore_async.spark.timework import TaskTime, due_timer_records, stored_timers
 
 if TYPE_CHECKING:
     from statestore_async.client.clients import Client, StoreHandle
@@ -171,6 +173,9 @@ class TaskSpec:
     # and recorded in the batch's manifest, so a replay uses the same; None: none yet, no event timer is due)
     time_mode: str = "none"
     watermark_ms: int | None = None
+    # the key columns' types (a VectorizedProcessor's timers of keys without rows are decoded to them;
+    # None: the batch's rows' types, or inferred from the values in a batch without rows)
+    key_schema: pa.Schema | None = None
 
 
 @dataclass(frozen=True)
@@ -473,7 +478,10 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
         with client.open(StoreId(spec.root, spec.operator_id, partition), base.version, base.ckptid or None) as handle:
             if isinstance(processor, VectorizedProcessor):
                 out, puts, removes, states = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs,
-                                                             handle, timings)
+                                                             handle, timings, partition)
+                if idle and not len(puts[0]) and (removes is None or not len(removes)) and not out.num_rows:
+                    handle.abort()  # nothing was due: the manifest keeps the partition's state
+                    return out, None, states
             else:
                 out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
                                                           timings, partition, initial)
@@ -551,7 +559,7 @@ def _has_time_work(processor: StatefulProcessor | VectorizedProcessor) -> bool:
     """Whether a task must run even without rows: the processor defines ``handle_expired_timer`` or
     declares a state variable with a TTL (its ``init`` runs on a scratch handle to tell)."""
     if isinstance(processor, VectorizedProcessor):
-        return False
+        return uses_vectorized_timers(processor)
     if uses_timers(processor):
         return True
     h = StateHandle()
@@ -772,37 +780,146 @@ def _rows_of(res: Any, processor: StatefulProcessor, key: tuple, method: str = "
 
 def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table,
                     offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
-                    timings: dict[str, float],
+                    timings: dict[str, float], partition: int = 0,
                     ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, dict[str, dict[str, Any]]]:
-    """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key."""
+    """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key.
+
+    With timers (``handle_expired_timers``): ``process``'s changes, its timers' included, are
+    written to the open version first; then one range scan finds the due timers (those ``process``
+    registered at a due time too, not those it deleted), their keys' state is read in one call and
+    ``handle_expired_timers`` runs once; the fired timers' records are removed in the same commit.
+    A batch without rows runs only that part."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
         raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
     states = vectorized_declarations(processor)
     check_declarations(spec.declared, states, _where(processor, spec))
+    timers = VectorizedTimers(spec.time_mode, uses_vectorized_timers(processor))
+    processor.timers, processor.processing_time_ms, processor.watermark_ms = timers, spec.now_ms, spec.watermark_ms
+    outputs: list[pa.Table] = []
+    put_keys: list[pa.Array] = []
+    put_values: list[pa.Array] = []
+    removes: list[pa.Array] = []
+    timings["read"] = timings["process"] = 0.0
+    if keys_table.num_rows:
+        if timers.enabled:
+            timers._bind(arrowcodec.encode_tuples(keys_table.columns, key=True), kgs)
+            timers._load = _timer_loader(handle, spec.num_key_groups)
+        out, puts, gone = _vectorized_call(processor, processor.process, schema, spec, keys_table, kgs, handle, timings,
+                                           (rows, offsets))
+        outputs.append(out)
+        put_keys.append(puts[0])
+        put_values.append(puts[1])
+        if gone is not None:
+            removes.append(gone)
+    if timers.enabled:
+        t = time.perf_counter()
+        tp, tr = timers._changes()
+        # the rows' changes go in first: the scan of due timers and the timers' state read see them
+        write_all(handle, (pa.concat_arrays([*put_keys, tp]), pa.concat_arrays([*put_values, _empties(len(tp))])),
+                  pa.concat_arrays([*removes, tr]))
+        put_keys, put_values, removes = [], [], []
+        due = due_timer_records(handle, owned_key_groups(partition, spec.num_partitions, spec.num_key_groups),
+                                spec.now_ms, spec.watermark_ms)
+        timings["time_scan"] = time.perf_counter() - t
+        timings["timers_fired"] = len(due)
+        if len(due):
+            out, puts, gone, fired = _fire_vectorized(processor, schema, spec, keys_table, due, timers, handle, timings)
+            outputs.append(out)
+            tp, tr = timers._changes()
+            # a fired timer is deleted before its call: one its call registers again stays
+            fired = fired.filter(pc.invert(pc.is_in(fired, value_set=tp)))
+            put_keys += [puts[0], tp]
+            put_values += [puts[1], _empties(len(tp))]
+            removes += [r for r in (gone, tr, fired) if r is not None]
+    timers._unbind()
+    output = pa.concat_tables(outputs) if len(outputs) > 1 else (outputs[0] if outputs else
+                                                                spec.output_schema.empty_table())
+    empty = pa.array([], pa.binary())
+    return (output, (_concat(put_keys) if put_keys else empty, _concat(put_values) if put_values else empty),
+            _concat(removes) if removes else None, states)
+
+
+def _empties(n: int) -> pa.Array:
+    return pa.array([b""] * n, pa.binary())
+
+
+def _timer_loader(handle: StoreHandle, num_key_groups: int) -> Callable[[pa.Array, np.ndarray],
+                                                                          list[tuple[int, str, int]]]:
+    prefixes = keylayout.prefixes(num_key_groups)
+    return lambda enc, kgs: stored_timers(handle, prefixes, enc.to_pylist(), kgs.tolist())
+
+
+def _vectorized_call(processor: VectorizedProcessor, fn: Callable[..., Any], schema: pa.Schema, spec: TaskSpec,
+                     keys_table: pa.Table, kgs: np.ndarray, handle: StoreHandle, timings: dict[str, float],
+                     args: tuple[Any, ...]) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None]:
+    """Read the state of ``keys_table``'s keys (one call), ``fn(keys, *args, state, exists)``, and the
+    state changes and the output it gives."""
     n = keys_table.num_rows
     skeys = arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(processor.state_name,), key=True)
     t = time.perf_counter()
     raw = handle.get_many_arrow(skeys)
-    timings["read"] = time.perf_counter() - t
+    timings["read"] += time.perf_counter() - t
     exists = raw.is_valid().to_numpy(zero_copy_only=False)
     state = arrowcodec.decode_tuples(raw, schema)
     t = time.perf_counter()
-    result = processor.process(keys_table, rows, offsets, state, exists)
+    result = fn(keys_table, *args, state, exists)
     new_state, output = result[0], result[1]
     valid = result[2] if len(result) > 2 else None
     if new_state.num_rows != n:
-        raise InterfaceError(f"process returned {new_state.num_rows} state rows for {n} keys")
+        raise InterfaceError(f"{getattr(fn, '__name__', 'process')} returned {new_state.num_rows} state rows for "
+                             f"{n} keys")
     enc = arrowcodec.encode_tuples(new_state.select(schema.names).columns)
+    removes = None
     if valid is None:
-        puts, removes = (skeys, enc), None
+        puts = (skeys, enc)
     else:
         valid = pa.array(np.asarray(valid, dtype=bool))
         puts = (skeys.filter(valid), enc.filter(valid))
         removes = skeys.filter(pc.and_(pc.invert(valid), pa.array(exists)))
     output = _vectorized_output(output, spec.output_schema)
-    timings["process"] = time.perf_counter() - t
-    return output, puts, removes, states
+    timings["process"] += time.perf_counter() - t
+    return output, puts, removes
+
+
+def _fire_vectorized(processor: VectorizedProcessor, schema: pa.Schema, spec: TaskSpec, batch_keys: pa.Table,
+                     due: pa.Array, timers: VectorizedTimers, handle: StoreHandle, timings: dict[str, float],
+                     ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, pa.Array]:
+    """``handle_expired_timers`` of the due timers (``due``: their by-time records, in store order):
+    the timers table in firing order (time, kind, key group, key), the distinct keys, their state.
+    Returns the call's output and state changes, and the fired timers' records to remove."""
+    kg, kinds, at, enc = parse_timer_columns(due)
+    order = np.lexsort((kg, kinds, at))  # stable: ties keep the store's order (by key)
+    kg, kinds, at = kg[order], kinds[order], at[order]
+    enc = enc.take(pa.array(order))
+    codes = pc.dictionary_encode(enc)
+    key_index = codes.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    distinct = codes.dictionary
+    firsts = np.zeros(len(distinct), np.int64)
+    firsts[key_index[::-1]] = np.arange(len(key_index) - 1, -1, -1)
+    key_kgs = kg[firsts]
+    keys_table = _decode_keys(distinct, spec, batch_keys)
+    kind_names = np.array([KIND_OF.get(b, "") for b in range(256)], object)
+    timers_table = keys_table.take(pa.array(key_index)).append_column(
+        "key_index", pa.array(key_index, pa.int64())).append_column(
+        "at_ms", pa.array(at, pa.int64())).append_column("kind", pa.array(kind_names[kinds].tolist(), pa.string()))
+    timers._bind(distinct, key_kgs)
+    fired = pa.concat_arrays(list(timer_record_columns(kg, kinds, at, enc)))
+    out, puts, removes = _vectorized_call(processor, processor.handle_expired_timers, schema, spec, keys_table, key_kgs,
+                                          handle, timings, (timers_table,))
+    return out, puts, removes, fired
+
+
+def _decode_keys(enc: pa.Array, spec: TaskSpec, batch_keys: pa.Table) -> pa.Table:
+    """The grouping keys ``encode_key``-ed in ``enc`` as a table of the key columns, typed as the
+    batch's key columns (``spec.key_schema``, or the batch's rows' types; in a batch without rows
+    and no schema given, inferred from the values: int64, double, string...)."""
+    schema = spec.key_schema if spec.key_schema is not None else (batch_keys.schema if batch_keys.num_columns else None)
+    if schema is not None:
+        return arrowcodec.decode_tuples(enc, schema)
+    rows = valuecodec.decode_rows(enc.to_pylist())
+    cols = list(zip(*rows)) if rows else [() for _ in spec.key_columns]
+    return pa.table({c: pa.array(list(v)) for c, v in zip(spec.key_columns, cols)})
 
 
 def _where(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec) -> str:

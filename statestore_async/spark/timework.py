@@ -8,6 +8,7 @@ uses neither timers nor TTLs.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -72,18 +73,9 @@ class TaskTime:
 
     def load_timers(self) -> dict[int, set[tuple[str, int]]]:
         """Every stored timer of every key of the task (one request), by key index: for ``list``."""
-        prefixes = sorted((self.prefixes[g] + bytes((tk.TIMER_KEY,)) + enc, i)
-                          for i, (enc, g) in enumerate(zip(self.enc, self.kg)))
         out: dict[int, set[tuple[str, int]]] = {}
-        if not prefixes:
-            return out
-        ranges = [(p, tk.prefix_stop(p)) for p, _ in prefixes]
-        starts = [p for p, _ in prefixes]
-        j = 0
-        for k, _ in self.handle.scan_ranges(ranges):
-            while not k.startswith(starts[j]):
-                j += 1
-            out.setdefault(prefixes[j][1], set()).add(tk.parse_timer_by_key(k, len(starts[j])))
+        for i, kind, at in stored_timers(self.handle, self.prefixes, self.enc, self.kg):
+            out.setdefault(i, set()).add((kind, at))
         return out
 
     # -- firing ---------------------------------------------------------------------------------------
@@ -137,6 +129,40 @@ class TaskTime:
                     removes.append(sk)
                     removed += 1
         return removes, removed
+
+
+def stored_timers(handle: StoreHandle, prefixes: Sequence[bytes], enc: list[bytes],
+                  kgs: list[int]) -> list[tuple[int, str, int]]:
+    """``(key index, kind, at_ms)`` of every stored timer of the keys ``enc[i]`` (``encode_key`` of the
+    grouping key) in key group ``kgs[i]`` (``prefixes``: the key group prefixes): one request."""
+    starts = sorted((prefixes[g] + bytes((tk.TIMER_KEY,)) + e, i) for i, (e, g) in enumerate(zip(enc, kgs)))
+    out: list[tuple[int, str, int]] = []
+    if not starts:
+        return out
+    ranges = [(p, tk.prefix_stop(p)) for p, _ in starts]
+    j = 0
+    for k, _ in handle.scan_ranges(ranges):
+        while not k.startswith(starts[j][0]):
+            j += 1
+        kind, at = tk.parse_timer_by_key(k, len(starts[j][0]))
+        out.append((starts[j][1], kind, at))
+    return out
+
+
+def thresholds(now_ms: int, watermark_ms: int | None) -> dict[str, int]:
+    """Up to which time each kind of timer is due: processing by the batch's clock, event by the
+    watermark (none before there is one)."""
+    out = {tk.PROCESSING: now_ms}
+    if watermark_ms is not None:
+        out[tk.EVENT] = watermark_ms
+    return out
+
+
+def due_timer_records(handle: StoreHandle, kgs: range, now_ms: int, watermark_ms: int | None) -> pa.Array:
+    """The by-time records of every due timer of the key groups ``kgs`` (one SCAN_RANGES), as a
+    binary array in store order (by key group, kind, time, key)."""
+    return pa.array([k for k, _ in handle.scan_ranges(tk.due_ranges(kgs, thresholds(now_ms, watermark_ms)))],
+                    pa.binary())
 
 
 def _expiry_of(raw: bytes) -> int | None:
