@@ -136,6 +136,7 @@ class _StateVar:
     """
 
     kind = ""
+    entries = False  # a list or map state with a TTL: one expiry per entry (``_EntryTTL``)
 
     def __init__(self, name: str, ttl_ms: int | None):
         self.name = name
@@ -149,7 +150,7 @@ class _StateVar:
         self._written = bytearray()
         self._i = -1
         self._now = 0
-        self._ttl_removed = 0                # values of the last batch removed because they expired
+        self._ttl_removed = 0                # values (entries) of the last batch removed because they expired
 
     # -- runtime side --
     def _begin(self, raw: pa.Array, now_ms: int) -> None:
@@ -161,9 +162,12 @@ class _StateVar:
         present = (raw.drop_null() if raw.null_count else raw).to_pylist()
         decoded = valuecodec.decode_rows(present) if present else []
         expired = None
+        self._ttl_removed = 0
         if self.ttl_ms is not None and decoded:
             now = now_ms
             live = [e > now for e, _ in decoded]
+            if self.entries:
+                self._ttl_removed = sum(len(v) for (_, v), ok in zip(decoded, live) if not ok)
             decoded = [v if ok else None for (_, v), ok in zip(decoded, live)]
             if not all(live):
                 expired = np.zeros(n, bool)
@@ -175,6 +179,17 @@ class _StateVar:
             cur = [next(it) if h else None for h in had.tolist()]
         self._had, self._expired = had, expired
         self._values, self._written = cur, bytearray(n)
+        if self.entries:
+            self._drop_expired_entries(now_ms)
+
+    def _new_expiry(self) -> int:
+        """The expiry of a value (an entry) written now."""
+        assert self.ttl_ms is not None
+        return self._now + self.ttl_ms
+
+    def _drop_expired_entries(self, now_ms: int) -> None:
+        """(per-entry TTL) Drop the expired entries of the live lists / maps; those that lose some
+        are rewritten by this batch."""
 
     def _bind(self) -> None:
         """From now on ``_i`` names the key (``handle_rows`` runs)."""
@@ -203,23 +218,29 @@ class _StateVar:
             dirty[idx[empty]] = _DEL
             put[idx[empty]] = False
             values = [v for v, e in zip(values, empty.tolist()) if not e]
-        if self.ttl_ms is not None:
+        if self.entries:
+            values = [(_latest(v), v) for v in values]
+        elif self.ttl_ms is not None:
             expires = self._now + self.ttl_ms
             values = [(expires, v) for v in values]
         enc = valuecodec.encode_rows(values)
         gone = (dirty == _DEL) & self._had
-        self._ttl_removed = 0
         if self._expired is not None:
             leftovers = self._expired & (dirty == 0)
-            self._ttl_removed = int(np.count_nonzero(leftovers))
+            if not self.entries:
+                self._ttl_removed = int(np.count_nonzero(leftovers))
             gone |= leftovers
         self._values, self._written, self._had, self._expired = [], bytearray(), None, None  # the batch is done
         put_keys = keys if len(enc) == len(keys) else keys.filter(pa.array(put))
         return put_keys, pa.array(enc, pa.binary()), keys.filter(pa.array(gone))
 
     def declaration(self) -> Declaration:
-        """What fixes the stored layout of this variable: its kind and whether it has a TTL."""
-        return {"kind": self.kind, "ttl": self.ttl_ms is not None}
+        """What fixes the stored layout of this variable: its kind, whether it has a TTL, and for a
+        list or map with a TTL that the expiry is per entry (``"ttl_entries"``)."""
+        d: Declaration = {"kind": self.kind, "ttl": self.ttl_ms is not None}
+        if self.entries:
+            d["ttl_entries"] = True
+        return d
 
     def exists(self) -> bool:
         """Whether the current key has a (live) value."""
@@ -318,6 +339,73 @@ class MapState(_StateVar):
             self.clear()
 
 
+def _latest(entries: list | dict) -> int:
+    """The latest expiry of a list's ``(expires_at_ms, value)`` entries or a dict's values."""
+    return max(e for e, _ in (entries.values() if isinstance(entries, dict) else entries))
+
+
+class TTLListState(ListState):
+    """A ``ListState`` with a TTL: each entry has its own expiry (set when it is appended or put,
+    ``now + ttl``); expired entries are invisible and removed. Stored as
+    ``encode_row((latest expiry, [(expires_at_ms, value), ...]))``."""
+
+    entries = True
+
+    def _drop_expired_entries(self, now_ms: int) -> None:
+        cur, written, removed = self._values, self._written, 0
+        for i, v in enumerate(cur):
+            if v is not None and any(e <= now_ms for e, _ in v):
+                keep = [ev for ev in v if ev[0] > now_ms]
+                removed += len(v) - len(keep)
+                cur[i], written[i] = keep, _PUT
+        self._ttl_removed += removed
+
+    def get(self) -> list:
+        v = self._cur[self._i]
+        return [x for _, x in v] if v is not None else []
+
+    def append(self, value) -> None:
+        self._mutable([]).append((self._new_expiry(), value))
+
+    def extend(self, values: Iterable) -> None:
+        e = self._new_expiry()
+        self._mutable([]).extend((e, v) for v in values)
+
+    def put(self, values: Iterable) -> None:
+        e = self._new_expiry()
+        super().put([(e, v) for v in values])
+
+
+class TTLMapState(MapState):
+    """A ``MapState`` with a TTL: each map key has its own expiry (set when it is updated,
+    ``now + ttl``); expired entries are invisible and removed. Stored as
+    ``encode_row((latest expiry, {map key: (expires_at_ms, value), ...}))``."""
+
+    entries = True
+
+    def _drop_expired_entries(self, now_ms: int) -> None:
+        cur, written, removed = self._values, self._written, 0
+        for i, m in enumerate(cur):
+            if m is not None and any(e <= now_ms for e, _ in m.values()):
+                keep = {k: ev for k, ev in m.items() if ev[0] > now_ms}
+                removed += len(m) - len(keep)
+                cur[i], written[i] = keep, _PUT
+        self._ttl_removed += removed
+
+    def get(self, key, default=None):
+        ev = self._map().get(key)
+        return ev[1] if ev is not None else default
+
+    def values(self) -> list:
+        return [v for _, v in self._map().values()]
+
+    def items(self) -> list:
+        return [(k, v) for k, (_, v) in self._map().items()]
+
+    def update(self, key, value) -> None:
+        self._mutable({})[key] = (self._new_expiry(), value)
+
+
 @dataclass(frozen=True)
 class ExpiredTimer:
     """A due timer, as ``handle_expired_timer`` gets it: its time (ms since the epoch) and kind
@@ -401,7 +489,10 @@ class StateHandle:
         _check_name("state name", name)
         if name in self.variables:
             raise InterfaceError(f"state {name!r} is declared twice")
-        var = self.variables[name] = cls(name, ttl_to_ms(name, ttl, ttl_seconds, ttl_ms))
+        ms = ttl_to_ms(name, ttl, ttl_seconds, ttl_ms)
+        if ms is not None:
+            cls = {ListState: TTLListState, MapState: TTLMapState}.get(cls, cls)
+        var = self.variables[name] = cls(name, ms)
         return var
 
     # A TTL: ``ttl=timedelta(...)``, ``ttl_seconds=`` or ``ttl_ms=`` (see ``ttl_to_ms``).
@@ -659,15 +750,18 @@ def vectorized_declarations(processor: VectorizedProcessor) -> dict[str, Declara
     return {processor.state_name: {"kind": VECTORIZED, "ttl": False}}
 
 
-def _layout(d: Mapping[str, Any]) -> tuple[Any, bool]:
+def _layout(d: Mapping[str, Any]) -> tuple[Any, bool, bool]:
     kind = d.get("kind")
-    return (VALUE if kind == VECTORIZED else kind), bool(d.get("ttl"))
+    return (VALUE if kind == VECTORIZED else kind), bool(d.get("ttl")), bool(d.get("ttl_entries"))
 
 
 def _describe(d: Mapping[str, Any]) -> str:
     kind = d.get("kind")
     if kind == VECTORIZED:
         return "the VectorizedProcessor's state"
+    if d.get("ttl") and kind in (LIST, MAP):
+        return (f"{kind}_state with a TTL per entry" if d.get("ttl_entries") else
+                f"{kind}_state with a TTL for the whole {kind} (the layout before per-entry TTLs)")
     return f"{kind}_state {'with' if d.get('ttl') else 'without'} a TTL"
 
 

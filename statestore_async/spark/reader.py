@@ -5,7 +5,10 @@ named checkpoint from files alone (``loader.load_store``: GETs of named files, n
 
 They give the state variables' records only: timers and the TTL expiry index (``spark.timekeys``)
 are left out. A TTL'd value past its expiry by the clock of the batch that wrote the version is
-not in it (that batch removed it); ``now_ms`` also leaves out the values expired by that time.
+not in it (that batch removed it); ``now_ms`` also leaves out the values expired by that time, and
+the entries of per-entry TTL'd lists and maps expired by then. A TTL'd value reads as
+``(expires_at_ms, value)``; a list or map with a TTL as ``(latest expiry, [(expires_at_ms, value),
+...])`` or ``(latest expiry, {map key: (expires_at_ms, value)})``.
 """
 from __future__ import annotations
 
@@ -76,16 +79,28 @@ def load_partition(root: str, operator_id: str, partition: int, ckpt_version: in
     return asyncio.run(go())
 
 
-def _live(name: str, value: object, ttl_states: set[str], now_ms: int | None) -> bool:
-    """Whether a record of state ``name`` is live at ``now_ms`` (None: no clock given, all are)."""
+_GONE = object()
+
+
+def _visible(name: str, value: object, ttl_states: dict[str, bool], now_ms: int | None) -> object:
+    """A record's value of state ``name`` as live at ``now_ms`` (None: no clock given, all are):
+    ``_GONE`` when expired; a per-entry TTL'd list or map without its entries expired by then."""
     if now_ms is None or name not in ttl_states or not isinstance(value, tuple) or len(value) != 2:
-        return True
-    return not isinstance(value[0], int) or value[0] > now_ms
+        return value
+    expires, inner = value
+    if isinstance(expires, int) and expires <= now_ms:
+        return _GONE
+    if ttl_states[name] and isinstance(inner, list):
+        return (expires, [ev for ev in inner if ev[0] > now_ms])
+    if ttl_states[name] and isinstance(inner, dict):
+        return (expires, {k: ev for k, ev in inner.items() if ev[0] > now_ms})
+    return value
 
 
-def _ttl_states(manifest) -> set[str]:
+def _ttl_states(manifest) -> dict[str, bool]:
+    """The TTL'd states of a manifest's declarations: name -> whether the TTL is per entry."""
     states = (manifest.metadata or {}).get("states") or {}
-    return {name for name, d in states.items() if isinstance(d, dict) and d.get("ttl")}
+    return {name: bool(d.get("ttl_entries")) for name, d in states.items() if isinstance(d, dict) and d.get("ttl")}
 
 
 def load_state(root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
@@ -107,7 +122,8 @@ def load_state(root: str, operator_id: str, version: int | None = None, *, s3_op
                     if not is_state_key(k):
                         continue
                     _, name, key, value = decode_record(k, v)
-                    if _live(name, value, ttl, now_ms):
+                    value = _visible(name, value, ttl, now_ms)
+                    if value is not _GONE:
                         out[(name, key)] = value
             return out
         finally:
@@ -143,7 +159,8 @@ def read_state(spark, root: str, operator_id: str, version: int | None = None, *
                 if not is_state_key(k):
                     continue
                 kg, name, key, value = decode_record(k, val)
-                if not _live(name, value, ttl, now_ms):
+                value = _visible(name, value, ttl, now_ms)
+                if value is _GONE:
                     continue
                 yield (p, kg, name, json.dumps(list(key), default=str), json.dumps(value, default=str))
 

@@ -663,8 +663,11 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
                 extra_puts += tt.ttl_index(v, c[0])
         if any(v.ttl_ms is not None for v in variables) and not initial:
             handled = set(itertools.chain.from_iterable(sk.to_pylist() for sk in skeys))
-            gone, removed = tt.ttl_cleanup(handled)
+            gone, rewritten, removed = tt.ttl_cleanup(handled, frozenset(v.name for v in variables if v.entries))
             extra_removes += gone
+            if rewritten:
+                put_keys.append(pa.array([k for k, _ in rewritten], pa.binary()))
+                put_values.append(pa.array([v for _, v in rewritten], pa.binary()))
             timings["ttl_removed"] = removed + sum(v._ttl_removed for v in variables)
         if extra_puts:
             put_keys.append(pa.array(extra_puts, pa.binary()))

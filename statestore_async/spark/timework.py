@@ -109,26 +109,45 @@ class TaskTime:
         expires = self.now_ms + var.ttl_ms
         return [tk.ttl_key(k, expires) for k in put_keys.to_pylist()]
 
-    def ttl_cleanup(self, handled: set[bytes]) -> tuple[list[bytes], int]:
+    def ttl_cleanup(self, handled: set[bytes], entry_states: frozenset[str] = frozenset(),
+                    ) -> tuple[list[bytes], list[tuple[bytes, bytes]], int]:
         """The expiry index records due by ``now`` (all removed) and the values they name that are
         expired: removed too unless this batch handled their key (``handled``: the store keys whose
-        values the task read, which the variables remove or rewrite themselves). Returns the keys
-        to remove and how many values of them are expired ones."""
+        values the task read, which the variables remove or rewrite themselves). A list or map of
+        ``entry_states`` (per-entry TTL) whose entries expired only in part is rewritten without
+        them. Returns the keys to remove, the (key, value) pairs to put, and how many values (entries
+        of lists and maps) were removed for having expired."""
         due = [k for k, _ in self.handle.scan_ranges(tk.ttl_ranges(self.kgs, self.now_ms))]
         if not due:
-            return [], 0
+            return [], [], 0
         targets = sorted({sk for sk in (tk.parse_ttl_key(k)[1] for k in due) if sk not in handled})
         removes = list(due)
+        puts: list[tuple[bytes, bytes]] = []
         removed = 0
+        now = self.now_ms
         if targets:
             for sk, raw in zip(targets, self.handle.get_many(targets)):
                 if raw is None:
                     continue
-                expires = _expiry_of(raw)
-                if expires is not None and expires <= self.now_ms:
+                row = _ttl_row(raw)
+                if row is None:
+                    continue
+                expires, value = row
+                per_entry = isinstance(value, (list, dict)) and valuecodec.decode_row(sk[2:])[0] in entry_states
+                if expires <= now:
                     removes.append(sk)
-                    removed += 1
-        return removes, removed
+                    removed += len(value) if per_entry else 1
+                elif per_entry:
+                    pairs = value.items() if isinstance(value, dict) else enumerate(value)
+                    if any(ev[0] <= now for _, ev in pairs):
+                        if isinstance(value, dict):
+                            keep: Any = {k: ev for k, ev in value.items() if ev[0] > now}
+                        else:
+                            keep = [ev for ev in value if ev[0] > now]
+                        removed += len(value) - len(keep)
+                        latest = max(ev[0] for ev in (keep.values() if isinstance(keep, dict) else keep))
+                        puts.append((sk, valuecodec.encode_row((latest, keep))))
+        return removes, puts, removed
 
 
 def stored_timers(handle: StoreHandle, prefixes: Sequence[bytes], enc: list[bytes],
@@ -165,12 +184,13 @@ def due_timer_records(handle: StoreHandle, kgs: range, now_ms: int, watermark_ms
                     pa.binary())
 
 
-def _expiry_of(raw: bytes) -> int | None:
-    """The expiry of a TTL'd value record ``encode_row((expires_at_ms, value))`` (None: not one)."""
+def _ttl_row(raw: bytes) -> tuple[int, Any] | None:
+    """``(expires_at_ms, value)`` of a TTL'd value record ``encode_row((expires_at_ms, value))``
+    (None: not one)."""
     try:
         row: Any = valuecodec.decode_row(raw)
     except ValueError:
         return None
     if isinstance(row, tuple) and len(row) == 2 and isinstance(row[0], int):
-        return row[0]
+        return row[0], row[1]
     return None
