@@ -24,7 +24,10 @@ Storage of one state variable of one grouping key — one store record, so any a
 * value: ``valuecodec.encode_row(value)``; a ``ListState`` stores one list, a ``MapState`` one dict;
 * with a TTL the value is ``encode_row((expires_at_ms, value))``: past its expiry it reads as absent
   and is removed by the first batch whose clock passes it (through an expiry index, ``spark.timekeys``;
-  or when a batch touches its key). An update refreshes the expiry. The clock is the
+  or when a batch touches its key). An update refreshes the expiry. A list or map with a TTL has
+  one expiry per entry: ``encode_row((latest expiry, [(expires_at_ms, value), ...]))`` or
+  ``encode_row((latest expiry, {map key: (expires_at_ms, value)}))`` (``TTLListState``,
+  ``TTLMapState``; declared with ``"ttl_entries"``). The clock is the
   driver's wall clock at the start of the batch (``batch_time_ms``), the same for every task of it.
 
 A TTL has a unit: ``ttl=timedelta(minutes=1)``, ``ttl_seconds=60`` or ``ttl_ms=60_000`` (PySpark's
