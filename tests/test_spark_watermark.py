@@ -179,6 +179,33 @@ def test_null_event_times_are_never_late_and_empty_batches_keep_the_watermark(sp
     assert op.process_batch(_batch(spark, [("c", 60_000)]), 3, _sink(out)).watermark_ms == 40_000
 
 
+class PreAggregated(StatefulProcessor):
+    """Gets one row (n, top) per key: the JVM's count and max event time of the key's admitted rows."""
+
+    def init(self, handle):
+        self.n = handle.value_state("n")
+
+    def handle_rows(self, key, rows, state):
+        ((n, top),) = rows
+        total = (self.n.get() or 0) + n
+        self.n.update(total)
+        yield (key[0], top, total)
+
+
+@pytest.mark.spark
+def test_late_rows_are_dropped_before_the_jvm_pre_aggregation(spark, daemon, tmp_path):
+    from pyspark.sql import functions as F
+
+    op = StatefulOperator(f"file://{tmp_path}/state", "wm", ["user"], PreAggregated(), OUT, 2, 16,
+                          socket_path=daemon.socket, pre_aggregate=[F.count("*").alias("n"), F.max("et").alias("top")],
+                          time_mode="event", event_time_column="et", watermark_delay=DELAY)
+    out: dict = {}
+    op.process_batch(_batch(spark, [("a", 50_000), ("a", 10_000), ("b", 20_000)]), 0, _sink(out))
+    assert out[0] == [("a", 50_000, 2), ("b", 20_000, 1)]
+    p = op.process_batch(_batch(spark, [("a", 40_000), ("a", 45_000), ("b", 30_000)]), 1, _sink(out))
+    assert (p.watermark_ms, p.late_rows) == (40_000, 2) and out[1] == [("a", 45_000, 3)]
+
+
 @pytest.mark.spark
 def test_event_time_column_is_checked_at_the_first_batch(spark, daemon, tmp_path):
     op = _op(f"file://{tmp_path}/state", daemon, event_time_column="when")

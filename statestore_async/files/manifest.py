@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from statestore_async.objectstore.base import ObjectStore
 
 FORMAT_VERSION = 1
+# metadata flag of an operator whose state began with an initial-state commit (before its first batch)
+INITIAL_STATE_KEY = "initial_state"
 COMMITS_DIR = "_commits"
 OWNER_DIR = "_owner"
 _NAME_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\.json$")
@@ -90,8 +92,11 @@ class Manifest:
             _check_name("store_name", name)
             if len(refs) != self.num_partitions:
                 raise InterfaceError(f"store {name!r} lists {len(refs)} partitions, expected {self.num_partitions}")
+            # an operator that loaded an initial state committed once more than it ran batches
+            # (metadata "initial_state": the writer's own flag): its states may be one version ahead
+            ahead = 1 if self.metadata.get(INITIAL_STATE_KEY) else 0
             for r in refs:
-                if not isinstance(r, CheckpointRef) or r.version > self.version:
+                if not isinstance(r, CheckpointRef) or r.version > self.version + ahead:
                     raise InterfaceError(f"store {name!r}: {r!r} is not a state at or before version {self.version}")
 
     def ref(self, partition: int, store_name: str = DEFAULT_STORE_NAME) -> CheckpointRef:

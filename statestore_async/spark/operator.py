@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups
 from statestore_async.errors import InterfaceError, OwnerConflictError, VersionError, VersionNotFoundError
 from statestore_async.files.manifest import (
+    INITIAL_STATE_KEY,
     Manifest,
     OwnerRecord,
     claim_owner,
@@ -85,7 +86,13 @@ from statestore_async.spark.eventtime import (
     time_settings,
     with_heartbeat,
 )
-from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor, check_picklable, merge_declarations
+from statestore_async.spark.processor import (
+    StatefulProcessor,
+    VectorizedProcessor,
+    check_picklable,
+    merge_declarations,
+    uses_initial_state,
+)
 from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 from statestore_async.spark.runtime import (
     Fault,
@@ -94,6 +101,7 @@ from statestore_async.spark.runtime import (
     TaskSpec,
     fault_hook_for,
     fault_point,
+    run_initial_state,
     run_partition,
 )
 from statestore_async.spark.runtime import checkpoint_root as checkpoint_root_uri
@@ -181,6 +189,9 @@ class BatchPlan:
     # event time and late rows (None outside time_mode "event"); the watermark is ``spec.watermark_ms``
     max_event_time_ms: int | None = None
     observation: Observation | None = None
+    # batch 0 of an operator with ``initial_state``: handle_initial_state's output, computed and kept
+    # (it joins the batch's output); released with the batch's
+    initial: Materialized | None = None
 
 
 @dataclass(frozen=True)
@@ -299,6 +310,11 @@ class StatefulOperator:
     ``late_rows``: rows whose event time is <= the batch's watermark are dropped before any state
     is touched (``"drop"``, default) or handed to the processor (``"keep"``); counted in
     ``BatchProgress.late_rows`` either way.
+    ``initial_state``: a DataFrame of the key columns and value columns whose rows go, per key, to
+    the processor's ``handle_initial_state(key, rows, state)`` once, before the first batch (in its
+    planning, as a job of its own, committed and fenced like a batch; batch 0 starts from it, and
+    so does a replay of batch 0, which loads it again). Needs a ``StatefulProcessor`` that defines
+    ``handle_initial_state``; ignored when the operator's state exists already (batch > 0).
     """
 
     def __init__(self, checkpoint_root: str, operator_id: str, key_columns: str | Sequence[str],
@@ -312,7 +328,7 @@ class StatefulOperator:
                  clock: Callable[[], float] = time.time, coordinate: bool = True, materialize: str = "auto",
                  takeover: bool | str = False, daemon_retries: int = 2, time_mode: str = "none",
                  event_time_column: str | None = None, watermark_delay: timedelta | None = None,
-                 late_rows: str = "drop") -> None:
+                 late_rows: str = "drop", initial_state: DataFrame | None = None) -> None:
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
         if materialize not in MATERIALIZE:
@@ -329,6 +345,18 @@ class StatefulOperator:
             raise InterfaceError(f"daemon_retries must be an int >= 0, got {daemon_retries!r}")
         check_num_key_groups(num_key_groups)
         self.time: TimeSettings = time_settings(time_mode, event_time_column, watermark_delay, late_rows)
+        if initial_state is not None:
+            if not hasattr(initial_state, "sparkSession") or not hasattr(initial_state, "columns"):
+                raise InterfaceError(f"initial_state is a DataFrame, got {type(initial_state).__name__}")
+            if not uses_initial_state(processor):
+                raise InterfaceError(
+                    f"initial_state needs a StatefulProcessor that defines handle_initial_state(self, key, rows, "
+                    f"state); {type(processor).__name__} does not")
+            lacking = [c for c in ([key_columns] if isinstance(key_columns, str) else key_columns)
+                       if c not in initial_state.columns]
+            if lacking:
+                raise InterfaceError(f"initial_state lacks the key columns {lacking} (it has {initial_state.columns})")
+        self.initial_state = initial_state
         if num_key_groups < num_partitions:
             raise InterfaceError(f"num_key_groups ({num_key_groups}) must be >= num_partitions ({num_partitions})")
         self.root = checkpoint_root_uri(checkpoint_root)  # a relative path: refused
@@ -439,17 +467,22 @@ class StatefulOperator:
         spark = df.sparkSession
         plan = self._plan(df, batch_id, streaming_query_id(spark))
         prog.plan = time.perf_counter() - t0
-        output, reports, refs = self._compute(plan, spark, prog, t0)
         try:
-            event_time = self._event_time(plan, prog)
-            with _timed(prog, "manifest"):
-                self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)), event_time)
-            fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
-            with _timed(prog, "sink"):
-                if sink is not None:
-                    sink(output.result, batch_id)
+            output, reports, refs = self._compute(plan, spark, prog, t0)
+            try:
+                event_time = self._event_time(plan, prog)
+                with _timed(prog, "manifest"):
+                    self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)),
+                                 event_time)
+                fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
+                with _timed(prog, "sink"):
+                    if sink is not None:
+                        sink(output.result, batch_id)
+            finally:
+                output.release()
         finally:
-            output.release()
+            if plan.initial is not None:
+                plan.initial.release()
         self._observe(reports)
         return self._record(prog, refs, t0)
 
@@ -465,6 +498,9 @@ class StatefulOperator:
         missing = [c for c in self.key_columns if c not in df.columns]
         if missing:
             raise InterfaceError(f"key columns {missing} are not in the batch's columns {df.columns}")
+        initial = None
+        if base.version == 0 and self.initial_state is not None:
+            base, initial = self._load_initial_state(base, batch_id)
         watermark, seen = batch_watermark(self.time, base.metadata)
         observation = None
         if self.time.event:
@@ -480,7 +516,38 @@ class StatefulOperator:
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
                         daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark)
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
-                         max_event_time_ms=seen, observation=observation)
+                         max_event_time_ms=seen, observation=observation, initial=initial)
+
+    def _load_initial_state(self, empty: Manifest, batch_id: int) -> tuple[Manifest, Materialized]:
+        """Before the first batch: ``initial_state``'s rows, routed like a batch's, through
+        ``runtime.run_initial_state`` (``handle_initial_state`` per key; nothing fires or expires)
+        in a job of its own, its deltas fenced; returns the state batch 0 starts from (in no
+        manifest: a replay of batch 0 loads the initial state again, under new checkpoint ids) and
+        the calls' output, materialized (it joins batch 0's output; the caller releases it)."""
+        df = self.initial_state
+        assert df is not None
+        values = tuple(c for c in df.columns if c not in self.key_columns)
+        routed = with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
+                              columns=[*self.key_columns, *values])
+        spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
+                        output_schema=self.arrow_schema, num_partitions=self.num_partitions,
+                        num_key_groups=self.num_key_groups, batch_id=batch_id,
+                        refs=tuple(empty.ref(p) for p in range(self.num_partitions)),
+                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
+                        daemon_retries=self.daemon_retries, time_mode=self.time.mode)
+        acc = df.sparkSession.sparkContext.accumulator([], _reports_param())
+        output = self._materialize(routed.mapInArrow(self._task_fn(spec, acc, run_initial_state), self.output_schema),
+                                   df.sparkSession, batch_id)
+        try:
+            refs = self._collect_reports(acc.value, BatchProgress())
+            self._fence(refs)
+        except BaseException:
+            output.release()
+            raise
+        log.info("operator %s: initial state loaded into %d partitions", self.operator_id, len(refs))
+        return Manifest(self.operator_id, 0, self.num_partitions, self.num_key_groups,
+                        {DEFAULT_STORE_NAME: tuple(refs.get(p, empty.ref(p)) for p in range(self.num_partitions))},
+                        metadata={INITIAL_STATE_KEY: True}), output
 
     def _claim(self, query_id: str | None, batch_id: int) -> OwnerRecord | None:
         """One writer per state: ``OwnerConflictError`` unless the streaming query ``query_id`` owns
@@ -596,11 +663,16 @@ class StatefulOperator:
         (``runtime.run_partition``), and the accumulator that collects the ``TaskReport`` of every
         task that committed. Nothing runs until the output is materialized."""
         acc = spark.sparkContext.accumulator([], _reports_param())
-        return plan.routed.mapInArrow(self._task_fn(plan.spec, acc), self.output_schema), acc
+        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc), self.output_schema)
+        if plan.initial is not None:  # handle_initial_state's rows join batch 0's output
+            out = out.union(plan.initial.result)
+        return out, acc
 
-    def _task_fn(self, spec: TaskSpec, acc: Accumulator) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
-        """The function ``mapInArrow`` runs on an executor: ``run_partition`` on the task's partition
-        (Spark's partition id is the state partition), its report added to ``acc``."""
+    def _task_fn(self, spec: TaskSpec, acc: Accumulator, run: Callable[..., pa.Table] = run_partition,
+                 ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+        """The function ``mapInArrow`` runs on an executor: ``run`` (``run_partition``, or
+        ``run_initial_state``) on the task's partition (Spark's partition id is the state
+        partition), its report added to ``acc``."""
         processor = self.processor
 
         def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -609,7 +681,7 @@ class StatefulOperator:
             ctx = TaskContext.get()
             assert ctx is not None  # set in every task
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
-            out = run_partition(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
+            out = run(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
             yield from out.to_batches(max_chunksize=65536)
 
         return task
@@ -687,8 +759,8 @@ class StatefulOperator:
             return {}
         top, late = observed_event_time(plan.observation)
         prog.watermark_ms, prog.max_event_time_ms, prog.late_rows = plan.spec.watermark_ms, top, late
-        seen = plan.max_event_time_ms if top is None else top if plan.max_event_time_ms is None else max(
-            top, plan.max_event_time_ms)
+        before = plan.max_event_time_ms
+        seen = before if top is None else top if before is None else max(top, before)
         return {WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: seen}
 
     def with_heartbeat(self, events: DataFrame, rows_per_batch: int = 1) -> DataFrame:
@@ -714,6 +786,8 @@ class StatefulOperator:
             metadata["states"] = states
         if event_time:
             metadata.update(event_time)
+        if plan.base.metadata.get(INITIAL_STATE_KEY):
+            metadata[INITIAL_STATE_KEY] = True
         op, root, known = self.operator_id, self.root, plan.owner
         if known is not None:  # who wrote it (the owner record's epoch)
             metadata["owner"], metadata["owner_epoch"] = known.owner, known.epoch
