@@ -264,10 +264,11 @@ class StoreRegistry:
 
         return open_cold
 
-    def _spill_now(self, store: VersionedStore) -> int:
-        """Spill ``store`` onto the local copy of its head's snapshot; the bytes freed (0: no
-        snapshot of the head, or no local copy of it)."""
-        ref, store_id = store.head, store.store_id
+    def _spill_now(self, store: VersionedStore, ref: CheckpointRef | None = None) -> int:
+        """Spill ``store`` onto the local copy of the snapshot of ``ref`` (its head, or a state of
+        its recent history); the bytes freed (0: no such snapshot, or no local copy of it)."""
+        store_id = store.store_id
+        ref = store.head if ref is None else ref
         if ref.version == 0 or not store.has_snapshot(ref) or (store.cold is not None and store.cold.ref == ref):
             return 0
         path = self._objstores(store_id.root).local_path(file_key(store_id, ref, SNAPSHOT))
@@ -280,7 +281,12 @@ class StoreRegistry:
             return 0
         before = store.memory_bytes
         old = store.cold
-        store.spill(run)
+        try:
+            store.spill(run)
+        except StateStoreError as exc:  # the head moved past the history meanwhile
+            run.close()
+            log.info("cannot spill %s onto %s: %s", store_id, path, exc)
+            return 0
         if old is not None:
             old.close()
         self.counters["spills"] += 1
@@ -289,12 +295,13 @@ class StoreRegistry:
 
     def spill_at(self, store_id: StoreId, ref: CheckpointRef) -> None:
         """Maintenance wrote the snapshot of ``ref`` that a spill asked for: spill the store onto it
-        if it is still at ``ref``, idle and durable, and memory is still over budget."""
+        if it is idle and memory is still over budget (commits made since the snapshot stay in
+        memory: the hot part starts with them)."""
         store = self._stores.get(store_id)
-        if store is None or store.head != ref or not self._evictable(store):
+        if store is None or not self._evictable(store):
             return
         if self.memory_bytes + self._uploader.queued_bytes > self.memory_budget:
-            self._spill_now(store)
+            self._spill_now(store, ref)
             self.enforce_budget()
 
     def _drop(self, store_id: StoreId) -> None:

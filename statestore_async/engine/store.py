@@ -20,12 +20,11 @@ one is UPDATING per store (one writer per store and version).
 **State larger than memory.** ``VersionedStore.spill(cold)`` hands the committed map of an idle
 store to a *cold level* (``ColdLevel``: in the daemon a ``files.coldrun.ColdRun``, the store's
 snapshot file on local disk read a block at a time) that holds exactly the head state; the map in
-memory becomes a *hot* table of what changed since, plus the pre-images of the keys changed
-(read from the cold level once, so that undo and redo stay in memory). In the hot table a
+memory becomes a *hot* table of what changed since. In the hot table a
 tombstone entry hides a key the cold level still has. Reads look at the overlay, then the hot
-table, then the cold level; ordered reads merge the three. A commit costs O(changed keys) cold
-lookups on top (block reads, cached by the daemon's block cache). The engine does no IO: the cold
-level does.
+table, then the cold level; ordered reads merge the three. A spilled store's commits are blind
+writes (only a removal asks the cold level whether its key exists) and keep no undo/redo history:
+a retry of an earlier version loads it from files. The engine does no IO: the cold level does.
 """
 from __future__ import annotations
 
@@ -446,21 +445,44 @@ class VersionedStore:
         return self._data.nbytes
 
     def spill(self, cold: ColdLevel) -> int:
-        """Hand the committed map to ``cold``, which must hold exactly the head state: the map in
-        memory starts over empty, and the history of recent commits goes too (its undo and redo
-        tables are as large as the commits: a retry of an earlier version now loads it from files).
-        Only an idle store spills (no writer). Returns the bytes freed."""
+        """Hand the committed map to ``cold``, which must hold the head state or one of the recent
+        history (a snapshot finished after later commits): the map in memory starts over with the
+        changes since that state (none for the head), and the history of recent commits goes
+        (its tables are as large as the commits: a retry of an earlier version now loads it from
+        files). Only an idle store spills (no writer). Returns the bytes freed."""
         self.apply_pending()
         if self._writer is not None:
             raise StoreStateError(f"store {self.store_id} has a writer at version {self._writer.version}: "
                                   "it cannot spill until it commits or aborts")
-        if cold.ref != self._head:
-            raise InterfaceError(f"store {self.store_id}: the cold level holds {cold.ref}, the head is {self._head}")
-        freed = self._data.nbytes + sum(c.nbytes for c in self._history)
-        self._data = Table()
+        since = self._commits_since(cold.ref)
+        if since is None:
+            raise InterfaceError(f"store {self.store_id}: the cold level holds {cold.ref}, which is neither the "
+                                 f"head {self._head} nor a state of the recent history")
+        hot = Table()
+        for c in since:  # the changes since the cold state, oldest first; a removal stays a tombstone entry
+            assert c.redo is not None  # applied: apply_pending ran
+            for k, v in c.redo.items():
+                hot.put(k, v)
+        freed = self._data.nbytes + sum(c.nbytes for c in self._history) - hot.nbytes
+        self._data = hot
         self._history = []
         self._cold = cold
         return freed
+
+    def _commits_since(self, ref: CheckpointRef) -> list[_Commit] | None:
+        """The history's commits from ``ref`` to the head, oldest first (None: ``ref`` is not on
+        the head's line within the history)."""
+        by_child = {c.child: c for c in self._history}
+        out: list[_Commit] = []
+        at = self._head
+        while at != ref:
+            c = by_child.get(at)
+            if c is None:
+                return None
+            out.append(c)
+            at = c.parent
+        out.reverse()
+        return out
 
     def known_states(self) -> list[CheckpointRef]:
         """Every committed state this store can switch to without reading a file."""
@@ -551,7 +573,7 @@ class VersionedStore:
         back: list[_Commit] = []
         pos = {self._head: 0}
         ref = self._head
-        while ref in by_child:
+        while ref in by_child and by_child[ref].undo is not None:  # no undo: made while spilled
             c = by_child[ref]
             back.append(c)
             ref = c.parent
@@ -619,19 +641,22 @@ class VersionedStore:
         """Apply key → value|None to the map in one pass (``table.apply``; frozen views keep
         seeing what they froze). Returns (the changes that changed something, their pre-images).
 
-        Spilled, the hot map first gets the cold values of the changed keys it lacks (their
-        pre-images: undo needs them), and a removed key the cold level still has keeps a tombstone
-        entry in the hot map."""
+        Spilled, writes are blind: a put goes to the hot map without reading the cold level (a
+        spilled store keeps no undo history, so the pre-images returned are those of the hot map
+        only, and are not kept); a removal of a key the hot map lacks asks the cold level whether
+        the key exists, and if so leaves a tombstone entry hiding it."""
         cold = self._cold
         if cold is None:
             return _table.apply(self._data, changes)
         hot = self._data
-        missing: list[bytes] = []
+        missing: list[bytes] = []  # removals of keys the hot map lacks: maybe in the cold level
         gone: list[bytes] = []  # removals of keys the hot map already hides: no change at all
         for k, v in changes.items():
+            if v is not None:
+                continue
             if k not in hot:
                 missing.append(k)
-            elif v is None and hot.get(k) is None:
+            elif hot.get(k) is None:
                 gone.append(k)
         if gone:
             dropped = set(gone)
@@ -675,7 +700,10 @@ class VersionedStore:
     def _apply(self, overlay: Table, commit: _Commit) -> Table:
         # a tombstone for a key that did not exist changes nothing: apply leaves it out
         records, undo = self._mutate(overlay)
-        commit.undo, commit.redo = undo, records
+        # spilled: the pre-images were not read from the cold level, so there is no undo (a retry
+        # of an earlier version loads it from files); the redo is kept (a later spill onto a
+        # snapshot older than the head rebuilds the hot part from it)
+        commit.undo, commit.redo = (undo if self._cold is None else None), records
         return records
 
     def apply_pending(self) -> None:
