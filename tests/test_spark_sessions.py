@@ -31,6 +31,14 @@ def test_add_events_merges_runs_within_the_gap_and_split_due_closes_past_the_wat
     assert S.split_due([(0, 1_000, 2)], None, 4_500) == ([], [(0, 1_000, 2)])
 
 
+def test_timer_changes_move_one_timer_per_open_session():
+    # a session grew (its timer moves), one closed (its timer goes), one is new
+    before = [(0, 1_000, 1), (10_000, 12_000, 2)]
+    after = [(10_000, 14_000, 3), (30_000, 30_000, 1)]
+    assert S.timer_changes(before, after, 500) == ([1_500, 12_500], [14_500, 30_500])
+    assert S.timer_changes(after, after, 500) == ([], [])
+
+
 def test_the_stream_has_late_out_of_order_and_quiet_users_and_no_ties(stream):
     wm = stream.watermarks
     assert wm[0] is None and all(a is None or b >= a for a, b in itertools.pairwise(wm) if b is not None)

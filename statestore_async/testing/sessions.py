@@ -124,6 +124,15 @@ def split_due(sessions: Iterable[Session], watermark: int | None, gap_ms: int) -
     return closed, still
 
 
+def timer_changes(before: Iterable[Session], after: Iterable[Session], gap_ms: int) -> tuple[list[int], list[int]]:
+    """``(delete, register)``: the timers to move when a user's sessions go from ``before`` (as
+    stored, closed ones included) to ``after`` — one timer per open session, at its close time, so
+    no timer fires for a session that grew or closed early."""
+    old = {e + gap_ms for _, e, _ in before}
+    new = {e + gap_ms for _, e, _ in after}
+    return sorted(old - new), sorted(new - old)
+
+
 def sessions_of(stream: SessionStream) -> list[Emitted]:
     """The plain-Python batch computation: the sessions of the admitted events that the final
     watermark closed, sorted."""
@@ -271,8 +280,7 @@ def apply_in_pandas_with_state(events: DataFrame, gap_ms: int, delay_ms: int) ->
 # -- Spark's transformWithStateInPandas (event-time timers) -------------------------------------------
 def tws_processor(gap_ms: int):
     """A ``pyspark.sql.streaming.StatefulProcessor`` for ``transformWithStateInPandas``: a timer at
-    each open session's close time (registering one twice is harmless; a timer whose session grew
-    fires and closes nothing)."""
+    each open session's close time, moved when the session grows or closes (``timer_changes``)."""
     from pyspark.sql.streaming import StatefulProcessor
 
     class TwsSessions(StatefulProcessor):
@@ -280,14 +288,18 @@ def tws_processor(gap_ms: int):
             self.handle = handle
             self.state = handle.getValueState("sessions", STATE_SCHEMA)
 
-        def _step(self, user: str, wm: int, times: list[int]) -> Iterator[Any]:
-            sessions = _load(self.state.get() if self.state.exists() else None)
-            closed, sessions = split_due(sessions, wm, gap_ms)
+        def _step(self, user: str, wm: int, times: list[int], firing: int | None = None) -> Iterator[Any]:
+            before = _load(self.state.get() if self.state.exists() else None)
+            closed, sessions = split_due(before, wm, gap_ms)
             sessions = add_events(sessions, times, gap_ms)
+            gone, new = timer_changes(before, sessions, gap_ms)
+            for t in gone:
+                if t != firing:  # Spark removes the firing timer itself, after this call
+                    self.handle.deleteTimer(t)
+            for t in new:
+                self.handle.registerTimer(t)
             if sessions:
                 self.state.update(_dump(sessions))
-                for _, e, _ in sessions:
-                    self.handle.registerTimer(e + gap_ms)
             else:
                 self.state.clear()
             if closed:
@@ -298,7 +310,8 @@ def tws_processor(gap_ms: int):
             yield from self._step(key[0], timerValues.getCurrentWatermarkInMs(), times)
 
         def handleExpiredTimer(self, key: Any, timerValues: Any, expiredTimerInfo: Any) -> Iterator[Any]:
-            yield from self._step(key[0], timerValues.getCurrentWatermarkInMs(), [])
+            yield from self._step(key[0], timerValues.getCurrentWatermarkInMs(), [],
+                                  expiredTimerInfo.getExpiryTimeInMs())
 
         def close(self) -> None:
             pass
@@ -327,12 +340,17 @@ def session_processor(gap_ms: int):
             self.sessions = handle.value_state("sessions")
 
         def _step(self, key: tuple, times: list[int]) -> Iterator[Emitted]:
-            closed, sessions = split_due(self.sessions.get() or (), self.handle.watermark_ms, gap_ms)
+            before = self.sessions.get() or ()
+            closed, sessions = split_due(before, self.handle.watermark_ms, gap_ms)
             sessions = add_events(sessions, times, gap_ms)
+            gone, new = timer_changes(before, sessions, gap_ms)
+            timers = self.handle.timers
+            for t in gone:  # a fired timer is already gone: deleting it again does nothing
+                timers.delete(t)
+            for t in new:
+                timers.register(t)
             if sessions:
                 self.sessions.update(tuple(sessions))
-                for _, e, _ in sessions:
-                    self.handle.timers.register(e + gap_ms)
             else:
                 self.sessions.clear()
             for s in closed:
@@ -361,7 +379,7 @@ def session_operator(root: str, operator_id: str, gap_ms: int, delay_ms: int, nu
 
 __all__ = [
     "INPUT_SCHEMA", "OUTPUT_SCHEMA", "ROCKSDB_PROVIDER", "SessionStream", "add_events", "apply_in_pandas_with_state",
-    "collect_into", "generate", "group_state_sessions", "read_stream", "run_to_end", "session_operator",
-    "session_processor", "sessions_of", "split_due", "transform_with_state_in_pandas", "tws_processor",
-    "write_batches",
+    "checksum", "checksum_into", "collect_into", "generate", "group_state_sessions", "read_stream", "run_to_end",
+    "session_operator", "session_processor", "sessions_of", "split_due", "timer_changes",
+    "transform_with_state_in_pandas", "tws_processor", "write_batches",
 ]
