@@ -14,7 +14,7 @@ from statestore_async.codecs.keylayout import store_key
 from statestore_async.codecs.packed import PackedList
 from statestore_async.engine.store import VersionedStore
 from statestore_async.engine.table import Table
-from statestore_async.errors import CorruptFileError, InterfaceError, StoreStateError, VersionNotFoundError
+from statestore_async.errors import CorruptFileError, InterfaceError, VersionNotFoundError
 from statestore_async.files import checkpoint
 from statestore_async.files.checkpoint import encode_snapshot, read_checkpoint
 from statestore_async.files.coldrun import BlockCache, ColdRun
@@ -106,16 +106,21 @@ def test_damage_and_the_wrong_file_are_typed_errors_naming_the_file(tmp_path):
         ColdRun.open(str(tmp_path / "short"), SID, s.head, BlockCache(1 << 30))
 
 
-def test_only_an_idle_store_spills_and_only_onto_a_state_of_its_recent_history(tmp_path):
-    """A snapshot finished after later commits still takes the store out of memory: the hot part
-    starts with the commits made since; a state older than the history cannot be the cold level."""
+def test_a_store_spills_in_use_and_onto_a_state_of_its_recent_history(tmp_path):
+    """An open version reads on through the cold level after its store spilled under it; a
+    snapshot finished after later commits still takes the store out of memory (the hot part starts
+    with the commits made since); a state older than the history cannot be the cold level."""
     s = filled(2000)
     reference = filled(2000)
     run = ColdRun.open(write_snapshot(s, tmp_path / "s"), SID, s.head, BlockCache(1 << 30))
     w = s.open(s.head.version)
-    with pytest.raises(StoreStateError, match="writer"):
-        s.spill(run)
+    w.put(store_key(3, b"during"), b"1")
+    before = w.scan_range(b"", None)
+    s.spill(ColdRun.open(str(tmp_path / "s"), SID, s.head, BlockCache(1 << 30)))
+    assert s.cold is not None and w.scan_range(b"", None) == before and len(w) == len(before)
     w.abort()
+    s = filled(2000)
+    run = ColdRun.open(write_snapshot(s, tmp_path / "s2"), SID, s.head, BlockCache(1 << 30))
     for v in range(2):  # two commits after the snapshot, one removing keys of it
         for store in (s, reference):
             w = store.open(store.head.version)
@@ -210,3 +215,24 @@ def test_a_spilled_store_answers_as_the_store_in_memory(tmp_path, seed):
             assert list(da.records.items()) == list(db.records.items())  # the same delta file
         _compare(a, b, rnd, universe)
     assert spills >= 2
+
+
+def test_a_pinned_state_keeps_every_commit_since_for_a_spill_onto_it(tmp_path):
+    """A snapshot written for a spill may finish many commits after it began: the store keeps every
+    commit since the state it pinned (beyond its usual history), and the spill rebuilds the hot
+    part from them."""
+    s, reference = VersionedStore(SID, history=2), VersionedStore(SID, history=2)
+    for store in (s, reference):
+        w = store.open(0)
+        w.put_many([(store_key(i % 5, b"k%d" % i), b"v") for i in range(500)])
+        w.commit("%032x" % 1)
+    path = write_snapshot(s, tmp_path / "s")
+    s.pin_history(s.head)
+    for v in range(2, 9):  # seven commits: more than the history of 2
+        for store in (s, reference):
+            w = store.open(store.head.version)
+            w.put(store_key(1, b"n%d" % v), b"%d" % v)
+            w.remove(store_key(v % 5, b"k%d" % v))
+            w.commit("%032x" % v)
+    s.spill(ColdRun.open(path, SID, CheckpointRef(1, "%032x" % 1), BlockCache(1 << 30)))
+    assert list(s.items()) == list(reference.items())

@@ -13,7 +13,8 @@ stores that are idle (no writer, no frozen view) and whose head will be durable 
 not fail for good; it may still be on its way: the upload queue holds the delta, counted in the
 budget, and a later load of the store waits for its uploads) leave memory:
 
-* a store whose map takes ``spill_min_bytes`` or more *spills* (``VersionedStore.spill``): its
+* a store whose map takes ``spill_min_bytes`` or more *spills* (``VersionedStore.spill``; in use
+  or not: an open version reads on through the cold level): its
   head's snapshot file, on local disk (the object store's cache, or a ``file://`` root's own file),
   becomes its cold level (``files.coldrun.ColdRun``) and only what changes after stays in memory.
   When the head has no snapshot yet, maintenance is asked for one (``request_spill``) and the store
@@ -209,6 +210,11 @@ class StoreRegistry:
         return (store.writer is None and not store._views and store.store_id not in self._loading
                 and self._uploader.will_settle(store.store_id, store.head))
 
+    def _spillable(self, store: VersionedStore) -> bool:
+        # a store in use may spill: an open version reads on through the cold level, a frozen
+        # view keeps the tables it froze
+        return store.store_id not in self._loading and self._uploader.will_settle(store.store_id, store.head)
+
     def enforce_budget(self) -> int:
         """Bring memory under budget: the block cache first, then idle stores (least
         recently used first) spill or leave memory (see the module doc). Returns the stores
@@ -227,9 +233,7 @@ class StoreRegistry:
         for store_id, store in order:
             if total <= self.memory_budget:
                 break
-            if not self._evictable(store):
-                continue
-            if store.hot_bytes >= self.spill_min_bytes:
+            if store.hot_bytes >= self.spill_min_bytes and self._spillable(store):
                 freed = self._spill_now(store)
                 if freed:
                     total -= freed
@@ -238,6 +242,8 @@ class StoreRegistry:
                     self.counters["spill_requests"] += 1
                     self.request_spill(store_id)  # it spills once its snapshot is written
                     continue
+            if not self._evictable(store):
+                continue
             total -= store.memory_bytes
             self._drop(store_id)
             evicted += 1
@@ -298,7 +304,7 @@ class StoreRegistry:
         if it is idle and memory is still over budget (commits made since the snapshot stay in
         memory: the hot part starts with them)."""
         store = self._stores.get(store_id)
-        if store is None or not self._evictable(store):
+        if store is None or not self._spillable(store):
             return
         if self.memory_bytes + self._uploader.queued_bytes > self.memory_budget:
             self._spill_now(store, ref)

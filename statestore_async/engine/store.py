@@ -48,6 +48,8 @@ from statestore_async.errors import (
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
 
 DEFAULT_HISTORY = 4
+# commits a spilled store keeps (redo only): what a spill onto a snapshot behind its head needs
+SPILLED_HISTORY = 2
 # Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
 MAX_LINEAGE = 1000
 
@@ -376,6 +378,7 @@ class VersionedStore:
             data = table_of(data)
         self._data: Table = data  # the committed map; once spilled, the hot part over ``_cold``
         self._cold: ColdLevel | None = None
+        self._pinned: CheckpointRef | None = None  # see pin_history
         self._head = head
         self._lineage = tuple(lineage)
         self._history_limit = history
@@ -449,11 +452,9 @@ class VersionedStore:
         history (a snapshot finished after later commits): the map in memory starts over with the
         changes since that state (none for the head), and the history of recent commits goes
         (its tables are as large as the commits: a retry of an earlier version now loads it from
-        files). Only an idle store spills (no writer). Returns the bytes freed."""
+        files). A version open for update reads on through the new hot part and the cold level (it
+        was opened on the head, which the spill does not change). Returns the bytes freed."""
         self.apply_pending()
-        if self._writer is not None:
-            raise StoreStateError(f"store {self.store_id} has a writer at version {self._writer.version}: "
-                                  "it cannot spill until it commits or aborts")
         since = self._commits_since(cold.ref)
         if since is None:
             raise InterfaceError(f"store {self.store_id}: the cold level holds {cold.ref}, which is neither the "
@@ -466,8 +467,18 @@ class VersionedStore:
         freed = self._data.nbytes + sum(c.nbytes for c in self._history) - hot.nbytes
         self._data = hot
         self._history = []
+        self._pinned = None
         self._cold = cold
+        writer = self._writer
+        if writer is not None:
+            writer._base, writer._cold = hot, cold
         return freed
+
+    def pin_history(self, ref: CheckpointRef | None) -> None:
+        """Keep every commit made after ``ref`` (the head now) in the history until the store
+        spills or ``pin_history(None)``: a spill onto the snapshot of ``ref``, written meanwhile,
+        then rebuilds the hot part from them however many commits came in between."""
+        self._pinned = ref
 
     def _commits_since(self, ref: CheckpointRef) -> list[_Commit] | None:
         """The history's commits from ``ref`` to the head, oldest first (None: ``ref`` is not on
@@ -687,8 +698,17 @@ class VersionedStore:
         lineage = (parent,) + self._lineage_tail()
         commit = _Commit(parent, child, lineage, None, None)
         self._history.append(commit)
-        if len(self._history) > self._history_limit:
-            del self._history[: len(self._history) - self._history_limit]
+        # spilled, the history only serves a spill onto a snapshot a commit or two behind the head;
+        # a pinned state (a snapshot being written for a spill) keeps every commit since
+        limit = self._history_limit if self._cold is None else min(self._history_limit, SPILLED_HISTORY)
+        if self._pinned is not None:
+            since = self._commits_since(self._pinned)  # from the parent: the new commit not yet counted
+            if since is None:
+                self._pinned = None
+            else:
+                limit = max(limit, len(since) + 1)
+        if len(self._history) > limit:
+            del self._history[: len(self._history) - limit]
         self._head, self._lineage = child, lineage
         if defer:
             delta = Delta(self.store_id, child, lineage, None, bound, self)
