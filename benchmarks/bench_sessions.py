@@ -14,6 +14,8 @@ partitions.
 
   ours per-key   StatefulOperator(time_mode="event") + testing.sessions.session_processor (a Python
                  call per user with rows and per due timer; value state + event-time timers)
+  ours vectorized  the same operator + testing.sessions.vectorized_session_processor (numpy over the
+                 partition's users; those with several open sessions take a Python path)
   AIPWS          applyInPandasWithState + GroupStateTimeout.EventTimeTimeout (RocksDB state store)
   TWS            transformWithStateInPandas, time mode EventTime, event-time timers (RocksDB)
 
@@ -43,7 +45,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from statestore_async.testing import sessions as S
 
-PEERS = {"ours": "ours per-key", "aipws": "AIPWS applyInPandasWithState", "tws": "TWS transformWithStateInPandas"}
+PEERS = {"ours": "ours per-key", "ours-vec": "ours vectorized", "aipws": "AIPWS applyInPandasWithState",
+         "tws": "TWS transformWithStateInPandas"}
 
 
 def run_query(df, ckpt: str, sink, timeout: int) -> list[dict]:
@@ -75,7 +78,7 @@ def checked(out: list[tuple[int, int]], expected: tuple[int, int]) -> bool | str
     return got == expected or f"{got[0]} sessions, expected {expected[0]} (or another hash sum)"
 
 
-def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int) -> dict:
+def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vectorized: bool = False) -> dict:
     from statestore_async.spark import placement
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
@@ -83,7 +86,7 @@ def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int) -> d
     placement.start_daemon(sock, args=["--log-level", "warning"])
     try:
         op = S.session_operator("file://" + os.path.join(work, "state"), "sessions", stream.gap_ms, stream.delay_ms,
-                                socket_path=sock, fence_timeout=120)
+                                socket_path=sock, fence_timeout=120, vectorized=vectorized)
         out: list = []
         prog = run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), op.foreach_batch(S.checksum_into(out)),
                          timeout)
@@ -151,7 +154,7 @@ def main() -> int:
     ap.add_argument("--users", type=int, default=None, help="users (default 100,000)")
     ap.add_argument("--batches", type=int, default=None, help="measured batches after the first (default 3)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of every peer; the figure is their median")
-    ap.add_argument("--peers", default="ours,aipws,tws")
+    ap.add_argument("--peers", default="ours,ours-vec,aipws,tws")
     ap.add_argument("--overhead", action="store_true", help="also measure what event time adds per batch")
     ap.add_argument("--timeout", type=int, default=3600)
     a = ap.parse_args()
@@ -189,6 +192,7 @@ def main() -> int:
               f"{len(sessions):,} sessions; written in {time.perf_counter() - t:.1f}s", flush=True)
         runs = {
             "ours": lambda d: ours(spark, src, d, stream, a.timeout),
+            "ours-vec": lambda d: ours(spark, src, d, stream, a.timeout, vectorized=True),
             "aipws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.apply_in_pandas_with_state),
             "tws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.transform_with_state_in_pandas),
         }

@@ -98,7 +98,8 @@ def test_spark_oracles_emit_exactly_the_batch_computations_sessions(spark, rocks
 
 @pytest.mark.spark
 @pytest.mark.skipif(not HAS_TIMERS, reason="the task runtime has no timers yet (handle.timers, handle_expired_timer)")
-def test_our_operator_emits_exactly_the_same_sessions(spark, stream, tmp_path):
+@pytest.mark.parametrize("vectorized", [False, True], ids=["per-key", "vectorized"])
+def test_our_operator_emits_exactly_the_same_sessions(spark, stream, tmp_path, vectorized):
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[S.__name__])
@@ -106,7 +107,7 @@ def test_our_operator_emits_exactly_the_same_sessions(spark, stream, tmp_path):
     S.write_batches(stream, folder)
     with Daemon() as d:
         op = S.session_operator(f"file://{tmp_path}/state", "sessions", stream.gap_ms, stream.delay_ms,
-                                socket_path=d.socket)
+                                socket_path=d.socket, vectorized=vectorized)
         out: list = []
         S.run_to_end(S.read_stream(spark, folder), str(tmp_path / "c"), op.foreach_batch(S.collect_into(out)))
     _check(out, stream)

@@ -365,14 +365,125 @@ def session_processor(gap_ms: int):
     return Sessions()
 
 
+def vectorized_session_processor(gap_ms: int):
+    """A ``VectorizedProcessor`` of this project for the same job: numpy over the partition's keys.
+
+    State per user: its one open session (``start``, ``end``, ``events``), or, in the rare case of
+    several open sessions, all of them as JSON in ``more`` (those users take a Python path). Timers
+    follow ``timer_changes``: one per open session, at its close time."""
+    import numpy as np
+    import pyarrow as pa
+
+    from statestore_async.spark.processor import VectorizedProcessor
+
+    big = np.int64(1 << 40)  # > any time span of a partition's sessions: keys' runs never touch
+
+    def merge(kidx: np.ndarray, s: np.ndarray, e: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Intervals (key index, start, end, events) sorted by key then start, merged within the
+        gap per key: the merged intervals as the same four arrays."""
+        if not len(kidx):
+            return kidx, s, e, n
+        # the running max of ends within each key: ends shifted per key so one accumulate serves all
+        base = s.min()
+        shifted = (e - base) + kidx * big
+        run = np.maximum.accumulate(shifted)
+        new = np.ones(len(kidx), bool)
+        new[1:] = (kidx[1:] != kidx[:-1]) | ((s[1:] - base + kidx[1:] * big) - run[:-1] > gap_ms)
+        first = np.flatnonzero(new)
+        return (kidx[first], s[first], np.maximum.reduceat(e, first), np.add.reduceat(n, first))
+
+    class VectorizedSessions(VectorizedProcessor):
+        state_name = "sessions"
+        state_schema = pa.schema([("start", pa.int64()), ("end", pa.int64()), ("events", pa.int64()),
+                                  ("more", pa.string())])
+
+        def _sessions(self, nkeys: int, state: Any, exists: np.ndarray, times: np.ndarray | None,
+                      tkeys: np.ndarray | None) -> tuple[Any, Any, np.ndarray]:
+            wm = self.watermark_ms
+            more = state["more"].to_pylist() if state["more"].null_count < nkeys else None
+            simple = exists.copy()
+            if more is not None:
+                simple &= np.array([m is None for m in more], bool)
+            sk = np.flatnonzero(simple)
+            old_s = state["start"].fill_null(0).to_numpy()
+            old_e = state["end"].fill_null(0).to_numpy()
+            old_n = state["events"].fill_null(0).to_numpy()
+            ki, ss, ee, nn = [sk], [old_s[sk]], [old_e[sk]], [old_n[sk]]
+            complex_keys = np.flatnonzero(exists & ~simple)
+            if times is not None and tkeys is not None:
+                plain = ~np.isin(tkeys, complex_keys)
+                ki.append(tkeys[plain])
+                ss.append(times[plain])
+                ee.append(times[plain])
+                nn.append(np.ones(int(plain.sum()), np.int64))
+            kidx, s, e, n = (np.concatenate(x).astype(np.int64) for x in (ki, ss, ee, nn))
+            order = np.lexsort((s, kidx))
+            kidx, s, e, n = merge(kidx[order], s[order], e[order], n[order])
+            due = (e + gap_ms <= wm) if wm is not None and wm > 0 else np.zeros(len(e), bool)
+            closed = (kidx[due], s[due], e[due], n[due])
+            kidx, s, e, n = kidx[~due], s[~due], e[~due], n[~due]
+            per_key = np.bincount(kidx, minlength=nkeys)
+            new_s, new_e, new_n = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
+            one = per_key[kidx] == 1
+            new_s[kidx[one]], new_e[kidx[one]], new_n[kidx[one]] = s[one], e[one], n[one]
+            new_more: list[str | None] = [None] * nkeys
+            # old timers (simple keys): their session's close time; new: each open session's
+            self.timers.delete(sk, old_e[sk] + gap_ms)
+            self.timers.register(kidx, e + gap_ms)
+            for k in np.unique(kidx[~one]).tolist():  # several open sessions: all of them in "more"
+                mine = kidx == k
+                new_more[k] = json.dumps([[int(a), int(b), int(c)] for a, b, c in zip(s[mine], e[mine], n[mine])])
+            extra_out: list[tuple[int, Session]] = []
+            for k in complex_keys.tolist():  # the rare users stored with several sessions: per key
+                assert more is not None
+                before = [tuple(x) for x in json.loads(more[k])]
+                mine_t = times[tkeys == k].tolist() if times is not None and tkeys is not None else []
+                done, still = split_due(add_events(before, mine_t, gap_ms), wm, gap_ms)
+                gone, new = timer_changes(before, still, gap_ms)
+                self.timers.delete(np.full(len(gone), k), np.array(gone, np.int64))
+                self.timers.register(np.full(len(new), k), np.array(new, np.int64))
+                extra_out += [(k, d) for d in done]
+                if len(still) == 1:
+                    new_s[k], new_e[k], new_n[k] = still[0]
+                elif still:
+                    new_more[k] = json.dumps([list(x) for x in still])
+                per_key[k] = len(still)
+            if extra_out:
+                more_closed = np.array([(k, *d) for k, d in extra_out], np.int64)
+                closed = (np.concatenate([closed[0], more_closed[:, 0]]), np.concatenate([closed[1], more_closed[:, 1]]),
+                          np.concatenate([closed[2], more_closed[:, 2]]), np.concatenate([closed[3], more_closed[:, 3]]))
+            new_state = pa.table({"start": new_s, "end": new_e, "events": new_n,
+                                  "more": pa.array(new_more, pa.string())})
+            return new_state, closed, per_key > 0
+
+        def _output(self, keys: Any, closed: tuple[np.ndarray, ...]) -> Any:
+            k, s, e, n = closed
+            return pa.table({"user": keys.column(0).take(pa.array(k, pa.int64())), "start_ms": s, "end_ms": e,
+                             "events": n})
+
+        def process(self, keys, rows, offsets, state, exists):
+            times = rows.column(0).to_numpy(zero_copy_only=False).astype(np.int64)
+            tkeys = np.repeat(np.arange(keys.num_rows), np.diff(offsets))
+            new_state, closed, valid = self._sessions(keys.num_rows, state, np.asarray(exists, bool), times, tkeys)
+            return new_state, self._output(keys, closed), valid
+
+        def handle_expired_timers(self, keys, timers, state, exists):
+            new_state, closed, valid = self._sessions(keys.num_rows, state, np.asarray(exists, bool), None, None)
+            return new_state, self._output(keys, closed), valid
+
+    return VectorizedSessions()
+
+
 def session_operator(root: str, operator_id: str, gap_ms: int, delay_ms: int, num_partitions: int = 2,
-                     **kw: Any):
-    """The ``StatefulOperator`` that sessionizes ``(user, et)`` rows (``et`` in ms)."""
+                     vectorized: bool = False, **kw: Any):
+    """The ``StatefulOperator`` that sessionizes ``(user, et)`` rows (``et`` in ms), per key or
+    vectorized."""
     from datetime import timedelta
 
     from statestore_async.spark.operator import StatefulOperator
 
-    return StatefulOperator(root, operator_id, ["user"], session_processor(gap_ms), OUTPUT_SCHEMA, num_partitions,
+    processor = vectorized_session_processor(gap_ms) if vectorized else session_processor(gap_ms)
+    return StatefulOperator(root, operator_id, ["user"], processor, OUTPUT_SCHEMA, num_partitions,
                             value_columns=["et"], time_mode="event", event_time_column="et",
                             watermark_delay=timedelta(milliseconds=delay_ms), **kw)
 
@@ -381,5 +492,5 @@ __all__ = [
     "INPUT_SCHEMA", "OUTPUT_SCHEMA", "ROCKSDB_PROVIDER", "SessionStream", "add_events", "apply_in_pandas_with_state",
     "checksum", "checksum_into", "collect_into", "generate", "group_state_sessions", "read_stream", "run_to_end",
     "session_operator", "session_processor", "sessions_of", "split_due", "timer_changes",
-    "transform_with_state_in_pandas", "tws_processor", "write_batches",
+    "transform_with_state_in_pandas", "tws_processor", "vectorized_session_processor", "write_batches",
 ]
