@@ -48,8 +48,8 @@ from statestore_async.errors import (
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
 
 DEFAULT_HISTORY = 4
-# commits a spilled store keeps (redo only): what a spill onto a snapshot behind its head needs
-SPILLED_HISTORY = 2
+# commits a spilled store keeps (redo only) unless a state is pinned for a spill (see pin_history)
+SPILLED_HISTORY = 0
 # Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
 MAX_LINEAGE = 1000
 
@@ -698,7 +698,7 @@ class VersionedStore:
         lineage = (parent,) + self._lineage_tail()
         commit = _Commit(parent, child, lineage, None, None)
         self._history.append(commit)
-        # spilled, the history only serves a spill onto a snapshot a commit or two behind the head;
+        # spilled, the history only serves a spill onto a snapshot behind the head:
         # a pinned state (a snapshot being written for a spill) keeps every commit since
         limit = self._history_limit if self._cold is None else min(self._history_limit, SPILLED_HISTORY)
         if self._pinned is not None:
