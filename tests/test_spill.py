@@ -102,21 +102,29 @@ def s3_daemon(daemon_process, seaweedfs, aws_env):
     return start
 
 
-async def test_a_daemon_killed_with_state_on_disk_restarts_over_its_local_files(s3_daemon, s3_bucket, tmp_path):
-    """kill -9 while a store is spilled (its snapshot on local disk, later commits in memory and in
-    S3): a daemon restarted on the same node with the same cache folder loads the store over the
-    local snapshot file — no download of it — plus the deltas after it, and reads back exactly."""
-    cache = str(tmp_path / "cache")
-    sid = StoreId(f"s3://{s3_bucket}/ckpt", "spill", 0)
-    rnd = random.Random(2)
+async def spill_then_kill(s3_daemon, cache: str, sid: StoreId, seed: int,
+                          rounds_after: int) -> tuple[CheckpointRef, dict[bytes, bytes]]:
+    """A daemon fills ``sid`` until it spills, commits ``rounds_after`` more versions (durable, in
+    memory over the cold level), and is killed with SIGKILL. Returns the last ref and the state."""
+    rnd = random.Random(seed)
     expected: dict[bytes, bytes] = {}
     d = s3_daemon(cache)
     with Client(d.socket) as sc:
         async with AsyncClient(d.socket) as c:
             ref = await fill(c, sid, expected, 2, rnd)
             await wait_for(lambda: sc.stats()["registry"]["spills"] >= 1, "the store to spill")
-            ref = await fill(c, sid, expected, 2, rnd, ref)  # durable, in memory over the cold level
+            ref = await fill(c, sid, expected, rounds_after, rnd, ref)
     assert d.kill() == -signal.SIGKILL
+    return ref, expected
+
+
+async def test_a_daemon_killed_with_state_on_disk_restarts_over_its_local_files(s3_daemon, s3_bucket, tmp_path):
+    """kill -9 while a store is spilled (its snapshot on local disk, later commits in memory and in
+    S3): a daemon restarted on the same node with the same cache folder loads the store over the
+    local snapshot file — no download of it — plus the deltas after it, and reads back exactly."""
+    cache = str(tmp_path / "cache")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "spill", 0)
+    ref, expected = await spill_then_kill(s3_daemon, cache, sid, 2, 2)
     d2 = s3_daemon(cache)
     async with AsyncClient(d2.socket) as c:
         await check(c, sid, ref, expected)
@@ -128,17 +136,8 @@ async def test_a_daemon_killed_with_state_on_disk_restarts_over_its_local_files(
 
 
 async def test_a_new_node_recovers_a_spilled_store_from_the_object_store_alone(s3_daemon, s3_bucket, tmp_path):
-    cache = str(tmp_path / "cache")
     sid = StoreId(f"s3://{s3_bucket}/ckpt", "spill", 1)
-    rnd = random.Random(3)
-    expected: dict[bytes, bytes] = {}
-    d = s3_daemon(cache)
-    with Client(d.socket) as sc:
-        async with AsyncClient(d.socket) as c:
-            ref = await fill(c, sid, expected, 2, rnd)
-            await wait_for(lambda: sc.stats()["registry"]["spills"] >= 1, "the store to spill")
-            ref = await fill(c, sid, expected, 1, rnd, ref)
-    assert d.kill() == -signal.SIGKILL
+    ref, expected = await spill_then_kill(s3_daemon, str(tmp_path / "cache"), sid, 3, 1)
     d2 = s3_daemon(str(tmp_path / "another-node-cache"))
     async with AsyncClient(d2.socket) as c:
         await check(c, sid, ref, expected)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
@@ -258,13 +258,34 @@ class FrozenView:
             return view.items()  # type: ignore[return-value]  # a committed table holds no tombstone
         return merge_lazy(view.items(), self._cold.items())
 
-    def _merged_from(self, pos: int) -> tuple[Iterator[tuple[bytes, bytes]], tuple[bytes, bytes] | None]:
-        if self._cursor is not None and self._cursor[0] == pos:
-            return self._cursor[1], self._cursor[2]
-        if pos != 0:
+    def _merged_chunk(self, pos: int, max_bytes: int,
+                      size_of: Callable[[bytes, bytes], int]) -> list[tuple[bytes, bytes]]:
+        """A spilled store's merged records from position ``pos`` (the position the last chunk
+        ended at, or 0) while their ``size_of`` adds up to at most ``max_bytes`` (at least one)."""
+        self._live()
+        cursor = self._cursor
+        if cursor is not None and cursor[0] == pos:
+            it, held = cursor[1], cursor[2]
+        elif pos == 0:
+            it, held = self.items(), None
+        else:
             raise InterfaceError(f"the view of spilled store {self.store_id} is read in order: position {pos} "
-                                 f"follows {self._cursor[0] if self._cursor else 0}")
-        return self.items(), None
+                                 f"follows {cursor[0] if cursor else 0}")
+        out: list[tuple[bytes, bytes]] = []
+        size = 0
+        while True:
+            rec = held if held is not None else next(it, None)
+            held = None
+            if rec is None:
+                break
+            n = size_of(rec[0], rec[1])
+            if out and size + n > max_bytes:
+                held = rec
+                break
+            out.append(rec)
+            size += n
+        self._cursor = (pos + len(out), it, held)
+        return out
 
     def chunk(self, pos: int, max_bytes: int) -> tuple[list[tuple[bytes, bytes]], int]:
         """The records from position ``pos`` in key order while ``len(key) + len(value) + 11``
@@ -272,22 +293,7 @@ class FrozenView:
         an empty list at the end."""
         if self._cold is None:
             return self._live().chunk(pos, max_bytes)  # type: ignore[return-value]
-        self._live()
-        it, held = self._merged_from(pos)
-        out: list[tuple[bytes, bytes]] = []
-        size = 0
-        while True:
-            rec = held if held is not None else next(it, None)
-            held = None
-            if rec is None:
-                break
-            n = len(rec[0]) + len(rec[1]) + 11
-            if out and size + n > max_bytes:
-                held = rec
-                break
-            out.append(rec)
-            size += n
-        self._cursor = (pos + len(out), it, held)
+        out = self._merged_chunk(pos, max_bytes, lambda k, v: len(k) + len(v) + 11)
         return out, pos + len(out)
 
     def chunk_packed(self, pos: int, max_bytes: int) -> tuple[bytes, int, int, int]:
@@ -295,22 +301,7 @@ class FrozenView:
         ``(payload, next_pos, min_kg, max_kg)``."""
         if self._cold is None:
             return self._live().chunk_packed(pos, max_bytes)
-        self._live()
-        it, held = self._merged_from(pos)
-        out: list[tuple[bytes, bytes]] = []
-        size = 0
-        while True:
-            rec = held if held is not None else next(it, None)
-            held = None
-            if rec is None:
-                break
-            n = _record_size(rec[0], rec[1])
-            if out and size + n > max_bytes:
-                held = rec
-                break
-            out.append(rec)
-            size += n
-        self._cursor = (pos + len(out), it, held)
+        out = self._merged_chunk(pos, max_bytes, _record_size)
         if not out:
             return b"", pos, 0, 0
         kgs = [key_group_or_zero(k) for k, _ in out]
