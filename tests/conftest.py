@@ -212,3 +212,19 @@ async def daemon_factory(sockdir):
     finally:
         for d in started:
             await d.stop()
+
+
+@pytest.fixture
+def daemon():
+    """A daemon process for task-level tests (``spark_cluster.Daemon``), stopped afterwards; a
+    module may define its own ``daemon`` (e.g. module-scoped) instead."""
+    from spark_cluster import Daemon
+
+    with Daemon() as d:
+        yield d
+
+
+@pytest.fixture
+def root(tmp_path):
+    """A ``file://`` checkpoint root in the test's temporary folder."""
+    return f"file://{tmp_path}/state"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-from spark_cluster import Daemon
 from test_spark_timers import G, Job, Killer, N, kg_of
 
 from statestore_async import errors
@@ -57,17 +56,6 @@ class Seeded(StatefulProcessor):
 
     def handle_expired_timer(self, key, timer, state):
         yield (key[0], timer.at_ms, timer.kind, self.count.get())
-
-
-@pytest.fixture
-def daemon():
-    with Daemon() as d:
-        yield d
-
-
-@pytest.fixture
-def root(tmp_path):
-    return f"file://{tmp_path}/state"
 
 
 def test_initial_state_once_per_key_then_the_first_batch_reads_it(daemon, root):

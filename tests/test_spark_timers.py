@@ -13,7 +13,6 @@ import signal
 
 import pyarrow as pa
 import pytest
-from spark_cluster import Daemon
 
 from statestore_async import errors
 from statestore_async.codecs import pyrows, valuecodec
@@ -103,17 +102,6 @@ class Sessions(StatefulProcessor):
         assert state.timers.list() == []  # the fired timer is gone before the call
         yield (key[0], timer.at_ms, timer.kind, self.count.get())
         self.count.clear()
-
-
-@pytest.fixture
-def daemon():
-    with Daemon() as d:
-        yield d
-
-
-@pytest.fixture
-def root(tmp_path):
-    return f"file://{tmp_path}/state"
 
 
 def test_timers_fire_once_in_time_order_for_idle_keys_too(daemon, root):

@@ -6,7 +6,6 @@ real daemon batch after batch (``test_spark_timers.Job``) and reads the checkpoi
 from __future__ import annotations
 
 import pytest
-from spark_cluster import Daemon
 from test_spark_timers import OUT, Job
 
 from statestore_async import errors
@@ -25,17 +24,6 @@ class Bag(StatefulProcessor):
             self.items.append(v)
             self.seen.update(v % 3, v)
         yield (key[0], 0, ",".join(map(str, self.items.get())), len(self.seen.items()))
-
-
-@pytest.fixture
-def daemon():
-    with Daemon() as d:
-        yield d
-
-
-@pytest.fixture
-def root(tmp_path):
-    return f"file://{tmp_path}/state"
 
 
 def state_records(job: Job) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from spark_cluster import Daemon
 from test_spark_timers import G, Job, Killer, N, kg_of
 
 from statestore_async import errors
@@ -38,17 +37,6 @@ class VSessions(VectorizedProcessor):
         out = pa.table({"k": timers["k"], "at": timers["at_ms"], "kind": timers["kind"],
                         "n": state["count"].take(timers["key_index"])})
         return state, out, np.zeros(keys.num_rows, bool)
-
-
-@pytest.fixture
-def daemon():
-    with Daemon() as d:
-        yield d
-
-
-@pytest.fixture
-def root(tmp_path):
-    return f"file://{tmp_path}/state"
 
 
 def timer_records(recs: dict) -> list[bytes]:
