@@ -368,9 +368,9 @@ def session_processor(gap_ms: int):
 def vectorized_session_processor(gap_ms: int):
     """A ``VectorizedProcessor`` of this project for the same job: numpy over the partition's keys.
 
-    State per user: its one open session (``start``, ``end``, ``events``), or, in the rare case of
-    several open sessions, all of them as JSON in ``more`` (those users take a Python path). Timers
-    follow ``timer_changes``: one per open session, at its close time."""
+    State per user: its one open session (``start``, ``end``, ``events``), or, when it has several,
+    all of them as JSON in ``more`` (parsed and written per such user; merged with the rest). Timers
+    as ``timer_changes``: one per open session, at its close time."""
     import numpy as np
     import pyarrow as pa
 
@@ -399,59 +399,51 @@ def vectorized_session_processor(gap_ms: int):
 
         def _sessions(self, nkeys: int, state: Any, exists: np.ndarray, times: np.ndarray | None,
                       tkeys: np.ndarray | None) -> tuple[Any, Any, np.ndarray]:
+            """Every key's stored sessions and new event times, merged in one pass of numpy; the
+            new state, the closed sessions (key index, start, end, events) and which keys keep a state."""
             wm = self.watermark_ms
-            more = state["more"].to_pylist() if state["more"].null_count < nkeys else None
-            simple = exists.copy()
-            if more is not None:
-                simple &= np.array([m is None for m in more], bool)
-            sk = np.flatnonzero(simple)
-            old_s = state["start"].fill_null(0).to_numpy()
+            more = state["more"]
+            several = np.flatnonzero(more.is_valid().to_numpy(zero_copy_only=False)) if more.null_count < nkeys \
+                else np.zeros(0, np.int64)
+            one = np.flatnonzero(exists & ~np.isin(np.arange(nkeys), several))
             old_e = state["end"].fill_null(0).to_numpy()
-            old_n = state["events"].fill_null(0).to_numpy()
-            ki, ss, ee, nn = [sk], [old_s[sk]], [old_e[sk]], [old_n[sk]]
-            complex_keys = np.flatnonzero(exists & ~simple)
+            ki = [one]
+            ss = [state["start"].fill_null(0).to_numpy()[one]]
+            ee = [old_e[one]]
+            nn = [state["events"].fill_null(0).to_numpy()[one]]
+            if several.size:  # users with several open sessions: their JSON parsed, then merged with the rest
+                parsed = [json.loads(m) for m in more.take(pa.array(several)).to_pylist()]
+                flat = np.array([x for p in parsed for x in p], np.int64).reshape(-1, 3)
+                ki.append(np.repeat(several, [len(p) for p in parsed]))
+                ss.append(flat[:, 0])
+                ee.append(flat[:, 1])
+                nn.append(flat[:, 2])
+            old_k, old_close = np.concatenate(ki), np.concatenate(ee) + gap_ms
             if times is not None and tkeys is not None:
-                plain = ~np.isin(tkeys, complex_keys)
-                ki.append(tkeys[plain])
-                ss.append(times[plain])
-                ee.append(times[plain])
-                nn.append(np.ones(int(plain.sum()), np.int64))
+                ki.append(tkeys)
+                ss.append(times)
+                ee.append(times)
+                nn.append(np.ones(len(times), np.int64))
             kidx, s, e, n = (np.concatenate(x).astype(np.int64) for x in (ki, ss, ee, nn))
             order = np.lexsort((s, kidx))
             kidx, s, e, n = merge(kidx[order], s[order], e[order], n[order])
             due = (e + gap_ms <= wm) if wm is not None and wm > 0 else np.zeros(len(e), bool)
             closed = (kidx[due], s[due], e[due], n[due])
             kidx, s, e, n = kidx[~due], s[~due], e[~due], n[~due]
-            per_key = np.bincount(kidx, minlength=nkeys)
-            new_s, new_e, new_n = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
-            one = per_key[kidx] == 1
-            new_s[kidx[one]], new_e[kidx[one]], new_n[kidx[one]] = s[one], e[one], n[one]
-            new_more: list[str | None] = [None] * nkeys
-            # old timers (simple keys): their session's close time; new: each open session's
-            self.timers.delete(sk, old_e[sk] + gap_ms)
+            # timers: one per open session; the later call on a timer wins, so an unchanged one stays
+            self.timers.delete(old_k, old_close)
             self.timers.register(kidx, e + gap_ms)
-            for k in np.unique(kidx[~one]).tolist():  # several open sessions: all of them in "more"
-                mine = kidx == k
-                new_more[k] = json.dumps([[int(a), int(b), int(c)] for a, b, c in zip(s[mine], e[mine], n[mine])])
-            extra_out: list[tuple[int, Session]] = []
-            for k in complex_keys.tolist():  # the rare users stored with several sessions: per key
-                assert more is not None
-                before = [tuple(x) for x in json.loads(more[k])]
-                mine_t = times[tkeys == k].tolist() if times is not None and tkeys is not None else []
-                done, still = split_due(add_events(before, mine_t, gap_ms), wm, gap_ms)
-                gone, new = timer_changes(before, still, gap_ms)
-                self.timers.delete(np.full(len(gone), k), np.array(gone, np.int64))
-                self.timers.register(np.full(len(new), k), np.array(new, np.int64))
-                extra_out += [(k, d) for d in done]
-                if len(still) == 1:
-                    new_s[k], new_e[k], new_n[k] = still[0]
-                elif still:
-                    new_more[k] = json.dumps([list(x) for x in still])
-                per_key[k] = len(still)
-            if extra_out:
-                more_closed = np.array([(k, *d) for k, d in extra_out], np.int64)
-                closed = (np.concatenate([closed[0], more_closed[:, 0]]), np.concatenate([closed[1], more_closed[:, 1]]),
-                          np.concatenate([closed[2], more_closed[:, 2]]), np.concatenate([closed[3], more_closed[:, 3]]))
+            per_key = np.bincount(kidx, minlength=nkeys)
+            single = per_key[kidx] == 1
+            new_s, new_e, new_n = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
+            new_s[kidx[single]], new_e[kidx[single]], new_n[kidx[single]] = s[single], e[single], n[single]
+            new_more: list[str | None] = [None] * nkeys
+            if not single.all():  # kidx is sorted: each such key's sessions are one run
+                mk, ms_, me, mn = kidx[~single], s[~single], e[~single], n[~single]
+                cuts = np.flatnonzero(np.diff(mk)) + 1
+                for k, a, b, c in zip(mk[np.r_[0, cuts]].tolist(), np.split(ms_, cuts), np.split(me, cuts),
+                                      np.split(mn, cuts)):
+                    new_more[k] = json.dumps(np.stack([a, b, c], axis=1).tolist())
             new_state = pa.table({"start": new_s, "end": new_e, "events": new_n,
                                   "more": pa.array(new_more, pa.string())})
             return new_state, closed, per_key > 0
