@@ -66,7 +66,8 @@ async def test_a_store_over_the_budget_spills_to_its_snapshot_file_and_reads_bac
     """A store whose map alone is over the budget is snapshotted at its head and spilled onto that
     file: its map in memory empties, the daemon's count falls under the budget, and every read,
     scan and later commit (changes to keys on disk included) gives exactly what a store kept in
-    memory would."""
+    memory would — after its later deltas are stacked over the snapshot, and after it spills
+    again onto a newer snapshot."""
     d = await daemon_factory(memory_budget=3 << 20, spill_min_bytes=256 << 10, block_cache_bytes=256 << 10,
                              snapshot_interval=1000)
     sid = StoreId(f"file://{tmp_path}/root", "spill", 0)
@@ -82,6 +83,13 @@ async def test_a_store_over_the_budget_spills_to_its_snapshot_file_and_reads_bac
         await check(c, sid, ref, expected)
         assert d.registry.get(sid).cold.blocks_read > 0  # read from disk
         ref = await fill(c, sid, expected, 3, rnd, ref)  # commits over the cold level
+        await check(c, sid, ref, expected)
+        d.registry.memory_budget = 1 << 20  # tighter: a few commits' hot part is over it
+        for _ in range(10):  # the hot part leaves memory as the stacked delta files (no write)
+            if d.registry.counters["deltas_stacked"]:
+                break
+            ref = await fill(c, sid, expected, 1, rnd, ref)
+        assert d.registry.counters["deltas_stacked"] >= 1, d.registry.stats()
         await check(c, sid, ref, expected)
         for _ in range(60):  # the hot part grows with each commit until the store spills again
             if d.registry.counters["spills"] >= 2:

@@ -221,6 +221,8 @@ class Maintenance:
                     ref = store.head
                     if ref.version == 0 or store.has_snapshot(ref):
                         return
+                    if store.cold is not None:
+                        self._spill_after.add(store_id)  # a spilled store moves onto its new snapshot
                     if store_id in self._spill_after:
                         store.pin_history(ref)  # the spill onto it keeps the commits made meanwhile
                     view = store.freeze()

@@ -18,7 +18,9 @@ budget, and a later load of the store waits for its uploads) leave memory:
   head's snapshot file, on local disk (the object store's cache, or a ``file://`` root's own file),
   becomes its cold level (``files.coldrun.ColdRun``) and only what changes after stays in memory.
   When the head has no snapshot yet, maintenance is asked for one (``request_spill``) and the store
-  spills once it is written;
+  spills once it is written. A spilled store's hot part leaves memory the same way without any
+  write: the delta files of its commits since (durable, with local copies) are stacked over its
+  cold level as newer runs (``ColdStack``, up to ``MAX_RUNS``), until a snapshot replaces the stack;
 * a smaller store, or one whose head's snapshot has no local copy, is evicted whole — it reloads
   from its files when opened again.
 
@@ -34,16 +36,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from statestore_async.daemon.objectstores import ObjectStores
-from statestore_async.daemon.uploader import Uploader
+from statestore_async.daemon.uploader import Uploader, UploadState
 from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
 from statestore_async.errors import StateStoreError, VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader
-from statestore_async.files.coldrun import BlockCache, ColdRun
-from statestore_async.files.names import SNAPSHOT, file_key
+from statestore_async.files.coldrun import BlockCache, ColdRun, ColdStack
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
 # a store whose committed map takes less is evicted whole rather than spilled (its reload is cheap)
 SPILL_MIN_BYTES = 1 << 20
+# runs a spilled store's cold level may have (deltas over its snapshot) before the next spill goes
+# onto a new snapshot instead: every run is one more place a read may have to look
+MAX_RUNS = 16
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +74,8 @@ class StoreRegistry:
         self._loads_running = 0
         self._load_finished = asyncio.Event()
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
-                         "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0, "cold_loads": 0,
+                         "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
+                         "cold_loads": 0, "deltas_stacked": 0,
                          "loads_waited_for_uploads": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
@@ -234,7 +240,10 @@ class StoreRegistry:
             if total <= self.memory_budget:
                 break
             if store.hot_bytes >= self.spill_min_bytes and self._spillable(store):
-                freed = self._spill_now(store)
+                stacked = self._stack_deltas(store)
+                if stacked is None:
+                    continue  # it stacks once its last deltas are durable (the budget is checked then)
+                freed = stacked or self._spill_now(store)
                 if freed:
                     total -= freed
                     continue
@@ -299,14 +308,63 @@ class StoreRegistry:
         log.info("spilled %s at %s onto %s (%d bytes freed)", store_id, ref, path, before - store.memory_bytes)
         return max(0, before - store.memory_bytes)
 
+    def _stack_deltas(self, store: VersionedStore) -> int | None:
+        """A spilled store's hot part leaves memory without a write: the delta files of the commits
+        made since its cold state that are durable (with local copies) become the newer runs of its
+        cold level (``ColdStack``); the commits still uploading stay in memory (the hot part starts
+        again with them, from the store's recent history). The bytes freed; 0 when it cannot (not
+        spilled, a delta not local, the lineage not leading to the cold state, the stack at
+        ``MAX_RUNS``); None when it can once a delta still uploading is durable."""
+        cold, store_id, head = store.cold, store.store_id, store.head
+        if not isinstance(cold, (ColdRun, ColdStack)) or head == cold.ref:
+            return 0
+        chain: list[CheckpointRef] = []  # the states since the cold one, newest first
+        for r in (head, *store.lineage):
+            if r == cold.ref:
+                break
+            chain.append(r)
+        else:
+            return 0  # a newer snapshot cut the lineage: the next spill goes onto a snapshot
+        # uploads go in commit order: the durable states are the oldest of the chain
+        refs = [r for r in chain if self._uploader.state(store_id, r) in (None, UploadState.DURABLE)
+                and not self._uploader.pending_ref(store_id, r)]
+        if not refs:
+            return None if self._uploader.will_settle(store_id, head) else 0
+        depth = len(cold.runs) if isinstance(cold, ColdStack) else 1
+        if depth + len(refs) > MAX_RUNS:
+            return 0
+        objstore = self._objstores(store_id.root)
+        runs: list[ColdRun] = []
+        try:
+            for r in refs:
+                path = objstore.local_path(file_key(store_id, r, DELTA))
+                if path is None:
+                    return 0
+                runs.append(ColdRun.open(path, store_id, r, self.block_cache, kind=DELTA))
+            before = store.memory_bytes
+            store.spill(ColdStack.over(runs, cold))
+        except (OSError, StateStoreError) as exc:
+            log.warning("cannot stack the deltas of %s since %s: %s: %s", store_id, cold.ref, type(exc).__name__, exc)
+            return 0
+        finally:
+            if store.cold is cold:  # not stacked: let go of the runs opened
+                for run in runs:
+                    run.close()
+        self.counters["spills"] += 1
+        self.counters["deltas_stacked"] += len(refs)
+        log.info("stacked %d deltas of %s over %s (%d bytes freed)", len(refs), store_id, cold.ref,
+                 before - store.memory_bytes)
+        return max(0, before - store.memory_bytes)
+
     def spill_at(self, store_id: StoreId, ref: CheckpointRef) -> None:
-        """Maintenance wrote the snapshot of ``ref`` that a spill asked for: spill the store onto it
-        if it is idle and memory is still over budget (commits made since the snapshot stay in
-        memory: the hot part starts with them)."""
+        """Maintenance wrote the snapshot of ``ref`` that a spill asked for, or a snapshot of a
+        spilled store: spill the store onto it if memory is still over budget, and always when the
+        store is spilled already (its runs and hot part give way to one file). Commits made since
+        the snapshot stay in memory: the hot part starts with them."""
         store = self._stores.get(store_id)
         if store is None or not self._spillable(store):
             return
-        if self.memory_bytes + self._uploader.queued_bytes > self.memory_budget:
+        if store.cold is not None or self.memory_bytes + self._uploader.queued_bytes > self.memory_budget:
             self._spill_now(store, ref)
             self.enforce_budget()
 

@@ -408,6 +408,11 @@ class Uploader:
         q = self._by_store.get(store_id)
         return len(q) if q else 0
 
+    def pending_ref(self, store_id: StoreId, ref: CheckpointRef) -> bool:
+        """Whether the upload of ``ref`` of ``store_id`` is queued or running."""
+        up = self._status.get((store_id, ref))
+        return isinstance(up, _Upload) and not up.finished
+
     async def wait_settled(self, store_id: StoreId) -> None:
         """Return once no upload of ``store_id`` is queued or running (each ends durable or failed)."""
         while self.pending(store_id):

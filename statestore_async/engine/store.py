@@ -48,8 +48,9 @@ from statestore_async.errors import (
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
 
 DEFAULT_HISTORY = 4
-# commits a spilled store keeps (redo only) unless a state is pinned for a spill (see pin_history)
-SPILLED_HISTORY = 0
+# commits a spilled store keeps (redo only; more while a state is pinned for a spill, see
+# pin_history): what stacking the durable deltas leaves in memory, the commits still uploading
+SPILLED_HISTORY = 2
 # Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
 MAX_LINEAGE = 1000
 

@@ -13,16 +13,24 @@ first within its byte bound: recency is tracked per block, not per store. A bloc
 checked (checksums, lengths) when it is read; a damaged block raises ``CorruptFileError`` naming the
 file and the offset.
 
-``ColdRun`` satisfies the engine's ``engine.store.ColdLevel``: the engine does no IO of its own.
+A delta file opens as a run too (``kind=DELTA``): its tombstones hide older values. A
+``ColdStack`` puts runs newest first — the deltas of the commits made since a store spilled over
+its snapshot — so that a spilled store's hot part can leave memory without rewriting anything: the
+files are on local disk already (an LSM's flushed memtables, written by the uploader).
+
+``ColdRun`` and ``ColdStack`` satisfy the engine's ``engine.store.ColdLevel``: the engine does no
+IO of its own.
 """
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 from statestore_async.codecs import blockcodec
 from statestore_async.engine.table import Table, load_records
@@ -37,10 +45,11 @@ from statestore_async.files.checkpoint import (
     read_index,
     read_trailer,
 )
-from statestore_async.files.names import SNAPSHOT
+from statestore_async.files.names import DELTA, SNAPSHOT
 from statestore_async.ids import CheckpointRef, StoreId
 
 _ids = itertools.count(1)
+MISSING = object()  # ``lookup_many``: the run has no entry for the key (a tombstone gives None)
 
 
 class BlockCache:
@@ -118,6 +127,7 @@ class ColdRun:
     def __init__(self, path: str, fd: int, header: FileHeader, footer: Footer, first_keys: list[bytes],
                  cache: BlockCache) -> None:
         self.path = path
+        self.kind = header.kind
         self.header = header
         self.ref = header.ref
         self._fd: int | None = fd
@@ -131,7 +141,9 @@ class ColdRun:
         self.nbytes = sum(len(k) + 33 for k in first_keys) + 120 * len(footer.blocks) + 200
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], store_id: StoreId, ref: CheckpointRef, cache: BlockCache) -> ColdRun:
+    def open(cls, path: str | os.PathLike[str], store_id: StoreId, ref: CheckpointRef, cache: BlockCache,
+             kind: str = SNAPSHOT) -> ColdRun:
+        """Open the ``kind`` file (the snapshot, or a delta) of ``store_id`` at ``ref``."""
         path = os.fspath(path)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -141,9 +153,9 @@ class ColdRun:
             if len(head) < need:
                 head = os.pread(fd, need, 0)
             header = parse_header(head, path)
-            if header.kind != SNAPSHOT or header.ref != ref or not header.matches(store_id):
+            if header.kind != kind or header.ref != ref or not header.matches(store_id):
                 raise CorruptFileError(path, f"the file is the {header.kind} of {header.store} at {header.ref}, "
-                                             f"expected the snapshot of {store_id.to_json()} at {ref}", HEADER_FIXED)
+                                             f"expected the {kind} of {store_id.to_json()} at {ref}", HEADER_FIXED)
             tail = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
             footer_at, footer_len, _ = read_trailer(tail, path)
             if footer_at < need or footer_at + footer_len + TRAILER_SIZE != size:
@@ -204,7 +216,11 @@ class ColdRun:
         block = self._cache.get(key)
         if block is None:
             block = Table()
-            load_records(block, self._read_block(i))
+            if self.kind == SNAPSHOT:
+                load_records(block, self._read_block(i))
+            else:  # a delta's tombstones stay entries: they hide older runs' values
+                for k, v in self._read_block(i):
+                    block.put(k, v)
             self._cache.put(key, block)
         return block
 
@@ -232,18 +248,103 @@ class ColdRun:
                 out[j] = block.get(keys[j])
         return out
 
-    def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
-        """(key, value) with ``start <= key < stop`` in key order, reading blocks as it goes."""
+    def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
+        """Per key: its value, None for a tombstone (delta runs), ``MISSING`` when the run has no entry."""
+        out: list[object] = [MISSING] * len(keys)
+        by_block: dict[int, list[int]] = {}
+        first = self._first
+        for j, k in enumerate(keys):
+            i = bisect.bisect_right(first, k) - 1
+            if i >= 0:
+                by_block.setdefault(i, []).append(j)
+        for i, js in by_block.items():
+            block = self._block(i)
+            for j in js:
+                k = keys[j]
+                if k in block:
+                    out[j] = block.get(k)
+        return out
+
+    def entries(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, value | None) with ``start <= key < stop`` in key order, tombstones included."""
         i = max(0, self._block_of(start))
         n = len(self._blocks)
         while i < n:
             if stop is not None and self._first[i] >= stop:
                 return
-            yield from self._block(i).items(start, stop)  # type: ignore[misc]  # a snapshot holds no tombstone
+            yield from self._block(i).items(start, stop)
             i += 1
+
+    def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) with ``start <= key < stop`` in key order, reading blocks as it goes."""
+        for k, v in self.entries(start, stop):
+            if v is not None:
+                yield k, v
 
     def __repr__(self) -> str:
         return f"ColdRun({self.path!r}, {self.ref}, {self._records} records in {len(self._blocks)} blocks)"
 
 
-__all__ = ["BlockCache", "ColdRun"]
+class ColdStack:
+    """Runs newest first — deltas over a snapshot — read as one committed state (``ColdLevel``):
+    the newest run with an entry for a key decides (a tombstone: absent). ``ref`` is the newest
+    run's state."""
+
+    def __init__(self, runs: Sequence[ColdRun]) -> None:
+        if not runs or runs[-1].kind != SNAPSHOT or any(r.kind != DELTA for r in runs[:-1]):
+            raise ValueError("a cold stack is delta runs, newest first, over one snapshot run")
+        self.runs = list(runs)
+        self.ref = runs[0].ref
+        self.nbytes = sum(r.nbytes for r in runs)
+
+    @classmethod
+    def over(cls, deltas: Sequence[ColdRun], base: ColdRun | ColdStack) -> ColdStack:
+        """``deltas`` (newest first) over ``base``."""
+        return cls(list(deltas) + (base.runs if isinstance(base, ColdStack) else [base]))
+
+    def __len__(self) -> int:
+        return len(self.runs[-1])  # the snapshot's records: an estimate (the deltas add and remove)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        pending = list(range(len(keys)))
+        for run in self.runs:
+            if not pending:
+                break
+            found = run.lookup_many([keys[j] for j in pending])
+            left = []
+            for j, v in zip(pending, found):
+                if v is MISSING:
+                    left.append(j)
+                else:
+                    out[j] = cast("bytes | None", v)  # bytes, or None for a tombstone
+            pending = left
+        return out
+
+    def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """The merged records in key order: for each key the newest run's entry, tombstones dropped."""
+        def aged(age: int, run: ColdRun) -> Iterator[tuple[bytes, int, bytes | None]]:
+            for k, v in run.entries(start, stop):
+                yield k, age, v  # on equal keys the newer run (lower age) comes first
+
+        streams = [aged(age, run) for age, run in enumerate(self.runs)]
+        last = None
+        for k, _age, v in heapq.merge(*streams):
+            if k == last:
+                continue  # an older run's entry for a key a newer run decided
+            last = k
+            if v is not None:
+                yield k, v
+
+    def close(self) -> None:
+        for run in self.runs:
+            run.close()
+
+    def __repr__(self) -> str:
+        return f"ColdStack({self.ref}, {len(self.runs)} runs)"
+
+
+__all__ = ["MISSING", "BlockCache", "ColdRun", "ColdStack"]
