@@ -22,7 +22,8 @@ budget, and a later load of the store waits for its uploads) leave memory:
   write: the delta files of its commits since (durable, with local copies) are stacked over its
   cold level as newer runs (``ColdStack``, up to ``MAX_RUNS``), until a snapshot replaces the stack;
 * a smaller store, or one whose head's snapshot has no local copy, is evicted whole — it reloads
-  from its files when opened again.
+  from its files when opened again. A spilled store that holds less than ``spill_min_bytes``
+  stays (evicting it would free little and cost a reload).
 
 ``release`` evicts named stores on the same terms as eviction, at once (the driver's coordinator
 knows another node now owns them).
@@ -253,6 +254,8 @@ class StoreRegistry:
                     continue
             if not self._evictable(store):
                 continue
+            if store.cold is not None and store.memory_bytes < self.spill_min_bytes:
+                continue  # spilled and small: evicting it frees little, and its reload costs a load
             total -= store.memory_bytes
             self._drop(store_id)
             evicted += 1
