@@ -23,6 +23,8 @@ FULL = [
     ["bench_daemon.py"],
     ["bench_durability.py"],
     ["bench_spark.py"],
+    ["bench_sessions.py"],
+    ["bench_memory_soak.py", "--seconds", "600"],
 ]
 QUICK = [
     ["bench_foundation.py", "--keys", "200000", "--codec-rows", "50000"],
@@ -32,6 +34,8 @@ QUICK = [
     ["bench_daemon.py", "--seconds", "0.5", "--batches", "1,128,1024,10000"],
     ["bench_durability.py", "--batches", "50", "--keys", "200000"],
     ["bench_spark.py", "--quick"],
+    ["bench_sessions.py", "--quick"],
+    ["bench_memory_soak.py", "--seconds", "60"],
 ]
 
 
