@@ -305,7 +305,7 @@ class StoreRegistry:
             run.close()
             log.info("cannot spill %s onto %s: %s", store_id, path, exc)
             return 0
-        if old is not None:
+        if old is not None and not store._views:  # a view being written reads on from it (closed when collected)
             old.close()
         self.counters["spills"] += 1
         log.info("spilled %s at %s onto %s (%d bytes freed)", store_id, ref, path, before - store.memory_bytes)
