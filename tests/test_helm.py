@@ -462,6 +462,7 @@ def test_config_toml_loads_with_the_daemons_loader(rendered, tmp_path, values):
     assert cfg.cache_dir == (val("cache", "mountPath") if val("cache", "enabled") else "")
     expected_budget = {"irsa-values.yaml": 6 * gib}.get(values.name, 2 * gib)
     assert cfg.memory_budget == expected_budget
+    assert cfg.spill_min_bytes == mib and cfg.block_cache_bytes == 0  # 0: a quarter of the budget
     expected_cache = {"s3-existing-secret-values.yaml": 20 * gib}.get(values.name, 10 * gib)
     assert cfg.cache_bytes == expected_cache
 
