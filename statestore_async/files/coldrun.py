@@ -234,19 +234,8 @@ class ColdRun:
         return None if i < 0 else self._block(i).get(key)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The values of ``keys`` (None: absent); each block needed is read once."""
-        out: list[bytes | None] = [None] * len(keys)
-        by_block: dict[int, list[int]] = {}
-        first = self._first
-        for j, k in enumerate(keys):
-            i = bisect.bisect_right(first, k) - 1
-            if i >= 0:
-                by_block.setdefault(i, []).append(j)
-        for i, js in by_block.items():
-            block = self._block(i)
-            for j in js:
-                out[j] = block.get(keys[j])
-        return out
+        """The values of ``keys`` (None: absent or removed); each block needed is read once."""
+        return [None if v is MISSING else cast("bytes | None", v) for v in self.lookup_many(keys)]
 
     def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
         """Per key: its value, None for a tombstone (delta runs), ``MISSING`` when the run has no entry."""
