@@ -7,6 +7,7 @@ helm comes from ``STATESTORE_HELM`` (``make test`` sets it) or ``.cache/helm/hel
 """
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 import subprocess
@@ -135,7 +136,7 @@ def _values(name: str) -> dict:
 def test_ci_values_files_present():
     names = {p.name for p in CI_VALUES}
     assert {"default-values.yaml", "s3-existing-secret-values.yaml", "irsa-values.yaml",
-            "metrics-values.yaml"} <= names
+            "metrics-values.yaml", "dashboards-values.yaml"} <= names
     for p in CI_VALUES:
         assert _values(p.name)["objectStore"]["root"], p.name
 
@@ -202,6 +203,8 @@ BAD_VALUES = {
     "bad-size": (["--set", "daemon.memoryBudget=lots"], ["/daemon/memoryBudget"]),
     "octal-mode-as-int": ({"socket": {"mode": 432}}, ["/socket/mode"]),
     "retention-below-2": (["--set", "snapshots.retentionVersions=1"], ["/snapshots/retentionVersions"]),
+    "dashboard-label-value-int": ({"dashboards": {"enabled": True, "labelValue": 1}}, ["/dashboards/labelValue"]),
+    "dashboard-bad-label": (["--set", "dashboards.label=grafana dashboard"], ["/dashboards/label"]),
 }
 # Checked by the templates (`fail`), not by the schema: `helm lint` only logs a template's `fail`
 # (at INFO level), so these fail `helm template` / `helm install` only.
@@ -504,6 +507,29 @@ def test_metrics(rendered):
     d = rendered["default-values.yaml"]
     assert d.toml["metrics_port"] == 0 and "ports" not in d.daemon
     assert not d.kinds("Service") and not d.kinds("ServiceMonitor") and not d.kinds("NetworkPolicy")
+
+
+def test_grafana_dashboard_config_map(helm, rendered):
+    """dashboards.enabled renders the dashboard JSON of the chart, unchanged, in a ConfigMap that the
+    Grafana sidecar picks up by its label (tests/test_dashboard.py checks the JSON itself)."""
+    shipped = json.loads((CHART / "dashboards" / "statestore-async.json").read_text())
+    r = rendered["dashboards-values.yaml"]
+    cm = r.one("ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Streaming"}
+    assert list(cm["data"]) == ["statestore-async.json"]
+    assert json.loads(cm["data"]["statestore-async.json"]) == shipped
+    # off by default, in every other ci values file
+    for name, other in rendered.items():
+        if name != "dashboards-values.yaml":
+            assert not [c for c in other.kinds("ConfigMap") if c["metadata"]["name"].endswith("-dashboard")], name
+    # another sidecar label, and the release's namespace when none is given
+    custom = render(helm, "--set", "objectStore.root=s3://b", "--set", "dashboards.enabled=true",
+                    "--set", "dashboards.label=example.com/dashboard", "--set-string", "dashboards.labelValue=yes")
+    labels = custom.one("ConfigMap", "-dashboard")["metadata"]["labels"]
+    assert labels["example.com/dashboard"] == "yes" and "grafana_dashboard" not in labels
+    assert custom.one("ConfigMap", "-dashboard")["metadata"]["namespace"] == "spark"
 
 
 def test_network_policy_without_metrics_denies_all_ingress(helm):
