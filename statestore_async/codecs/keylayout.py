@@ -24,6 +24,14 @@ def check_num_key_groups(num_key_groups: int) -> int:
     return num_key_groups
 
 
+def partition_key_groups(partition: int, num_partitions: int, num_key_groups: int) -> range:
+    """The key groups partition ``partition`` of ``num_partitions`` owns: those with
+    ``kg * num_partitions // num_key_groups == partition`` (the routing's rule), a contiguous range."""
+    lo = -(-partition * num_key_groups // num_partitions)
+    hi = -(-(partition + 1) * num_key_groups // num_partitions)
+    return range(lo, hi)
+
+
 def store_key(key_group: int, payload: bytes) -> bytes:
     """Build the store key of ``payload`` in ``key_group``."""
     if not 0 <= key_group < MAX_KEY_GROUPS:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from statestore_async.engine.store import FrozenView
 from statestore_async.errors import StateStoreError
-from statestore_async.files.checkpoint import FileHeader, snapshot_steps
+from statestore_async.files.checkpoint import FileHeader, block_bytes_for, snapshot_steps
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.retention import cleanup_store
 from statestore_async.files.transfer import create_checkpoint_file
@@ -226,8 +226,9 @@ class Maintenance:
                     if store_id in self._spill_after:
                         store.pin_history(ref)  # the spill onto it keeps the commits made meanwhile
                     view = store.freeze()
+                    block_bytes = block_bytes_for(store.memory_bytes)  # ~ its records' bytes
                     del store
-                    data = await self._encode_here(view)
+                    data = await self._encode_here(view, block_bytes)
             if data is not None:
                 size = await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)
                 del data
@@ -255,12 +256,12 @@ class Maintenance:
         finally:
             self._busy.discard(store_id)
 
-    async def _encode_here(self, view: FrozenView) -> bytes:
+    async def _encode_here(self, view: FrozenView, block_bytes: int = STEP_BLOCK_BYTES) -> bytes:
         """The snapshot file of ``view`` (released here), encoded in this process in bounded steps
         between requests."""
         try:
             parts: list[bytes] = []
-            steps = snapshot_steps(view, block_bytes=STEP_BLOCK_BYTES)
+            steps = snapshot_steps(view, block_bytes=min(block_bytes, STEP_BLOCK_BYTES))
             give_way = _Pacer(served=self._served)
             while True:
                 # the collector is off during each step only, never across an await: requests

@@ -146,7 +146,7 @@ def _requests(objstore: ObjectStore) -> dict[str, int]:
 
 async def _build(objstores: dict[str, ObjectStore], settings: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
     from statestore_async.daemon.objectstores import open_root
-    from statestore_async.files.checkpoint import encode_snapshot
+    from statestore_async.files.checkpoint import block_bytes_for, encode_snapshot
     from statestore_async.files.loader import load_store
     from statestore_async.files.transfer import create_checkpoint_file
 
@@ -164,7 +164,7 @@ async def _build(objstores: dict[str, ObjectStore], settings: dict[str, Any], me
         ref = CheckpointRef(message["version"], message["ckptid"])
         store, _ = await load_store(objstore, store_id, ref)
         with store.freeze() as view:
-            data = encode_snapshot(view)
+            data = encode_snapshot(view, block_bytes=block_bytes_for(store.memory_bytes))
         del store
         answer: dict[str, Any] = {"ok": True, "bytes": await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, data)}
     except StateStoreError as exc:

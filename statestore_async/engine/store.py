@@ -308,6 +308,12 @@ class FrozenView:
         kgs = [key_group_or_zero(k) for k, _ in out]
         return blockcodec.encode_records_raw(out), pos + len(out), min(kgs), max(kgs)
 
+    @property
+    def approx_bytes(self) -> int:
+        """About how many bytes the view's records take (its store's memory; 0 once released):
+        a writer sizes its blocks by it."""
+        return self._store.memory_bytes if self._store is not None else 0
+
     def release(self) -> None:
         """End the view: the table may reclaim what only the view needed, and the view lets go of the store."""
         store, view = self._store, self._view

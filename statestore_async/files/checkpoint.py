@@ -72,6 +72,18 @@ HEADER_FIXED = _HEAD.size
 TRAILER_SIZE = _TRAIL.size
 MAX_JSON = 64 << 20
 DEFAULT_BLOCK_BYTES = 1 << 20
+# blocks per file that ``block_bytes_for`` aims at, and its bounds: a rescale reads the blocks of
+# the key groups it needs, and at each edge of a range at most one block holds records of both
+# sides, so with ~64 blocks per file the bytes read beyond the records needed stay a few percent
+BLOCKS_PER_FILE = 64
+MIN_BLOCK_BYTES = 4 << 10
+MAX_BLOCK_BYTES = 64 << 10
+
+
+def block_bytes_for(payload_bytes: int) -> int:
+    """The block payload size for a file of about ``payload_bytes`` of records: ~1/64 of it,
+    between 4 KiB (smaller blocks compress poorly and grow the footer) and 64 KiB."""
+    return max(MIN_BLOCK_BYTES, min(MAX_BLOCK_BYTES, payload_bytes // BLOCKS_PER_FILE))
 
 
 class CodecOptions(TypedDict, total=False):
@@ -309,11 +321,14 @@ class CheckpointWriter:
         return parts
 
 
-def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
+def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int | None = None,
                  threads: bool = True) -> bytes:
     """The delta file of an engine ``Delta``: its records in key order, written straight from its
     table (``Table.freeze``), blocks compressed in parallel threads unless ``threads``
-    is False. The bytes are those of ``CheckpointWriter.add_records(list(delta.records.items()))``."""
+    is False. The bytes are those of ``CheckpointWriter.add_records(list(delta.records.items()))``.
+    ``block_bytes`` None: ``block_bytes_for`` the delta's size."""
+    if block_bytes is None:
+        block_bytes = block_bytes_for(delta.nbytes)
     w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
     view = delta.table.freeze()
     try:
@@ -323,7 +338,7 @@ def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_byt
     return w.finish()
 
 
-def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int = DEFAULT_BLOCK_BYTES,
+def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int | None = None,
                    ) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
@@ -331,16 +346,19 @@ def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, blo
     key order (so in key-group order) straight from the view's table and encoding it — so an event
     loop can serve requests between pieces; then, as the last item, the file as a list of parts
     (``b"".join`` them; a large join releases the GIL, so it can run in a thread).
+    ``block_bytes`` None: ``block_bytes_for`` the view's size.
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
-                         block_bytes=block_bytes)
+                         block_bytes=block_bytes if block_bytes is not None else block_bytes_for(view.approx_bytes))
     yield from w.add_packed_steps(view)
     yield w.finish_parts()
 
 
 def encode_snapshot(view: FrozenView, *, threads: bool = True, **kwargs: Unpack[CodecOptions]) -> bytes:
     """The snapshot file of a frozen engine view, in one call (the bytes of ``snapshot_steps``),
-    blocks compressed in parallel threads unless ``threads`` is False."""
+    blocks compressed in parallel threads unless ``threads`` is False; ``block_bytes`` by default
+    ``block_bytes_for`` the view's size."""
+    kwargs.setdefault("block_bytes", block_bytes_for(view.approx_bytes))
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, **kwargs)
     w.add_packed(view, threads=threads)
     return w.finish()

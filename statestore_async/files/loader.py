@@ -17,21 +17,26 @@ a cold level over a local copy of it (``files.coldrun.ColdRun``): the store star
 that file, with the deltas after it in memory — a restart on the same node serves at once, reading
 blocks as keys are asked for. A local copy that fails its checks is logged and the snapshot is read
 from the object store as usual.
+
+A state with no snapshot and no delta but a recipe (``files.rescale``: the first state of a partition
+after the operator's partition count changed) is assembled from the recipe's key-group ranges of the
+old partitions' states, and its snapshot written before the load returns.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, VersionedStore
 from statestore_async.engine.table import Table, load_records
 from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
-from statestore_async.files.checkpoint import FileHeader, Record
+from statestore_async.files.checkpoint import FileHeader, Record, block_bytes_for, encode_snapshot
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
-from statestore_async.files.transfer import ReadStats, read_checkpoint_file
+from statestore_async.files.rescale import Recipe, read_key_groups, read_recipe
+from statestore_async.files.transfer import ReadStats, create_checkpoint_file, read_checkpoint_file
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
 if TYPE_CHECKING:
@@ -56,6 +61,10 @@ class LoadReport:
     bytes_read: int = 0
     records: int = 0
     cold: str | None = None  # the local snapshot file the store was opened over, if any
+    # a rescaled partition's first state (files.rescale): the old partitions and states read, and
+    # the bytes of the snapshot written for it
+    rescaled_from: list[tuple[int, CheckpointRef]] | None = None
+    snapshot_written: int = 0
 
 
 async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str,
@@ -68,11 +77,27 @@ async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
 
 
 OpenCold = Callable[[CheckpointRef], "ColdLevel | None"]
+ReadFile = Callable[["ObjectStore", StoreId, CheckpointRef, str, LoadReport],
+                    Awaitable[tuple[FileHeader, list[Record]]]]
+
+
+def key_group_reader(first_kg: int, last_kg: int) -> ReadFile:
+    """A ``read_file`` that reads and returns only the records of key groups ``first_kg..last_kg``."""
+
+    async def read(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str,
+                   report: LoadReport) -> tuple[FileHeader, list[Record]]:
+        stats = ReadStats(report.files_read, report.missing)
+        try:
+            return await read_key_groups(objstore, store_id, ref, kind, first_kg, last_kg, stats)
+        finally:
+            report.bytes_read += stats.bytes_read
+
+    return read
 
 
 async def _chain(
     objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, report: LoadReport, max_depth: int,
-    cold: OpenCold | None = None,
+    cold: OpenCold | None = None, read: ReadFile = read_file,
 ) -> tuple[CheckpointRef, list[Record] | ColdLevel, list[tuple[CheckpointRef, list[Record]]]]:
     """(base snapshot ref or EMPTY, its records or a cold level over it, [(delta ref, records)] oldest first)."""
     pending: list[tuple[CheckpointRef, list[Record]]] = []
@@ -87,7 +112,7 @@ async def _chain(
             if level is not None:
                 return current, level, list(reversed(pending))
         try:
-            header, records = await read_file(objstore, store_id, current, SNAPSHOT, report)
+            header, records = await read(objstore, store_id, current, SNAPSHOT, report)
             return current, records, list(reversed(pending))
         except ObjectNotFoundError:
             if current != ref:  # a lineage names its base for its snapshot: that one should be there
@@ -100,7 +125,7 @@ async def _chain(
             log.warning("store %s: snapshot %s is damaged (%s): loading %s from its delta and the states "
                         "before it instead", store_id, exc.name, exc.reason, current)
         try:
-            header, records = await read_file(objstore, store_id, current, DELTA, report)
+            header, records = await read(objstore, store_id, current, DELTA, report)
         except ObjectNotFoundError:
             delta_key = file_key(store_id, current, DELTA)
             if damaged is not None:  # nothing replaces the damaged snapshot: the damage is the error
@@ -123,7 +148,7 @@ async def _chain(
         middle = list(lineage[:-1])
         if middle:
             results = await asyncio.gather(
-                *(read_file(objstore, store_id, r, DELTA, report) for r in middle), return_exceptions=True
+                *(read(objstore, store_id, r, DELTA, report) for r in middle), return_exceptions=True
             )
             for i, (r, res) in enumerate(zip(middle, results)):
                 if isinstance(res, ObjectNotFoundError):
@@ -157,7 +182,13 @@ async def load_store(
     report = LoadReport(ref)
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
-    base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth, cold)
+    try:
+        base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth, cold)
+    except VersionNotFoundError:
+        recipe = await read_recipe(objstore, store_id, ref)  # the first state of a rescaled partition?
+        if recipe is None:
+            raise
+        return await _assemble(objstore, store_id, ref, recipe, report, history, max_depth), report
     if not isinstance(base_records, list):
         return _over_cold(store_id, ref, base, base_records, deltas, report, history), report
     data = Table()
@@ -179,6 +210,38 @@ async def load_store(
         store.mark_snapshot(base)
     log.debug("loaded %s %s: %s", store_id, ref, report)
     return store, report
+
+
+async def _assemble(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, recipe: Recipe,
+                    report: LoadReport, history: int, max_depth: int) -> VersionedStore:
+    """The first state of a rescaled partition (``files.rescale``): the recipe's key groups of each
+    old partition's state, read by ranges (lineage followed as in a load), then ``ref``'s snapshot
+    written, so that the state is durable and loads from its own file from then on."""
+    data = Table()
+    for src in recipe.sources:
+        sid = StoreId(store_id.root, store_id.operator_id, src.partition, store_id.store_name)
+        base, base_records, deltas = await _chain(objstore, sid, src.ref, report, max_depth,
+                                                  read=key_group_reader(src.first_kg, src.last_kg))
+        assert isinstance(base_records, list)  # no cold level was offered
+        load_records(data, base_records)
+        expect_version = base.version
+        for r, records in deltas:
+            expect_version += 1
+            if r.version != expect_version:
+                raise LineageError(f"store {sid}: replay of {src.ref} expected version {expect_version}, got {r}")
+            load_records(data, records)
+    report.records = len(data)
+    report.rescaled_from = [(s.partition, s.ref) for s in recipe.sources]
+    store = VersionedStore(store_id, data, ref, (), head_has_snapshot=True, history=history)
+    with store.freeze() as view:
+        snapshot = await asyncio.to_thread(encode_snapshot, view, block_bytes=block_bytes_for(store.memory_bytes))
+    await create_checkpoint_file(objstore, store_id, ref, SNAPSHOT, snapshot)
+    report.snapshot_written = len(snapshot)
+    store.mark_snapshot(ref)
+    log.info("assembled %s %s from %d key-group ranges of %d old partitions: %d records, %d bytes read, "
+             "snapshot of %d bytes written", store_id, ref, len(recipe.sources), recipe.from_partitions,
+             report.records, report.bytes_read, len(snapshot))
+    return store
 
 
 def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level: ColdLevel,

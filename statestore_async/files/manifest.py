@@ -55,13 +55,13 @@ def _canonical(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
-def _seal(kind: str, body: dict[str, Any]) -> bytes:
+def seal(kind: str, body: dict[str, Any]) -> bytes:
     """``{kind: body, "xxh3": checksum of body}`` as canonical JSON: a manifest's or an owner record's file."""
     return _canonical({kind: body, "xxh3": f"{xxhash.xxh3_64_intdigest(_canonical(body)):016x}"}) + b"\n"
 
 
-def _unseal(data: bytes, name: str, kind: str, what: str) -> dict[str, Any]:
-    """The body of a file ``_seal`` made, its checksum and format version checked (``CorruptFileError``)."""
+def unseal(data: bytes, name: str, kind: str, what: str) -> dict[str, Any]:
+    """The body of a file ``seal`` made, its checksum and format version checked (``CorruptFileError``)."""
     outer = json.loads(data)
     body: dict[str, Any] = outer[kind]
     if outer["xxh3"] != f"{xxhash.xxh3_64_intdigest(_canonical(body)):016x}":
@@ -119,12 +119,12 @@ class Manifest:
             "created": self.created,
             "metadata": self.metadata,
         }
-        return _seal("manifest", body)
+        return seal("manifest", body)
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str) -> Manifest:
         try:
-            body = _unseal(data, name, "manifest", "manifest")
+            body = unseal(data, name, "manifest", "manifest")
             return cls(
                 operator_id=body["operator_id"],
                 version=body["version"],
@@ -210,12 +210,12 @@ class OwnerRecord:
     def to_bytes(self) -> bytes:
         body = {"format": FORMAT_VERSION, "operator_id": self.operator_id, "epoch": self.epoch, "owner": self.owner,
                 "previous": self.previous, "from_version": self.from_version, "created": self.created}
-        return _seal("owner", body)
+        return seal("owner", body)
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str) -> OwnerRecord:
         try:
-            body = _unseal(data, name, "owner", "owner record")
+            body = unseal(data, name, "owner", "owner record")
             return cls(operator_id=body["operator_id"], epoch=body["epoch"], owner=body["owner"],
                        previous=body["previous"], from_version=body["from_version"], created=body["created"])
         except CorruptFileError:

@@ -1,4 +1,8 @@
-"""Names of checkpoint files: ``<version>_<ckptid>.delta|.snapshot`` under a store's folder.
+"""Names of checkpoint files: ``<version>_<ckptid>.delta|.snapshot|.rescale`` under a store's folder.
+
+A ``.rescale`` file is the recipe of a rescaled partition's first state (``files.rescale``): which
+key-group ranges of which old partitions' states it is made of. It is read only when that state has
+no snapshot (yet) and no delta.
 
 The one place that knows how a checkpoint file is named and where it lives relative to the
 checkpoint root; every writer and reader of checkpoint files asks it.
@@ -10,16 +14,18 @@ import re
 from statestore_async.errors import InterfaceError
 from statestore_async.ids import CheckpointRef, StoreId
 
-_FILE_RE = re.compile(r"^(?P<version>0|[1-9][0-9]{0,18})_(?P<ckptid>[0-9a-f]{32})\.(?P<kind>delta|snapshot)$")
+_FILE_RE = re.compile(r"^(?P<version>0|[1-9][0-9]{0,18})_(?P<ckptid>[0-9a-f]{32})\.(?P<kind>delta|snapshot|rescale)$")
 
 DELTA = "delta"
 SNAPSHOT = "snapshot"
+RESCALE = "rescale"
+KINDS = (DELTA, SNAPSHOT, RESCALE)
 
 
 def file_name(ref: CheckpointRef, kind: str) -> str:
-    """``<version>_<ckptid>.delta|.snapshot``."""
-    if kind not in (DELTA, SNAPSHOT):
-        raise InterfaceError(f"file kind is 'delta' or 'snapshot', got {kind!r}")
+    """``<version>_<ckptid>.delta|.snapshot|.rescale``."""
+    if kind not in KINDS:
+        raise InterfaceError(f"file kind is one of {KINDS}, got {kind!r}")
     if ref.is_empty_state:
         raise InterfaceError("version 0 is the empty state and has no file")
     return f"{ref.version}_{ref.ckptid}.{kind}"

@@ -11,7 +11,8 @@ It forwards each request to the upstream server unless a fault is due:
 - ``drop_next_response(method, path_contains)``: the same, once, for the next request of that
   method whose target contains ``path_contains`` (each call arms one more).
 It runs its own event loop in a thread, so it serves sync and async clients alike, and counts
-what it did per kind in ``stats``.
+what it did per kind in ``stats``, and the requests it forwarded per method and the body bytes of
+their answers (``stats["GET"]``, ``stats["GET_bytes"]``, …): the object store's own request log.
 """
 from __future__ import annotations
 
@@ -193,6 +194,9 @@ class FaultProxy:
                     _reset(writer)
                     return
                 self.stats["forwarded"] += 1
+                method = request.split(b" ", 1)[0].decode("ascii", "replace")
+                self.stats[method] += 1
+                self.stats[f"{method}_bytes"] += len(response) - (response.find(b"\r\n\r\n") + 4)
                 if drop:
                     self.stats["dropped_response"] += 1
                     _reset(writer)
