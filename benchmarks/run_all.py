@@ -24,6 +24,7 @@ FULL = [
     ["bench_durability.py"],
     ["bench_spark.py"],
     ["bench_sessions.py"],
+    ["bench_timers.py"],
     ["bench_memory_soak.py", "--seconds", "600"],
 ]
 QUICK = [
@@ -35,6 +36,7 @@ QUICK = [
     ["bench_durability.py", "--batches", "50", "--keys", "200000"],
     ["bench_spark.py", "--quick"],
     ["bench_sessions.py", "--quick"],
+    ["bench_timers.py", "--quick"],
     ["bench_memory_soak.py", "--seconds", "60"],
 ]
 

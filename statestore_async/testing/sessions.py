@@ -133,6 +133,30 @@ def timer_changes(before: Iterable[Session], after: Iterable[Session], gap_ms: i
     return sorted(old - new), sorted(new - old)
 
 
+def fired_timers(stream: SessionStream, trailing_empty: bool = True) -> list[tuple[int, str, int]]:
+    """``(batch, user, at_ms)`` of every timer this project's processors fire (one timer per open
+    session, at its close time), sorted: in batch ``b`` a user without admitted events whose open
+    sessions the watermark closed fires their timers; a user with events closes them in its rows'
+    call, deleting their timers (they never fire). ``trailing_empty``: as ``write_batches``."""
+    sessions: dict[str, list[Session]] = {}
+    out: list[tuple[int, str, int]] = []
+    files = [*stream.batches, []] if trailing_empty else list(stream.batches)
+    for b, rows in enumerate(files):
+        wm = stream.watermarks[b]
+        times: dict[str, list[int]] = {}
+        for u, t in rows:
+            if not _late(t, wm):
+                times.setdefault(u, []).append(t)
+        for u, ts in times.items():
+            _, still = split_due(sessions.get(u, ()), wm, stream.gap_ms)
+            sessions[u] = add_events(still, ts, stream.gap_ms)
+        for u, ss in sessions.items():
+            if u not in times:
+                closed, sessions[u] = split_due(ss, wm, stream.gap_ms)
+                out += [(b, u, e + stream.gap_ms) for _, e, _ in closed]
+    return sorted(out)
+
+
 def sessions_of(stream: SessionStream) -> list[Emitted]:
     """The plain-Python batch computation: the sessions of the admitted events that the final
     watermark closed, sorted."""
@@ -329,9 +353,11 @@ def transform_with_state_in_pandas(events: DataFrame, gap_ms: int, delay_ms: int
 
 
 # -- this project's StatefulOperator ----------------------------------------------------------------
-def session_processor(gap_ms: int):
+def session_processor(gap_ms: int, mark_timers: bool = False):
     """A per-key ``StatefulProcessor`` of this project with event-time timers (``handle.timers``,
-    ``handle.watermark_ms``, ``handle_expired_timer``): the same steps as the Spark versions."""
+    ``handle.watermark_ms``, ``handle_expired_timer``): the same steps as the Spark versions.
+    ``mark_timers``: every fired timer also emits ``(user, at_ms, at_ms, 0)`` (a session has at
+    least one event: the rows with ``events == 0`` are the fired timers, see ``fired_timers``)."""
     from statestore_async.spark.processor import StatefulProcessor
 
     class Sessions(StatefulProcessor):
@@ -360,17 +386,20 @@ def session_processor(gap_ms: int):
             yield from self._step(key, [et for (et,) in rows])
 
         def handle_expired_timer(self, key: tuple, timer: Any, state: Any) -> Iterator[Emitted]:
+            if mark_timers:
+                yield (key[0], timer.at_ms, timer.at_ms, 0)
             yield from self._step(key, [])
 
     return Sessions()
 
 
-def vectorized_session_processor(gap_ms: int):
+def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
     """A ``VectorizedProcessor`` of this project for the same job: numpy over the partition's keys.
 
     State per user: its one open session (``start``, ``end``, ``events``), or, when it has several,
     all of them as JSON in ``more`` (parsed and written per such user; merged with the rest). Timers
-    as ``timer_changes``: one per open session, at its close time."""
+    as ``timer_changes``: one per open session, at its close time. ``mark_timers``: as
+    ``session_processor``'s."""
     import numpy as np
     import pyarrow as pa
 
@@ -461,20 +490,26 @@ def vectorized_session_processor(gap_ms: int):
 
         def handle_expired_timers(self, keys, timers, state, exists):
             new_state, closed, valid = self._sessions(keys.num_rows, state, np.asarray(exists, bool), None, None)
-            return new_state, self._output(keys, closed), valid
+            out = self._output(keys, closed)
+            if mark_timers:
+                at = timers["at_ms"]
+                out = pa.concat_tables([pa.table({"user": timers["user"], "start_ms": at, "end_ms": at,
+                                                  "events": pa.array(np.zeros(len(at), np.int64))}), out])
+            return new_state, out, valid
 
     return VectorizedSessions()
 
 
 def session_operator(root: str, operator_id: str, gap_ms: int, delay_ms: int, num_partitions: int = 2,
-                     vectorized: bool = False, **kw: Any):
+                     vectorized: bool = False, mark_timers: bool = False, **kw: Any):
     """The ``StatefulOperator`` that sessionizes ``(user, et)`` rows (``et`` in ms), per key or
-    vectorized."""
+    vectorized (``mark_timers``: see ``session_processor``)."""
     from datetime import timedelta
 
     from statestore_async.spark.operator import StatefulOperator
 
-    processor = vectorized_session_processor(gap_ms) if vectorized else session_processor(gap_ms)
+    processor = (vectorized_session_processor(gap_ms, mark_timers) if vectorized else
+                 session_processor(gap_ms, mark_timers))
     return StatefulOperator(root, operator_id, ["user"], processor, OUTPUT_SCHEMA, num_partitions,
                             value_columns=["et"], time_mode="event", event_time_column="et",
                             watermark_delay=timedelta(milliseconds=delay_ms), **kw)
@@ -482,7 +517,7 @@ def session_operator(root: str, operator_id: str, gap_ms: int, delay_ms: int, nu
 
 __all__ = [
     "INPUT_SCHEMA", "OUTPUT_SCHEMA", "ROCKSDB_PROVIDER", "SessionStream", "add_events", "apply_in_pandas_with_state",
-    "checksum", "checksum_into", "collect_into", "generate", "group_state_sessions", "read_stream", "run_to_end",
+    "checksum", "checksum_into", "collect_into", "fired_timers", "generate", "group_state_sessions", "read_stream", "run_to_end",
     "session_operator", "session_processor", "sessions_of", "split_due", "timer_changes",
     "transform_with_state_in_pandas", "tws_processor", "vectorized_session_processor", "write_batches",
 ]
