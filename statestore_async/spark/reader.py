@@ -1,28 +1,57 @@
-"""Reading an operator's committed state: ``load_state`` (a dict, in this process) and ``read_state`` (a DataFrame).
+"""Reading an operator's committed state, from its checkpoint files alone (no daemon).
 
-Both read the manifest of a version (the latest when ``version`` is None) and load each partition's
-named checkpoint from files alone (``loader.load_store``: GETs of named files, no daemon).
+* ``read_state(spark, root, operator_id, ...)``: a DataFrame of typed columns, one row per grouping
+  key: ``partition``, ``key_group``, the key columns (the operator's ``key_columns``), then one column
+  per state variable and, for a TTL'd one, ``<name>_expires_ms``;
+* ``load_state_table`` / ``decode_partition``: the same rows as a pyarrow Table or as Python values,
+  in this process (what ``statestore-async show`` and ``export`` use);
+* ``load_state``: ``{(state_name, grouping_key): stored value}`` in this process (TTL'd values as
+  ``(expires_at_ms, value)``);
+* ``read_metadata(spark, root)``: the operators, their versions, partitions, key groups and sizes
+  (``spark.statemeta``); the change feed between two versions is ``spark.changefeed``.
 
-They give the state variables' records only: timers and the TTL expiry index (``spark.timekeys``)
-are left out. A TTL'd value past its expiry by the clock of the batch that wrote the version is
-not in it (that batch removed it); ``now_ms`` also leaves out the values expired by that time, and
-the entries of per-entry TTL'd lists and maps expired by then. A TTL'd value reads as
-``(expires_at_ms, value)``; a list or map with a TTL as ``(latest expiry, [(expires_at_ms, value),
-...])`` or ``(latest expiry, {map key: (expires_at_ms, value)})``.
+Each reads the manifest of a version (the latest when ``version`` is None) and loads each
+partition's named checkpoint (``loader.load_store``: GETs of named files). Timers and the TTL expiry
+index (``spark.timekeys``) are left out: only the state variables' records are read.
+
+Typed columns. The manifest records the key columns' names and each state variable's kind and TTL
+(``processor.merge_declarations``), not the types of the values: those are inferred from the values
+(``spark.statetypes``), the same way on every partition, so ``read_state`` reads the state twice —
+once for the types, once for the rows. A column whose values fit no one Spark type is JSON text.
+A value state holds its value; a list state a list; a map state a map; a ``VectorizedProcessor``'s
+state its row as a struct (fields ``_1``, ``_2``, … in ``state_schema`` order). The TTL expiry of
+a value (or whole list / map) is its own column, ``<name>_expires_ms``; a list or map with a TTL per
+entry has the live entries' values in ``<name>`` and their expiries beside them in
+``<name>_expires_ms`` (a list of the same length, a map with the same keys).
+
+Expired values are hidden by default: the processor's view at ``now_ms`` (default: the current
+time) — a value past its expiry is absent, and so is an entry of a per-entry TTL'd list or map.
+``include_expired=True`` shows every stored value. (The batch that wrote the version had already
+removed what was expired by its own clock.)
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
 
 from statestore_async.codecs import valuecodec
 from statestore_async.codecs.keylayout import key_group_of, payload
-from statestore_async.errors import VersionNotFoundError
+from statestore_async.errors import InterfaceError, VersionNotFoundError
 from statestore_async.files.loader import load_store
-from statestore_async.files.manifest import list_manifest_versions, read_manifest
-from statestore_async.ids import DEFAULT_STORE_NAME, StoreId
+from statestore_async.files.manifest import Manifest, list_manifest_versions, read_manifest
+from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId
 from statestore_async.objectstore import open_object_store
+from statestore_async.spark import statetypes
+from statestore_async.spark.statetypes import ColumnType
 from statestore_async.spark.timekeys import is_state_key
+
+EXPIRES_SUFFIX = "_expires_ms"
 
 
 def _open(root: str, s3_options: dict | None):
@@ -62,8 +91,6 @@ def decode_record(key: bytes, value: bytes) -> tuple[int, str, tuple, object]:
 def load_partition(root: str, operator_id: str, partition: int, ckpt_version: int, ckptid: str,
                    s3_options: dict | None = None) -> list[tuple[bytes, bytes]]:
     """Every (key, value) record of one partition's committed checkpoint, loaded from files."""
-    from statestore_async.ids import CheckpointRef
-
     ref = CheckpointRef(ckpt_version, ckptid)
     if ref.is_empty_state:
         return []
@@ -71,12 +98,20 @@ def load_partition(root: str, operator_id: str, partition: int, ckpt_version: in
     async def go():
         r, store = _open(root, s3_options)
         try:
-            vs, _ = await load_store(store, StoreId(r, operator_id, partition), ref)
-            return list(vs.items())
+            return await load_records(store, r, operator_id, partition, ref)
         finally:
             await store.close()
 
     return asyncio.run(go())
+
+
+async def load_records(objstore, root: str, operator_id: str, partition: int,
+                       ref: CheckpointRef) -> list[tuple[bytes, bytes]]:
+    """Every (key, value) record of one partition's state ``ref``, in key order."""
+    if ref.is_empty_state:
+        return []
+    vs, _ = await load_store(objstore, StoreId(root, operator_id, partition), ref)
+    return list(vs.items())
 
 
 _GONE = object()
@@ -105,8 +140,9 @@ def _ttl_states(manifest) -> dict[str, bool]:
 
 def load_state(root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
                now_ms: int | None = None) -> dict:
-    """``{(state_name, grouping_key): value}`` of the committed version (the latest by default);
-    with ``now_ms``, TTL'd values expired by then are left out."""
+    """``{(state_name, grouping_key): value}`` of the committed version (the latest by default), as
+    stored: a TTL'd value as ``(expires_at_ms, value)``; with ``now_ms``, TTL'd values expired by
+    then are left out (None: every stored value)."""
 
     async def go():
         r, store = _open(root, s3_options)
@@ -115,10 +151,7 @@ def load_state(root: str, operator_id: str, version: int | None = None, *, s3_op
             ttl = _ttl_states(m)
             out = {}
             for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
-                if ref.is_empty_state:
-                    continue
-                vs, _ = await load_store(store, StoreId(r, operator_id, p), ref)
-                for k, v in vs.items():
+                for k, v in await load_records(store, r, operator_id, p, ref):
                     if not is_state_key(k):
                         continue
                     _, name, key, value = decode_record(k, v)
@@ -132,38 +165,362 @@ def load_state(root: str, operator_id: str, version: int | None = None, *, s3_op
     return asyncio.run(go())
 
 
-def read_state(spark, root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
-               now_ms: int | None = None):
-    """A DataFrame ``(partition int, key_group int, state string, key string, value string)`` of the
-    state variables' records (with ``now_ms``: without TTL'd values expired by then).
+# --- the state as rows of typed columns -------------------------------------------------------------
+@dataclass(frozen=True)
+class StateLayout:
+    """What a manifest says about how to read its records: the key columns' names (None: not
+    recorded) and each state variable's declaration (``{"kind", "ttl", "ttl_entries"}``)."""
 
-    One Spark task per state partition loads that partition's checkpoint from files; ``key`` (the
-    grouping key tuple as a list) and ``value`` are JSON (dates, decimals, bytes as strings).
-    """
+    key_columns: tuple[str, ...] | None
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    async def man():
+    @classmethod
+    def of(cls, manifest: Manifest) -> StateLayout:
+        md = manifest.metadata or {}
+        keys = md.get("key_columns")
+        states = {n: dict(d) for n, d in (md.get("states") or {}).items() if isinstance(d, dict)}
+        return cls(tuple(keys) if keys else None, states)
+
+    def ttl(self, name: str) -> bool:
+        return bool(self.states.get(name, {}).get("ttl"))
+
+    def entries(self, name: str) -> bool:
+        return bool(self.states.get(name, {}).get("ttl_entries"))
+
+    def check_state_var(self, state_var: str | None) -> None:
+        """``InterfaceError`` naming the declared variables when ``state_var`` is not one of them."""
+        if state_var is not None and self.states and state_var not in self.states:
+            raise InterfaceError(f"state_var={state_var!r}: the operator declares {sorted(self.states)}")
+
+
+def split_value(layout: StateLayout, name: str, stored: Any) -> tuple[Any, Any]:
+    """``(value, expires)`` of a stored value of state ``name``: for a TTL'd value its expiry in ms;
+    for a per-entry TTL'd list (map) the list of entry values and the list of their expiries (the
+    map of entry values and the map of their expiries); ``expires`` None without a TTL."""
+    if not layout.ttl(name) or not isinstance(stored, tuple) or len(stored) != 2:
+        return stored, None
+    expires, inner = stored
+    if layout.entries(name):
+        if isinstance(inner, list):
+            return [v for _, v in inner], [e for e, _ in inner]
+        if isinstance(inner, dict):
+            return {k: ev[1] for k, ev in inner.items()}, {k: ev[0] for k, ev in inner.items()}
+    return inner, expires
+
+
+def live_value(layout: StateLayout, name: str, value: Any, expires: Any, now_ms: int | None) -> tuple[Any, Any] | None:
+    """``(value, expires)`` as the processor sees it at ``now_ms`` (None when expired; None for
+    ``now_ms``: everything is live)."""
+    if now_ms is None or expires is None:
+        return value, expires
+    if isinstance(expires, int):
+        return (value, expires) if expires > now_ms else None
+    if isinstance(expires, list):
+        keep = [i for i, e in enumerate(expires) if e > now_ms]
+        return ([value[i] for i in keep], [expires[i] for i in keep]) if keep else None
+    if isinstance(expires, dict):
+        keys = [k for k, e in expires.items() if e > now_ms]
+        return ({k: value[k] for k in keys}, {k: expires[k] for k in keys}) if keys else None
+    return value, expires
+
+
+# one grouping key of a partition: (key group, key tuple, {state name: (value, expires)})
+KeyRow = tuple[int, tuple, dict[str, tuple[Any, Any]]]
+
+
+def decode_partition(records: Iterable[tuple[bytes, bytes | None]], layout: StateLayout, *,
+                     now_ms: int | None = None, state_var: str | None = None) -> list[KeyRow]:
+    """The grouping keys of one partition's records, each with its state variables' values
+    (``split_value``) live at ``now_ms`` (None: every stored value); only ``state_var`` when given.
+    Timer and expiry-index records are skipped; so are tombstones (None values)."""
+    keys, values = [], []
+    for k, v in records:
+        if v is not None and is_state_key(k):
+            keys.append(k)
+            values.append(v)
+    if not keys:
+        return []
+    names_keys = valuecodec.decode_rows([k[2:] for k in keys])
+    decoded = valuecodec.decode_rows(values)
+    rows: dict[tuple, KeyRow] = {}
+    for k, nk, stored in zip(keys, names_keys, decoded):
+        name = nk[0]
+        if state_var is not None and name != state_var:
+            continue
+        value, expires = split_value(layout, name, stored)
+        live = live_value(layout, name, value, expires, now_ms)
+        if live is None:
+            continue
+        key = tuple(nk[1:])
+        row = rows.get(key)
+        if row is None:
+            rows[key] = row = ((k[0] << 8) | k[1], key, {})
+        row[2][name] = live
+    return list(rows.values())
+
+
+def _state_column_name(name: str, taken: set[str]) -> str:
+    return name if name not in taken else f"{name}_state"
+
+
+class StateColumns:
+    """The columns of an operator's state rows: the types inferred so far (``observe`` rows of any
+    number of partitions, ``merge`` what others observed), then ``schema`` and ``table``. Picklable,
+    so Spark tasks observe their partitions and the driver merges them."""
+
+    def __init__(self, layout: StateLayout, state_var: str | None = None):
+        self.layout = layout
+        self.state_var = state_var
+        self.arities: set[int] = set()
+        self.keys: list[ColumnType] = []
+        self.values: dict[str, ColumnType] = {}
+        self.expires: dict[str, ColumnType] = {}
+        for name in layout.states:
+            if state_var is None or name == state_var:
+                self.values[name] = ColumnType()
+                if layout.ttl(name):
+                    self.expires[name] = ColumnType()
+
+    def observe(self, rows: Iterable[KeyRow]) -> None:
+        for _kg, key, states in rows:
+            if len(key) not in self.arities:
+                self.arities.add(len(key))
+                while len(self.keys) < len(key):
+                    self.keys.append(ColumnType())
+            for t, v in zip(self.keys, key):
+                t.observe(v)
+            for name, (value, expires) in states.items():
+                vt = self.values.get(name)
+                if vt is None:
+                    vt = self.values[name] = ColumnType()
+                vt.observe(value)
+                if expires is not None:
+                    et = self.expires.get(name)
+                    if et is None:
+                        et = self.expires[name] = ColumnType()
+                    et.observe(expires)
+
+    def merge(self, other: StateColumns) -> None:
+        self.arities |= other.arities
+        while len(self.keys) < len(other.keys):
+            self.keys.append(ColumnType())
+        for t, o in zip(self.keys, other.keys):
+            t.type = statetypes.merge(t.type, o.type)
+        for mine, theirs in ((self.values, other.values), (self.expires, other.expires)):
+            for name, o in theirs.items():
+                t = mine.setdefault(name, ColumnType())
+                t.type = statetypes.merge(t.type, o.type)
+
+    def key_names(self) -> list[str] | None:
+        """The key columns' names, or None when the keys are one JSON column ``key``: the operator
+        recorded no names, or keys of another arity were found."""
+        names = self.layout.key_columns
+        if names is None or any(a != len(names) for a in self.arities):
+            return None
+        return list(names)
+
+    def columns(self) -> list[tuple[str, str, str | None, statetypes.Type]]:
+        """``(column, part, state name, final type)`` in order; part is ``partition``,
+        ``key_group``, ``key`` (the i-th key column, or the whole key as JSON), ``value`` or ``expires``."""
+        out: list[tuple[str, str, str | None, statetypes.Type]] = [
+            ("partition", "partition", None, ("int",)), ("key_group", "key_group", None, ("int",))]
+        names = self.key_names()
+        if names is None:
+            out.append(("key", "key", None, statetypes.JSON))
+        else:
+            out += [(n, "key", str(i), statetypes.final(self.keys[i].type if i < len(self.keys) else statetypes.NULL))
+                    for i, n in enumerate(names)]
+        taken = {c[0] for c in out}
+        for name in sorted(self.values):
+            col = _state_column_name(name, taken)
+            out.append((col, "value", name, statetypes.final(self.values[name].type)))
+            if name in self.expires:
+                out.append((col + EXPIRES_SUFFIX, "expires", name, statetypes.final(self.expires[name].type)))
+        return out
+
+    def schema(self) -> pa.Schema:
+        return pa.schema([(c, pa.int32() if t == ("int",) else statetypes.arrow_type(t), part not in ("partition", "key_group"))
+                          for c, part, _n, t in self.columns()])
+
+    def table(self, partition: int, rows: Sequence[KeyRow]) -> pa.Table:
+        """The rows of one partition as a Table of ``schema()``."""
+        arrays = []
+        for _c, part, name, t in self.columns():
+            if part == "partition":
+                arrays.append(pa.array([partition] * len(rows), pa.int32()))
+            elif part == "key_group":
+                arrays.append(pa.array([r[0] for r in rows], pa.int32()))
+            elif part == "key":
+                if name is None:
+                    arrays.append(statetypes.column([list(r[1]) for r in rows], t))
+                else:
+                    i = int(name)
+                    arrays.append(statetypes.column([r[1][i] for r in rows], t))
+            else:
+                j = 0 if part == "value" else 1
+                arrays.append(statetypes.column([s[name][j] if name in (s := r[2]) else None for r in rows], t))
+        return pa.Table.from_arrays(arrays, schema=self.schema())
+
+
+def _now(now_ms: int | None, include_expired: bool) -> int | None:
+    if include_expired:
+        return None
+    return int(time.time() * 1000) if now_ms is None else int(now_ms)
+
+
+def _partitions(m: Manifest, partition: int | Sequence[int] | None) -> list[int]:
+    n = m.num_partitions
+    if partition is None:
+        return list(range(n))
+    wanted = [partition] if isinstance(partition, int) else list(partition)
+    bad = [p for p in wanted if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < n]
+    if bad:
+        raise InterfaceError(f"partition {bad[0]!r}: operator {m.operator_id!r} has {n} partitions (0..{n - 1})")
+    return sorted(set(wanted))
+
+
+@dataclass(frozen=True)
+class StateRead:
+    """What one read covers: the manifest, its layout, the partitions and the options."""
+
+    root: str
+    manifest: Manifest
+    layout: StateLayout
+    partitions: list[int]
+    state_var: str | None
+    now_ms: int | None
+
+    def refs(self) -> list[tuple[int, CheckpointRef]]:
+        return [(p, self.manifest.ref(p)) for p in self.partitions]
+
+
+async def plan_read(objstore, root: str, operator_id: str, version: int | None = None, *,
+                    state_var: str | None = None, partition: int | Sequence[int] | None = None,
+                    now_ms: int | None = None, include_expired: bool = False) -> StateRead:
+    """Read the manifest and check the options (``InterfaceError`` naming what is wrong)."""
+    m = await _manifest(objstore, operator_id, version)
+    layout = StateLayout.of(m)
+    layout.check_state_var(state_var)
+    return StateRead(root, m, layout, _partitions(m, partition), state_var, _now(now_ms, include_expired))
+
+
+async def partition_rows(objstore, read: StateRead, partition: int) -> list[KeyRow]:
+    """The decoded rows of one partition of a read."""
+    records = await load_records(objstore, read.root, read.manifest.operator_id, partition, read.manifest.ref(partition))
+    return decode_partition(records, read.layout, now_ms=read.now_ms, state_var=read.state_var)
+
+
+def load_state_table(root: str, operator_id: str, version: int | None = None, *, state_var: str | None = None,
+                     partition: int | Sequence[int] | None = None, now_ms: int | None = None,
+                     include_expired: bool = False, s3_options: dict | None = None) -> pa.Table:
+    """``read_state``'s rows as one pyarrow Table, read in this process."""
+
+    async def go() -> pa.Table:
         r, store = _open(root, s3_options)
         try:
-            return r, await _manifest(store, operator_id, version)
+            read = await plan_read(store, r, operator_id, version, state_var=state_var, partition=partition,
+                                   now_ms=now_ms, include_expired=include_expired)
+            parts = [(p, await partition_rows(store, read, p)) for p in read.partitions]
+            cols = StateColumns(read.layout, read.state_var)
+            for _p, rows in parts:
+                cols.observe(rows)
+            return pa.concat_tables([cols.table(p, rows) for p, rows in parts]) if parts else cols.schema().empty_table()
         finally:
             await store.close()
 
-    r, m = asyncio.run(man())
-    refs = [(p, ref.version, ref.ckptid) for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME])]
+    return asyncio.run(go())
+
+
+def _rows_of(read: StateRead, partition: int, s3_options: dict | None) -> list[KeyRow]:
+    async def go() -> list[KeyRow]:
+        _r, store = _open(read.root, s3_options)
+        try:
+            return await partition_rows(store, read, partition)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def read_state(spark, root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
+               now_ms: int | None = None, state_var: str | None = None, partition: int | Sequence[int] | None = None,
+               include_expired: bool = False):
+    """A DataFrame of the committed state of ``version`` (the latest by default), one row per
+    grouping key: ``partition int, key_group int``, the key columns, one column per state variable
+    (``state_var``: only that one, and only the keys that hold it) and ``<name>_expires_ms`` for a
+    TTL'd one; only the partitions ``partition`` (an int or several) when given. Expired values are
+    hidden as at ``now_ms`` (default: now) unless ``include_expired``.
+
+    One Spark task per state partition loads its checkpoint from files, twice: a first job infers
+    the columns' types, the DataFrame's own job reads the rows.
+    """
+
+    async def plan() -> StateRead:
+        r, store = _open(root, s3_options)
+        try:
+            return await plan_read(store, r, operator_id, version, state_var=state_var, partition=partition,
+                                   now_ms=now_ms, include_expired=include_expired)
+        finally:
+            await store.close()
+
+    read = asyncio.run(plan())
     opts = s3_options
-    ttl = _ttl_states(m)
+    sc = spark.sparkContext
+    parts = read.partitions
 
-    def load(items):
-        for p, v, c in items:
-            for k, val in load_partition(r, operator_id, p, v, c, opts):
-                if not is_state_key(k):
-                    continue
-                kg, name, key, value = decode_record(k, val)
-                value = _visible(name, value, ttl, now_ms)
-                if value is _GONE:
-                    continue
-                yield (p, kg, name, json.dumps(list(key), default=str), json.dumps(value, default=str))
+    def infer(ps: Iterator[int]) -> Iterator[StateColumns]:
+        cols = StateColumns(read.layout, read.state_var)
+        for p in ps:
+            cols.observe(_rows_of(read, p, opts))
+        yield cols
 
-    schema = "partition int, key_group int, state string, key string, value string"
-    rdd = spark.sparkContext.parallelize(refs, max(1, len(refs))).mapPartitions(load)
-    return spark.createDataFrame(rdd, schema)
+    cols = StateColumns(read.layout, read.state_var)
+    if parts:
+        for c in sc.parallelize(parts, len(parts)).mapPartitions(infer).collect():
+            cols.merge(c)
+    schema = cols.schema()
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    spark_schema = from_arrow_schema(schema)
+
+    def rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for p in batch.column(0).to_pylist():
+                yield from cols.table(p, _rows_of(read, p, opts)).to_batches(max_chunksize=65536)
+
+    if not parts:
+        return spark.createDataFrame([], spark_schema)
+    src = spark.createDataFrame(sc.parallelize([(p,) for p in parts], len(parts)), "partition int")
+    return src.mapInArrow(rows, spark_schema)
+
+
+def read_metadata(spark, root: str, operator_id: str | None = None, *, s3_options: dict | None = None):
+    """A DataFrame of what the checkpoint root holds, one row per operator and partition at its
+    latest version (``spark.statemeta.describe_root``): ``operator_id, partition, num_partitions,
+    num_key_groups, first_key_group, last_key_group, min_version, max_version, versions, state_version,
+    ckptid, state_files, state_bytes, files, bytes, orphaned_files`` and ``state_vars`` (JSON)."""
+    from statestore_async.spark.statemeta import describe_root
+
+    async def go():
+        r, store = _open(root, s3_options)
+        try:
+            return await describe_root(store, r, operator_id)
+        finally:
+            await store.close()
+
+    rows = []
+    for op in asyncio.run(go()):
+        for p in op.partitions:
+            rows.append((op.operator_id, p.partition, op.num_partitions, op.num_key_groups, p.key_groups.start,
+                         p.key_groups.stop - 1, op.versions[0], op.versions[-1], len(op.versions), p.ref.version,
+                         p.ref.ckptid, p.state_files, p.state_bytes, p.files, p.bytes, len(p.orphaned),
+                         json.dumps(op.states, sort_keys=True)))
+    schema = ("operator_id string, partition int, num_partitions int, num_key_groups int, first_key_group int, "
+              "last_key_group int, min_version long, max_version long, versions int, state_version long, "
+              "ckptid string, state_files int, state_bytes long, files int, bytes long, orphaned_files int, "
+              "state_vars string")
+    return spark.createDataFrame(rows, schema)
+
+
+__all__ = ["StateColumns", "StateLayout", "decode_partition", "decode_record", "load_state", "load_state_table",
+           "read_metadata", "read_state", "split_value"]
