@@ -1,5 +1,6 @@
 """statestore-async inspect / verify / gc on a checkpoint root written by the library."""
 import asyncio
+import json
 
 import pytest
 from click.testing import CliRunner
@@ -100,3 +101,86 @@ def test_gc_keeps_the_last_versions_loadable_and_deletes_the_rest(checkpoint):
 async def _versions(path):
     async with LocalObjectStore(path) as s:
         return await list_manifest_versions(s, "agg")
+
+
+def add_attempt(root_dir, uri, ref, partition=0):
+    """Write one more attempt on top of state ``ref`` of partition ``partition`` (a delta no
+    manifest names); returns its key."""
+    from statestore_async.files.loader import load_store
+
+    async def go():
+        async with LocalObjectStore(root_dir) as objstore:
+            sid = StoreId(objstore.uri, "agg", partition)
+            store, _ = await load_store(objstore, sid, ref)
+            w = store.open(ref.version, ref.ckptid)
+            w.put_many([(store_key(1, b"lost"), b"attempt")])
+            d = w.commit()
+            await write_delta(objstore, d)
+            return file_key(sid, d.ref, DELTA)
+
+    return asyncio.run(go())
+
+
+def test_inspect_accepts_manifests_and_tells_orphaned_files(checkpoint):
+    path, uri, manifests = checkpoint
+    r = run("inspect", uri, "agg/_commits/5.json")
+    assert r.exit_code == 0, r.output
+    assert "manifest of agg version 5, 2 partitions, 64 key groups" in r.output and "checksum OK" in r.output
+    assert f"default/1: {manifests[4].ref(1)}" in r.output
+    r = run("inspect", uri, "agg/_commits/5.json", "--json")
+    doc = json.loads(r.output)
+    assert doc["kind"] == "manifest" and doc["stores"]["default"] == [str(x) for x in manifests[4].stores["default"]]
+    orphan = add_attempt(path, uri, manifests[9].ref(0))        # a losing attempt at version 11
+    pending = add_attempt(path, uri, manifests[11].ref(0))      # a batch 13 whose manifest never came (yet)
+    assert "status: orphaned" in run("inspect", uri, orphan).output
+    assert "status: pending" in run("inspect", uri, pending).output
+    named = file_key(StoreId(uri, "agg", 0), manifests[11].ref(0), DELTA)
+    assert "status: named" in run("inspect", uri, named).output
+    older = file_key(StoreId(uri, "agg", 1), manifests[2].ref(1), DELTA)
+    assert json.loads(run("inspect", uri, older, "--json").output)["status"] == "named"
+    m5 = path / "agg/_commits/5.json"
+    m5.write_bytes(m5.read_bytes().replace(b'"version":5', b'"version":6'))
+    r = run("inspect", uri, "agg/_commits/5.json")
+    assert r.exit_code == 1 and "CorruptFileError" in r.output and "checksum" in r.output
+    r = run("inspect", uri, "agg/_commits/x.json")
+    assert r.exit_code == 1 and "not a manifest name" in r.output
+
+
+def test_gc_removes_orphaned_attempts_by_default(checkpoint):
+    path, uri, manifests = checkpoint
+    orphan = add_attempt(path, uri, manifests[9].ref(0))
+    pending = add_attempt(path, uri, manifests[11].ref(0))
+    r = run("gc", uri, "--operator", "agg", "--keep-orphans")
+    assert r.exit_code == 0, r.output
+    assert (path / orphan).exists() and (path / pending).exists() and "deleted 0 files" in r.output
+    r = run("gc", uri, "--operator", "agg", "--dry-run", "--json")
+    doc = json.loads(r.output)
+    assert doc["orphaned_files"] == [orphan] and doc["deleted_manifests"] == [] and doc["dry_run"]
+    assert (path / orphan).exists()
+    r = run("gc", uri, "--operator", "agg")  # the defaults: 100 versions kept, orphans removed
+    assert r.exit_code == 0, r.output
+    assert f"deleted {orphan} (orphaned attempt)" in r.output and "1 orphaned attempts" in r.output
+    assert not (path / orphan).exists() and (path / pending).exists()  # a batch may still be writing the pending one
+    for v in range(1, 13):
+        assert run("verify", uri, "--operator", "agg", "--version", str(v)).exit_code == 0
+
+
+def test_ls_lists_operators_versions_partitions_and_orphans(checkpoint):
+    path, uri, manifests = checkpoint
+    orphan = add_attempt(path, uri, manifests[9].ref(0))
+    before = sorted(p for p in path.rglob("*"))
+    r = run("ls", uri)
+    assert r.exit_code == 0, r.output
+    assert "agg: versions 1..12 (12), 2 partitions, 64 key groups" in r.output
+    assert f"partition 0 (key groups 0..31): {manifests[11].ref(0)}" in r.output
+    assert f"orphaned {orphan}" in r.output
+    doc = json.loads(run("ls", uri, "--operator", "agg", "--version", "6", "--json").output)
+    (op,) = doc
+    assert op["version"] == 6 and op["versions"] == list(range(1, 13))
+    assert [p["ref"] for p in op["partitions"]] == [str(x) for x in manifests[5].stores["default"]]
+    assert [p["records"] for p in op["partitions"]] == [55, 55]  # keys k0..k54 after 6 batches
+    assert op["partitions"][0]["orphaned"] == [orphan] and op["partitions"][1]["orphaned"] == []
+    assert all(0 < p["state_bytes"] <= p["bytes"] for p in op["partitions"])
+    assert sorted(p for p in path.rglob("*")) == before  # read-only
+    r = run("ls", uri, "--operator", "nope")
+    assert r.exit_code == 1 and "no manifest" in r.output

@@ -1,10 +1,12 @@
-"""``statestore-async`` command line: ``serve``, ``health``, ``selftest``, ``inspect``, ``verify``, ``gc``.
+"""``statestore-async`` command line: ``serve``, ``health``, ``selftest``, ``inspect``, ``verify``, ``gc``,
+and ``ls``, ``show``, ``export``, ``diff`` (``cli.state``).
 
 Settings come from flags > ``STATESTORE_*`` environment > ``--config`` TOML file > defaults
 (``config.load_config``); every ``DaemonConfig`` setting has a flag (``--memory-budget 2GiB``).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from statestore_async.cli.state import COMMANDS as STATE_COMMANDS
 from statestore_async.config import FIELDS, load_config
 from statestore_async.errors import StateStoreError
 
@@ -28,6 +31,10 @@ _T = TypeVar("_T")
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """statestore_async: a versioned key-value state store daemon for PySpark Structured Streaming."""
+
+
+for _command in STATE_COMMANDS:  # ls, show, export, diff
+    main.add_command(_command)
 
 
 def _setting_options(fn: _F) -> _F:
@@ -231,16 +238,44 @@ def _run_tool(coro_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
 @main.command()
 @click.argument("root")
 @click.argument("key")
-def inspect(root: str, key: str) -> None:
-    """Show and check one checkpoint file: ROOT is the checkpoint root URI, KEY the file's key under it."""
-    from statestore_async.cli.offline import FileReport, inspect_file
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def inspect(root: str, key: str, as_json: bool) -> None:
+    """Show and check one checkpoint file or manifest: ROOT is the checkpoint root URI, KEY the
+    file's key under it (``<operator>/<partition>/default/<version>_<ckptid>.delta|.snapshot`` or
+    ``<operator>/_commits/<version>.json``). A checkpoint file's status says what the operator's
+    manifests make of it: named (a manifest's state), needed (in the lineage of one), orphaned (no
+    manifest needs it: ``gc`` deletes it) or pending (newer than every manifest)."""
+    import dataclasses
 
-    async def go() -> FileReport:
+    from statestore_async.cli.offline import FileReport, ManifestReport, file_status, inspect_file, inspect_manifest
+
+    async def go() -> tuple[FileReport | ManifestReport, str | None]:
         async with _open_root(root) as objstore:
-            return await inspect_file(objstore, key)
+            if key.endswith(".json"):
+                return await inspect_manifest(objstore, key), None
+            report = await inspect_file(objstore, key)
+            return report, await file_status(objstore, root, key)
 
-    r = _run_tool(go)
+    r, status = _run_tool(go)
+    if isinstance(r, ManifestReport):
+        m = r.manifest
+        if as_json:
+            click.echo(json.dumps(r.to_json(), default=str))
+            return
+        click.echo(f"{r.key}: manifest of {m.operator_id} version {m.version}, {m.num_partitions} partitions, "
+                   f"{m.num_key_groups} key groups, created {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(m.created))}; "
+                   "checksum OK")
+        for name in sorted(m.metadata):
+            click.echo(f"  {name}: {json.dumps(m.metadata[name], sort_keys=True)}")
+        for store, refs in sorted(m.stores.items()):
+            for p, ref in enumerate(refs):
+                click.echo(f"  {store}/{p}: {ref}")
+        return
+    if as_json:
+        click.echo(json.dumps({**dataclasses.asdict(r), "kind_of_file": r.kind, "status": status}, default=str))
+        return
     click.echo(f"{r.name}: {r.kind} of {r.store} at version {r.version} ({r.ckptid}), {r.size} bytes, codec {r.codec}")
+    click.echo(f"  status: {status}")
     click.echo(f"  lineage: {' <- '.join(r.lineage) or '(none)'}")
     click.echo(f"  records: {r.records} ({r.tombstones} tombstones) in {len(r.blocks)} blocks; checksums OK")
     for off, length, count, first, last in r.blocks:
@@ -274,20 +309,31 @@ def verify(root: str, operator_id: str, version: int | None) -> None:
 @click.option("--operator", "operator_id", required=True, help="operator id")
 @click.option("--keep", type=int, default=100, show_default=True, help="manifests (versions) to keep loadable")
 @click.option("--dry-run", is_flag=True, help="list what would be deleted, delete nothing")
-def gc(root: str, operator_id: str, keep: int, dry_run: bool) -> None:
-    """Delete checkpoint files and manifests that none of the last KEEP versions needs."""
+@click.option("--keep-orphans", is_flag=True,
+              help="keep orphaned attempts at or above each partition's oldest kept state (the behaviour before)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def gc(root: str, operator_id: str, keep: int, dry_run: bool, keep_orphans: bool, as_json: bool) -> None:
+    """Delete checkpoint files and manifests that none of the last KEEP versions needs.
+
+    Orphaned attempts (files no kept manifest's state needs: losing task attempts, batches whose
+    manifest was never written) go too, unless --keep-orphans; files newer than the newest state
+    a kept manifest names (a batch may be writing them) are never touched."""
     from statestore_async.cli.offline import GcReport, gc_operator
 
     async def go() -> GcReport:
         async with _open_root(root) as objstore:
-            return await gc_operator(objstore, root, operator_id, keep, dry_run=dry_run)
+            return await gc_operator(objstore, root, operator_id, keep, dry_run=dry_run, orphans=not keep_orphans)
 
     r = _run_tool(go)
+    if as_json:
+        click.echo(json.dumps({**r.to_json(), "dry_run": dry_run}))
+        return
     verb = "would delete" if dry_run else "deleted"
+    orphaned = set(r.orphaned_files)
     for k in r.deleted_files + r.deleted_manifests:
-        click.echo(f"  {verb} {k}")
-    click.echo(f"kept versions {r.kept_manifests[:1]}..{r.kept_manifests[-1:]}; {verb} {len(r.deleted_files)} files and "
-               f"{len(r.deleted_manifests)} manifests")
+        click.echo(f"  {verb} {k}" + (" (orphaned attempt)" if k in orphaned else ""))
+    click.echo(f"kept versions {r.kept_manifests[:1]}..{r.kept_manifests[-1:]}; {verb} {len(r.deleted_files)} files "
+               f"({len(orphaned)} orphaned attempts) and {len(r.deleted_manifests)} manifests")
 
 
 if __name__ == "__main__":

@@ -140,8 +140,8 @@ async def describe_operator(objstore: ObjectStore, root: str, operator_id: str, 
                         md.get("key_columns"), dict(md.get("states") or {}), md.get("owner"), m.created)
     for p, ref in enumerate(m.stores.get(DEFAULT_STORE_NAME, ())):
         sid = StoreId(root, operator_id, p)
-        named = {mm.stores[DEFAULT_STORE_NAME][p] for mm in manifests
-                 if DEFAULT_STORE_NAME in mm.stores and mm.num_partitions == m.num_partitions}
+        named = {mm.stores[DEFAULT_STORE_NAME][p] for mm in manifests  # with those of other partition counts
+                 if DEFAULT_STORE_NAME in mm.stores and p < mm.num_partitions}
         files = await partition_files(objstore, sid, named)
         mine = await needed_files(objstore, sid, [ref], set(files.sizes), skip_broken=True) if not ref.is_empty_state else set()
         pi = PartitionInfo(p, owned_key_groups(p, m.num_partitions, m.num_key_groups), ref,
