@@ -27,6 +27,10 @@ the plain-Python batch computation (``sessions_of``): every peer's sink is one a
 no peer pays for moving its output to the driver; "correct" means the run's count and hash sum are
 those of the expected sessions (a session lost, doubled or changed shows).
 
+``--peers ...,floor`` adds Spark's part of our batch alone (``spark_floor``: the same stream routed
+and shuffled as ours, into a ``mapInArrow`` that only counts rows, noop sink; no state): its
+rows/s over a peer's is the most any version of ours can be ahead of that peer.
+
 ``--overhead`` adds the cost of event time itself: our operator with a trivial per-key counter over
 the same files with ``time_mode="none"`` and with ``time_mode="event"`` (the Observation of max
 event time and late rows, the late-row filter, the watermark in the manifest), median batch ms.
@@ -43,10 +47,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import charts
+
 from statestore_async.testing import sessions as S
 
 PEERS = {"ours": "ours per-key", "ours-vec": "ours vectorized", "aipws": "AIPWS applyInPandasWithState",
-         "tws": "TWS transformWithStateInPandas"}
+         "tws": "TWS transformWithStateInPandas", "floor": "Spark floor (routing + no-op mapInArrow)"}
 
 
 def run_query(df, ckpt: str, sink, timeout: int) -> list[dict]:
@@ -119,6 +125,27 @@ def spark_peer(spark, src: str, work: str, stream: S.SessionStream, timeout: int
     return fig
 
 
+def spark_floor(spark, src: str, work: str, timeout: int) -> dict:
+    """Spark's part of our batch alone: the same stream, each batch routed as our operator routes
+    it (``with_routing``: the key group, the route, the shuffle to 2 partitions) into a
+    ``mapInArrow`` that only counts its rows, written to the noop sink. No state, no event time, no
+    output to materialize: a bound no version of ours can pass."""
+    import pyarrow as pa
+
+    from statestore_async.spark.routing import with_routing
+
+    def count(batches):
+        yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
+
+    def sink(df, batch_id):
+        (with_routing(df, ["user"], 2, 4096, columns=["user", "et"]).mapInArrow(count, "n long")
+         .write.format("noop").mode("overwrite").save())
+
+    fig = figure(run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), sink, timeout))
+    fig["out"] = None
+    return fig
+
+
 def overhead(spark, src: str, work: str, timeout: int) -> dict[str, float]:
     """Median batch ms (after the first) of a trivial per-key counter, without and with event time."""
     from datetime import timedelta
@@ -157,6 +184,7 @@ def main() -> int:
     ap.add_argument("--peers", default="ours,ours-vec,aipws,tws")
     ap.add_argument("--overhead", action="store_true", help="also measure what event time adds per batch")
     ap.add_argument("--timeout", type=int, default=3600)
+    charts.add_chart_args(ap, "bench_sessions")
     a = ap.parse_args()
     users = a.users or (10_000 if a.quick else 100_000)
     batches = 1 + (a.batches or (2 if a.quick else 3))
@@ -195,6 +223,7 @@ def main() -> int:
             "ours-vec": lambda d: ours(spark, src, d, stream, a.timeout, vectorized=True),
             "aipws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.apply_in_pandas_with_state),
             "tws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.transform_with_state_in_pandas),
+            "floor": lambda d: spark_floor(spark, src, d, a.timeout),
         }
         for r in range(a.repeat):
             for short in peers:
@@ -203,7 +232,8 @@ def main() -> int:
                 t = time.perf_counter()
                 try:
                     fig = runs[short](d)
-                    fig["correct"] = checked(fig.pop("out"), expected)
+                    out = fig.pop("out")
+                    fig["correct"] = checked(out, expected) if out is not None else "n/a (no state)"
                 except Exception as exc:
                     fig = {"rows_s": 0.0, "correct": f"error: {str(exc).splitlines()[0][:200]}"}
                 fig["wall"] = time.perf_counter() - t
@@ -230,6 +260,12 @@ def main() -> int:
         print(f"| {PEERS[short]} | {rs:,.0f} | {rs / ra if ra else 0:.1f} | {rs / rt if rt else 0:.1f} | "
               f"{statistics.median(f.get('data_batch_ms', 0) for f in figs):,.0f} | "
               f"{', '.join(str(f['correct']) for f in figs)} |")
+    if charts.chart_path(a):
+        charts.bar_charts(charts.chart_path(a), f"Event-time sessions: {users:,} users, local[2]", [
+            charts.Panel("rows/s (log scale)", ["median of the runs"], {PEERS[k]: [med[k] or None] for k in results},
+                         "rows/s", log=True)],
+            charts.measured_caption(f"1 warm-up + {batches - 1} measured batches, median of {a.repeat} run(s); "
+                                    "every peer's sessions checked"), width=9.0)
     if cost:
         print(f"\nevent time's cost per batch (trivial counter, same files): time_mode='none' {cost['none']:,.0f} ms, "
               f"'event' {cost['event']:,.0f} ms (+{cost['event'] - cost['none']:,.0f} ms)")

@@ -592,15 +592,30 @@ class VectorizedTimers:
         self.enabled = enabled
         self._enc: pa.Array | None = None     # the running call's keys: encode_key(grouping key) by index
         self._kgs: np.ndarray | None = None   # and their key groups
-        # (key groups, encoded keys, kind bytes, times, registered?) of every register/delete, in order
-        self._ops: list[tuple[np.ndarray, pa.Array, np.ndarray, np.ndarray, bool]] = []
+        # (key indexes, kind byte, times, registered?) of every register/delete of the running call, in order
+        self._ops: list[tuple[np.ndarray, int, np.ndarray, bool]] = []
+        # the same of earlier calls not yet collected by ``_changes``, with their keys resolved:
+        # (key groups, encoded keys, kind bytes, times, registered?)
+        self._earlier: list[tuple[np.ndarray, pa.Array, np.ndarray, np.ndarray, bool]] = []
         self._load: Callable[[pa.Array, np.ndarray], list[tuple[int, str, int]]] | None = None
 
     def _bind(self, enc: pa.Array, kgs: np.ndarray) -> None:
+        self._resolve()
         self._enc, self._kgs = enc, np.asarray(kgs, np.uint16)
 
     def _unbind(self) -> None:
+        self._resolve()
         self._enc = self._kgs = None
+
+    def _resolve(self) -> None:
+        """Keep the running call's operations by their keys' records (its key indexes are about to
+        mean nothing)."""
+        if self._ops:
+            assert self._enc is not None and self._kgs is not None
+            for idx, kb, at, on in self._ops:
+                self._earlier.append((self._kgs[idx], self._enc.take(pa.array(idx)), np.full(idx.size, kb, np.uint8),
+                                      at, on))
+            self._ops = []
 
     def _args(self, key_index: Any, at_ms: Any, kind: str | None) -> tuple[np.ndarray, np.ndarray, int]:
         if not self.enabled:
@@ -629,8 +644,7 @@ class VectorizedTimers:
     def _add(self, key_index: Any, at_ms: Any, kind: str | None, on: bool) -> None:
         idx, at, kb = self._args(key_index, at_ms, kind)
         if idx.size:
-            assert self._enc is not None and self._kgs is not None
-            self._ops.append((self._kgs[idx], self._enc.take(pa.array(idx)), np.full(idx.size, kb, np.uint8), at, on))
+            self._ops.append((idx, kb, at, on))
 
     def register(self, key_index: Any, at_ms: Any, kind: str | None = None) -> None:
         """A timer at ``at_ms[i]`` (ms since the epoch) for the key ``key_index[i]`` of the call's keys."""
@@ -648,22 +662,28 @@ class VectorizedTimers:
         assert self._enc is not None and self._kgs is not None
         have = {(i, a) for i, k, a in (self._load(self._enc, self._kgs) if self._load is not None else [])
                 if k == KIND_OF[kb]}
-        where = {e: i for i, e in enumerate(self._enc.to_pylist())}
-        for _, enc, kinds, ats, on in self._ops:
-            for e, k, a in zip(enc.to_pylist(), kinds.tolist(), ats.tolist()):
-                if k == kb and e in where:
-                    (have.add if on else have.discard)((where[e], a))
+        if self._earlier:
+            where = {e: i for i, e in enumerate(self._enc.to_pylist())}
+            for _, enc, kinds, ats, on in self._earlier:
+                for e, k, a in zip(enc.to_pylist(), kinds.tolist(), ats.tolist()):
+                    if k == kb and e in where:
+                        (have.add if on else have.discard)((where[e], a))
+        for idx, k, ats, on in self._ops:
+            if k == kb:
+                for i, a in zip(idx.tolist(), ats.tolist()):
+                    (have.add if on else have.discard)((i, a))
         rows = sorted(have)
         return pa.table({"key_index": pa.array([r[0] for r in rows], pa.int64()),
                          "at_ms": pa.array([r[1] for r in rows], pa.int64())})
 
     def _changes(self) -> tuple[pa.Array, pa.Array]:
         """(records to put, records to remove) of every register/delete so far (the later call on a
-        timer wins), both indexes; forgets them."""
-        ops, self._ops = self._ops, []
-        if not ops:
-            empty = pa.array([], pa.binary())
-            return empty, empty
+        timer wins), both indexes; forgets them. The running call's operations are told apart by
+        numbers (key index, kind, time); only those of earlier calls by their records."""
+        if not self._earlier:
+            return self._call_changes()
+        self._resolve()
+        ops, self._earlier = self._earlier, []
         kg = np.concatenate([o[0] for o in ops])
         enc = pa.concat_arrays([o[1].cast(pa.binary()) for o in ops])
         kinds = np.concatenate([o[2] for o in ops])
@@ -678,6 +698,32 @@ class VectorizedTimers:
         return (pa.concat_arrays([by_time.take(pa.array(put)), by_key.take(pa.array(put))]),
                 pa.concat_arrays([by_time.take(pa.array(gone)), by_key.take(pa.array(gone))]))
 
+
+    def _call_changes(self) -> tuple[pa.Array, pa.Array]:
+        """``_changes`` of the running call's operations alone."""
+        ops, self._ops = self._ops, []
+        empty = pa.array([], pa.binary())
+        if not ops:
+            return empty, empty
+        assert self._enc is not None and self._kgs is not None
+        idx = np.concatenate([o[0] for o in ops])
+        kinds = np.concatenate([np.full(o[0].size, o[1], np.uint8) for o in ops])
+        at = np.concatenate([o[2] for o in ops])
+        on = np.concatenate([np.full(o[0].size, o[3]) for o in ops])
+        order = np.lexsort((np.arange(idx.size), at, kinds, idx))  # by timer, then by call order
+        i_s, k_s, a_s = idx[order], kinds[order], at[order]
+        last = np.ones(idx.size, bool)  # the last operation on each timer
+        last[:-1] = (i_s[1:] != i_s[:-1]) | (k_s[1:] != k_s[:-1]) | (a_s[1:] != a_s[:-1])
+        chosen = order[last]
+        out = []
+        for sel in (chosen[on[chosen]], chosen[~on[chosen]]):
+            if not sel.size:
+                out.append(empty)
+                continue
+            by_time, by_key = timer_record_columns(self._kgs[idx[sel]], kinds[sel], at[sel],
+                                                   self._enc.take(pa.array(idx[sel])))
+            out.append(pa.concat_arrays([by_time, by_key]))
+        return out[0], out[1]
 
 def _int_column(values: Any, what: str) -> np.ndarray:
     """``values`` (a scalar, list, numpy or Arrow array of ints) as int64, else ``InterfaceError``."""

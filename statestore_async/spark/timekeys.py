@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from functools import lru_cache
 
 import numpy as np
 import pyarrow as pa
@@ -97,17 +98,20 @@ def owned_key_groups(partition: int, num_partitions: int, num_key_groups: int) -
     return range(lo, hi)
 
 
+@lru_cache(maxsize=32)
+def _timer_heads(kgs: tuple[int, ...] | range, kinds: tuple[str, ...]) -> tuple[tuple[bytes, str], ...]:
+    """``(kg | TIMER_AT | kind byte, kind)`` of each key group of ``kgs`` and kind, in key order."""
+    return tuple((_KG.pack(g) + bytes((TIMER_AT, KIND_BYTE[kind])), kind) for g in kgs for kind in kinds)
+
+
 def due_ranges(kgs: Iterable[int], thresholds: dict[str, int]) -> list[tuple[bytes, bytes | None]]:
     """Ascending ranges holding every by-time timer of the key groups ``kgs`` (ascending) of each kind
-    in ``thresholds`` whose time is <= that kind's threshold."""
-    kinds = sorted(thresholds, key=KIND_BYTE.__getitem__)
-    out: list[tuple[bytes, bytes | None]] = []
-    for g in kgs:
-        kg = _KG.pack(g)
-        for kind in kinds:
-            head = kg + bytes((TIMER_AT, KIND_BYTE[kind]))
-            out.append((head, head + time_bytes(thresholds[kind] + 1) if thresholds[kind] < _BIAS - 1 else prefix_stop(head)))
-    return out
+    in ``thresholds`` whose time is <= that kind's threshold. The ranges' starts are kept per set of
+    key groups (a task's are the same every batch)."""
+    kinds = tuple(sorted(thresholds, key=KIND_BYTE.__getitem__))
+    heads = _timer_heads(kgs if isinstance(kgs, range) else tuple(kgs), kinds)
+    stops = {k: time_bytes(thresholds[k] + 1) for k in kinds if thresholds[k] < _BIAS - 1}
+    return [(head, head + stops[kind] if kind in stops else prefix_stop(head)) for head, kind in heads]
 
 
 def ttl_key(state_key: bytes, expires_ms: int) -> bytes:

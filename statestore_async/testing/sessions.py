@@ -397,15 +397,17 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
     """A ``VectorizedProcessor`` of this project for the same job: numpy over the partition's keys.
 
     State per user: its one open session (``start``, ``end``, ``events``), or, when it has several,
-    all of them as JSON in ``more`` (parsed and written per such user; merged with the rest). Timers
-    as ``timer_changes``: one per open session, at its close time. ``mark_timers``: as
-    ``session_processor``'s."""
+    all of them in ``more`` as packed little-endian int64 triples (start, end, events): read and
+    written as one numpy array per partition, no Python object per user. Timers as
+    ``timer_changes``: one per open session, at its close time; only the timers that change are
+    deleted and registered. ``mark_timers``: as ``session_processor``'s."""
     import numpy as np
     import pyarrow as pa
 
     from statestore_async.spark.processor import VectorizedProcessor
 
     big = np.int64(1 << 40)  # > any time span of a partition's sessions: keys' runs never touch
+    triple = np.dtype("<i8")
 
     def merge(kidx: np.ndarray, s: np.ndarray, e: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, ...]:
         """Intervals (key index, start, end, events) sorted by key then start, merged within the
@@ -421,10 +423,33 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
         first = np.flatnonzero(new)
         return (kidx[first], s[first], np.maximum.reduceat(e, first), np.add.reduceat(n, first))
 
+    def unpack(more: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(key index of each session, sessions as rows of (start, end, events)) of a ``more`` column."""
+        arr = more.combine_chunks() if isinstance(more, pa.ChunkedArray) else more
+        if arr.null_count == len(arr):
+            return np.zeros(0, np.int64), np.zeros((0, 3), np.int64)
+        off = np.frombuffer(arr.buffers()[1], np.int32)[arr.offset:arr.offset + len(arr) + 1]
+        flat = np.frombuffer(arr.buffers()[2], triple, count=(int(off[-1]) - int(off[0])) // 8, offset=int(off[0]))
+        return np.repeat(np.arange(len(arr)), np.diff(off) // 24), flat.reshape(-1, 3)
+
+    def pack(nkeys: int, k: np.ndarray, s: np.ndarray, e: np.ndarray, n: np.ndarray) -> pa.Array:
+        """The ``more`` column of ``nkeys`` keys whose sessions are (``k`` sorted, ``s``, ``e``, ``n``):
+        null for a key without any."""
+        counts = np.bincount(k, minlength=nkeys)
+        off = np.zeros(nkeys + 1, np.int32)
+        np.cumsum(counts * 24, out=off[1:])
+        data = np.stack([s, e, n], axis=1).astype(triple).tobytes()
+        valid = pa.array(counts > 0)
+        return pa.Array.from_buffers(pa.binary(), nkeys, [valid.buffers()[1], pa.py_buffer(off), pa.py_buffer(data)],
+                                     null_count=int(nkeys - np.count_nonzero(counts)))
+
+    def timer_ids(k: np.ndarray, close: np.ndarray, t0: int) -> np.ndarray:
+        return (k.astype(np.int64) << 42) | (close - t0)  # close - t0 < 2**42 ms (139 years)
+
     class VectorizedSessions(VectorizedProcessor):
         state_name = "sessions"
         state_schema = pa.schema([("start", pa.int64()), ("end", pa.int64()), ("events", pa.int64()),
-                                  ("more", pa.string())])
+                                  ("more", pa.binary())])
 
         def _sessions(self, nkeys: int, state: Any, exists: np.ndarray, times: np.ndarray | None,
                       tkeys: np.ndarray | None) -> tuple[Any, Any, np.ndarray]:
@@ -432,21 +457,13 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
             new state, the closed sessions (key index, start, end, events) and which keys keep a state."""
             wm = self.watermark_ms
             more = state["more"]
-            several = np.flatnonzero(more.is_valid().to_numpy(zero_copy_only=False)) if more.null_count < nkeys \
-                else np.zeros(0, np.int64)
-            one = np.flatnonzero(exists & ~np.isin(np.arange(nkeys), several))
-            old_e = state["end"].fill_null(0).to_numpy()
-            ki = [one]
-            ss = [state["start"].fill_null(0).to_numpy()[one]]
-            ee = [old_e[one]]
-            nn = [state["events"].fill_null(0).to_numpy()[one]]
-            if several.size:  # users with several open sessions: their JSON parsed, then merged with the rest
-                parsed = [json.loads(m) for m in more.take(pa.array(several)).to_pylist()]
-                flat = np.array([x for p in parsed for x in p], np.int64).reshape(-1, 3)
-                ki.append(np.repeat(several, [len(p) for p in parsed]))
-                ss.append(flat[:, 0])
-                ee.append(flat[:, 1])
-                nn.append(flat[:, 2])
+            several_k, several = unpack(more)
+            one = np.flatnonzero(exists & ~more.is_valid().to_numpy(zero_copy_only=False)) if several_k.size \
+                else np.flatnonzero(exists)
+            ki = [one, several_k]
+            ss = [state["start"].fill_null(0).to_numpy()[one], several[:, 0]]
+            ee = [state["end"].fill_null(0).to_numpy()[one], several[:, 1]]
+            nn = [state["events"].fill_null(0).to_numpy()[one], several[:, 2]]
             old_k, old_close = np.concatenate(ki), np.concatenate(ee) + gap_ms
             if times is not None and tkeys is not None:
                 ki.append(tkeys)
@@ -459,22 +476,24 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
             due = (e + gap_ms <= wm) if wm is not None and wm > 0 else np.zeros(len(e), bool)
             closed = (kidx[due], s[due], e[due], n[due])
             kidx, s, e, n = kidx[~due], s[~due], e[~due], n[~due]
-            # timers: one per open session; the later call on a timer wins, so an unchanged one stays
-            self.timers.delete(old_k, old_close)
-            self.timers.register(kidx, e + gap_ms)
+            # timers: one per open session; those of sessions that did not change stay as they are
+            new_close = e + gap_ms
+            if len(old_k) and len(kidx):
+                t0 = int(min(old_close.min(), new_close.min()))
+                old_ids, new_ids = timer_ids(old_k, old_close, t0), timer_ids(kidx, new_close, t0)
+                gone, added = ~np.isin(old_ids, new_ids), ~np.isin(new_ids, old_ids)
+                self.timers.delete(old_k[gone], old_close[gone])
+                self.timers.register(kidx[added], new_close[added])
+            else:
+                self.timers.delete(old_k, old_close)
+                self.timers.register(kidx, new_close)
             per_key = np.bincount(kidx, minlength=nkeys)
             single = per_key[kidx] == 1
             new_s, new_e, new_n = np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64), np.zeros(nkeys, np.int64)
             new_s[kidx[single]], new_e[kidx[single]], new_n[kidx[single]] = s[single], e[single], n[single]
-            new_more: list[str | None] = [None] * nkeys
-            if not single.all():  # kidx is sorted: each such key's sessions are one run
-                mk, ms_, me, mn = kidx[~single], s[~single], e[~single], n[~single]
-                cuts = np.flatnonzero(np.diff(mk)) + 1
-                for k, a, b, c in zip(mk[np.r_[0, cuts]].tolist(), np.split(ms_, cuts), np.split(me, cuts),
-                                      np.split(mn, cuts)):
-                    new_more[k] = json.dumps(np.stack([a, b, c], axis=1).tolist())
-            new_state = pa.table({"start": new_s, "end": new_e, "events": new_n,
-                                  "more": pa.array(new_more, pa.string())})
+            multi = ~single
+            new_more = pack(nkeys, kidx[multi], s[multi], e[multi], n[multi])
+            new_state = pa.table({"start": new_s, "end": new_e, "events": new_n, "more": new_more})
             return new_state, closed, per_key > 0
 
         def _output(self, keys: Any, closed: tuple[np.ndarray, ...]) -> Any:
