@@ -301,6 +301,7 @@ def job_main(argv: list[str]) -> int:
     ap.add_argument("--socket", default="", help="daemon socket ('' = $STATESTORE_SOCKET of the executors)")
     ap.add_argument("--faults", default="[]")
     ap.add_argument("--partitions", type=int, default=2)
+    ap.add_argument("--key-groups", type=int, default=128)
     ap.add_argument("--vectorized", action="store_true")
     ap.add_argument("--cluster", action="store_true", help="standalone-cluster settings (2 executors of 1 core)")
     ap.add_argument("--s3-options", default=None, help="JSON options for the driver's S3 object store")
@@ -337,7 +338,7 @@ def job_main(argv: list[str]) -> int:
         os.replace(tmp, os.path.join(a.out, f"{batch_id}.json"))
 
     op = StatefulOperator(a.root, "counts", ["key"], VectorizedCountSum() if a.vectorized else CountSum(),
-                          "key string, count bigint, sum bigint", num_partitions=a.partitions, num_key_groups=128,
+                          "key string, count bigint, sum bigint", num_partitions=a.partitions, num_key_groups=a.key_groups,
                           socket_path=a.socket or None, fence_timeout=30 if a.cluster else 10,
                           faults=json.loads(a.faults), s3_options=json.loads(a.s3_options) if a.s3_options else None)
     inner = op.foreach_batch(sink)

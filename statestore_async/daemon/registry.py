@@ -77,7 +77,7 @@ class StoreRegistry:
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
                          "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
                          "cold_loads": 0, "deltas_stacked": 0,
-                         "loads_waited_for_uploads": 0}
+                         "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -179,6 +179,9 @@ class StoreRegistry:
             self.counters["loads"] += 1
             if report.cold is not None:
                 self.counters["cold_loads"] += 1
+            if report.rescaled_from is not None:  # a rescaled partition's first state, assembled
+                self.counters["rescales"] += 1
+                self.counters["rescale_bytes_read"] += report.bytes_read
             if report.damaged or report.missing_bases:
                 log.warning("loaded %s at %s from older states: snapshots damaged %s, missing %s; %d records "
                             "from %d files", store_id, ref, report.damaged, report.missing_bases, report.records,

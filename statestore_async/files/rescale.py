@@ -47,9 +47,12 @@ from statestore_async.ids import CheckpointRef, StoreId
 if TYPE_CHECKING:
     from statestore_async.objectstore.base import ObjectStore
 
-# first GETs of a file's ends: most headers fit in the first, a footer of ~40 blocks in the second;
-# what does not fit is read by one more GET of exactly the bytes missing
-_HEAD_PROBE = 1024
+# manifest metadata of the first batch after a rescale: {"version", "num_partitions", "stores"} of the old layout
+RESCALED_FROM_KEY = "rescaled_from"
+# the first GET of a file's tail: a footer of ~40 blocks fits (a bigger one takes one more GET of
+# exactly the bytes missing); the header is read with the blocks when fewer bytes than
+# ``_HEAD_PROBE`` lie between them
+_HEAD_PROBE = 4096
 _TAIL_PROBE = 4096
 
 
@@ -163,35 +166,44 @@ async def read_key_groups(objstore: ObjectStore, store_id: StoreId, ref: Checkpo
                                    start)
         return data
 
-    whole: bytes | None = None
-    if size <= _HEAD_PROBE + _TAIL_PROBE:  # small: one GET
-        whole = await get(0, size)
-        head, tail, tail_at = whole, whole, 0
+    # the tail first (the whole file when small): the footer says where the header ends (the first
+    # block's offset) and which blocks hold the key groups; then one GET of the header and those
+    # blocks (two when far apart), never re-reading bytes the tail already holds
+    tail_at = max(0, size - _TAIL_PROBE)
+    tail = await get(tail_at, size)
+    footer_at, footer_len, _ = read_trailer(tail, key)
+    if footer_at + footer_len + TRAILER_SIZE != size:
+        raise CorruptFileError(key, "footer and trailer do not line up", footer_at)
+    if footer_at < tail_at:
+        tail, tail_at = await get(footer_at, tail_at) + tail, footer_at
+    footer = read_index(tail, key)
+    header_end = footer.blocks[0].offset if footer.blocks else footer_at
+
+    async def fetch(start: int, end: int) -> bytes:
+        if end <= tail_at:
+            return await get(start, end)
+        if start >= tail_at:
+            return tail[start - tail_at:end - tail_at]
+        return await get(start, tail_at) + tail[:end - tail_at]
+
+    wanted = blocks_for_key_groups(footer, first_kg, last_kg)
+    span_start, span_end = (wanted[0].offset, wanted[-1].offset + wanted[-1].length) if wanted else (0, 0)
+    if wanted and span_start - header_end <= _HEAD_PROBE:
+        data = await fetch(0, span_end)
+        head, span = data[:header_end], data[span_start:span_end]
     else:
-        head, tail_at = await get(0, _HEAD_PROBE), size - _TAIL_PROBE
-        tail = await get(tail_at, size)
-    need = header_length(head, key)
-    if len(head) < need:
-        head += await get(len(head), need)
+        head = await fetch(0, header_end)
+        span = await fetch(span_start, span_end) if wanted else b""
+    if header_length(head, key) != header_end:
+        raise CorruptFileError(key, f"the header does not end where the first block starts ({header_end})", 0)
     header = parse_header(head, key)
     if header.kind != kind or header.ref != ref or not header.matches(store_id):
         raise CorruptFileError(key, f"the file says it is the {header.kind} of {header.store} at {header.ref}, "
                                f"expected the {kind} of {store_id.to_json()} at {ref}")
-    footer_at, footer_len, _ = read_trailer(tail, key)
-    if footer_at < tail_at:
-        if footer_at + footer_len + TRAILER_SIZE != size:
-            raise CorruptFileError(key, "footer and trailer do not line up", footer_at)
-        tail, tail_at = await get(footer_at, tail_at) + tail, footer_at
-    footer = read_index(tail, key)
-    wanted = blocks_for_key_groups(footer, first_kg, last_kg)
-    records: list[Record] = []
-    if wanted:
-        start, end = wanted[0].offset, wanted[-1].offset + wanted[-1].length
-        span = whole[start:end] if whole is not None else await get(start, end)
-        records = [r for r in decode_blocks(span, key, wanted, base_offset=start)
-                   if first_kg <= key_group_of(r[0]) <= last_kg]
+    records = [r for r in decode_blocks(span, key, wanted, base_offset=span_start)
+               if first_kg <= key_group_of(r[0]) <= last_kg] if wanted else []
     stats.files_read.append(key)
     return header, records
 
 
-__all__ = ["Recipe", "Source", "plan_sources", "read_key_groups", "read_recipe", "write_recipe"]
+__all__ = ["RESCALED_FROM_KEY", "Recipe", "Source", "plan_sources", "read_key_groups", "read_recipe", "write_recipe"]

@@ -10,8 +10,10 @@ steps, one method each:
 1. plan (``_plan``): claim the state for the streaming query running the batch (``_claim``: one
    writer per state — a state another query owns is refused with ``OwnerConflictError`` before
    anything is written); read ``_commits/<b>.json`` (batch 0: the empty state) — which checkpoint of
-   each partition counts; its number of partitions and key groups must equal the operator's (else
-   ``OperatorConfigError``); route in the JVM (``routing.with_routing``): key group
+   each partition counts; its number of key groups must equal the operator's (else
+   ``OperatorConfigError``); a different number of partitions is a **rescale** (``_rescale``: each
+   new partition's state will be assembled from the key-group ranges it owns in the old partitions'
+   files, see ``files.rescale``); route in the JVM (``routing.with_routing``): key group
    ``pmod(xxhash64(keys), G)``, task ``i`` gets exactly state partition ``i``; build the ``TaskSpec``;
    with ``time_mode="event"`` the batch's watermark comes from manifest ``b``'s metadata (``eventtime``:
    Spark's rule), the input is observed for its max event time and late rows, and late rows are
@@ -30,9 +32,10 @@ steps, one method each:
    the stateful stage;
 4. the reports (``_collect_reports``): the checkpoint each partition with rows committed;
 5. the driver's fence (``_fence``): every reported delta file must exist in the object store (HEAD,
-   not the report); after ``fence_timeout`` seconds it raises ``FenceTimeoutError`` (a daemon died
-   before uploading what a task committed): steps 2–5 run again from the same manifest with fresh
-   checkpoint ids (``_compute``, ``daemon_retries`` times), then the batch fails and Spark replays it;
+   not the report; after a rescale, every assembled state's snapshot too); after ``fence_timeout``
+   seconds it raises ``FenceTimeoutError`` (a daemon died before uploading what a task committed):
+   steps 2–5 run again from the same manifest with fresh checkpoint ids (``_compute``,
+   ``daemon_retries`` times), then the batch fails and Spark replays it;
 6. commit (``_commit``): the owner is checked again, then ``_commits/<b+1>.json`` is written
    (replacing the one of an earlier attempt of ``b``), with the watermark the batch used and the
    max event time seen so far (``_event_time``), from which batch ``b+1`` computes its own;
@@ -71,8 +74,9 @@ from statestore_async.files.manifest import (
     read_owner,
     write_manifest,
 )
-from statestore_async.files.names import DELTA, file_key
-from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
+from statestore_async.files.rescale import RESCALED_FROM_KEY, Recipe, plan_sources, write_recipe
+from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name, new_checkpoint_id
 from statestore_async.objectstore import ObjectStore, open_object_store
 from statestore_async.spark.coordinator import Coordinator
 from statestore_async.spark.eventtime import (
@@ -272,8 +276,9 @@ class StatefulOperator:
     ``checkpoint_root``: ``file:///…``, an absolute path, or ``s3://bucket/prefix`` (the daemons reach it
     with their own S3 settings; the driver with ``s3_options`` or ``STATESTORE_S3_*`` + AWS chain).
     ``key_columns``: the grouping columns; ``value_columns``: the columns handed to the processor
-    (default: every other input column). ``num_partitions`` (N) and ``num_key_groups`` (G) are
-    fixed for the operator's life and recorded in every manifest. ``pre_aggregate``: optional
+    (default: every other input column). ``num_key_groups`` (G) is fixed for the operator's life;
+    ``num_partitions`` (N, 1 <= N <= G) may change between runs of the query: the first batch of a
+    run with another N rescales the state (``_rescale``). Both are recorded in every manifest. ``pre_aggregate``: optional
     aggregate Columns (``[F.count("*").alias("n"), F.sum("v").alias("s")]``): the JVM first computes
     ``groupBy(keys).agg(*pre_aggregate)`` per batch, and the processor gets one row of those
     columns per key (much less data crosses to Python; for associative state updates).
@@ -358,7 +363,10 @@ class StatefulOperator:
                 raise InterfaceError(f"initial_state lacks the key columns {lacking} (it has {initial_state.columns})")
         self.initial_state = initial_state
         if num_key_groups < num_partitions:
-            raise InterfaceError(f"num_key_groups ({num_key_groups}) must be >= num_partitions ({num_partitions})")
+            raise OperatorConfigError(
+                f"num_partitions ({num_partitions}) exceeds num_key_groups ({num_key_groups}): a partition owns at least "
+                "one key group, which are fixed for an operator's life. Use at most num_key_groups partitions (or, "
+                "for a new operator id, more key groups)")
         self.root = checkpoint_root_uri(checkpoint_root)  # a relative path: refused
         check_picklable(processor)
         self.operator_id = _check_name("operator_id", str(operator_id))
@@ -431,12 +439,14 @@ class StatefulOperator:
         return m
 
     def check_manifest(self, m: Manifest) -> None:
-        """``OperatorConfigError`` unless ``m`` was written with this operator's N, G and key columns."""
-        if m.num_partitions != self.num_partitions or m.num_key_groups != self.num_key_groups:
+        """``OperatorConfigError`` unless ``m`` was written with this operator's G and key columns
+        (its N may differ: the batch then rescales)."""
+        if m.num_key_groups != self.num_key_groups:
             raise OperatorConfigError(
-                f"operator {self.operator_id!r} was checkpointed with {m.num_partitions} partitions and "
-                f"{m.num_key_groups} key groups; it is now configured with {self.num_partitions} partitions and "
-                f"{self.num_key_groups} key groups. Keep num_partitions/num_key_groups, or start a new operator id.")
+                f"operator {self.operator_id!r} was checkpointed with {m.num_key_groups} key groups; it is now "
+                f"configured with {self.num_key_groups}. The key groups are fixed for an operator's life (the "
+                f"number of partitions may change, up to the key groups): keep num_key_groups="
+                f"{m.num_key_groups}, or start a new operator id.")
         keys = m.metadata.get("key_columns")
         if keys is not None and tuple(keys) != self.key_columns:
             raise OperatorConfigError(
@@ -494,6 +504,15 @@ class StatefulOperator:
         ``VersionNotFoundError``, ``InterfaceError``; writes nothing but the claim (an owner record)."""
         owner = self._claim(query_id, batch_id)
         base = self.base_manifest(batch_id)
+        if self.initial_state is not None and base.version > 0 and not self.history:
+            raise OperatorConfigError(
+                f"operator {self.operator_id!r} at {self.root} already has state (version {base.version}, batch "
+                f"{batch_id}): initial_state= is applied once, before a query's first batch, and this run would "
+                "not apply it. Drop initial_state= when restarting the query (its state carries on), or start a "
+                "new operator id (or checkpoint root) to begin again from the initial state.")
+        rescaled = None
+        if base.num_partitions != self.num_partitions:
+            base, rescaled = self._rescale(base)
         df = drop_heartbeat(df)
         missing = [c for c in self.key_columns if c not in df.columns]
         if missing:
@@ -514,9 +533,41 @@ class StatefulOperator:
                         fault_hook=self._fault_hook,
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
-                        daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark)
+                        daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark,
+                        rescaled=rescaled)
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
                          max_event_time_ms=seen, observation=observation, initial=initial)
+
+    def _rescale(self, base: Manifest) -> tuple[Manifest, tuple[int, int]]:
+        """The state of manifest ``base`` (written with another number of partitions) at this
+        operator's: for each new partition, a state R (version: the newest of the old states'; a fresh
+        checkpoint id) whose recipe names the key-group ranges it owns in the old partitions' states
+        (``files.rescale``; written now). The daemon that opens R first in the batch assembles it
+        from those ranges of the old files and writes its snapshot; the fence checks the snapshots.
+        Like the initial state, the R's are in no manifest of their own: a replay of the batch
+        rescales again, under new checkpoint ids. Returns the manifest the batch starts from (its
+        metadata says where it came from) and ``TaskSpec.rescaled``."""
+        old = tuple(base.ref(p) for p in range(base.num_partitions))
+        version = max(base.version, *(r.version for r in old))
+        plans = plan_sources(old, self.num_partitions, self.num_key_groups)
+        refs = [CheckpointRef(version, new_checkpoint_id()) if sources else EMPTY_STATE for sources in plans]
+        recipes = [(StoreId(self.root, self.operator_id, p), ref,
+                    Recipe(p, self.num_partitions, self.num_key_groups, base.num_partitions, base.version, sources))
+                   for p, (ref, sources) in enumerate(zip(refs, plans)) if sources]
+
+        async def write(store: ObjectStore) -> None:
+            await asyncio.gather(*(write_recipe(store, sid, ref, recipe) for sid, ref, recipe in recipes))
+
+        self._run(write)
+        log.warning("operator %s: rescaling from %d to %d partitions at version %d (%d key groups); each new "
+                    "partition's state is assembled from the old partitions' files when first opened",
+                    self.operator_id, base.num_partitions, self.num_partitions, base.version, self.num_key_groups)
+        metadata = dict(base.metadata)
+        metadata[RESCALED_FROM_KEY] = {"version": base.version, "num_partitions": base.num_partitions,
+                                       "stores": [[r.version, r.ckptid] for r in old]}
+        return (Manifest(self.operator_id, base.version, self.num_partitions, self.num_key_groups,
+                         {DEFAULT_STORE_NAME: tuple(refs)}, metadata=metadata),
+                (base.num_partitions, version))
 
     def _load_initial_state(self, empty: Manifest, batch_id: int) -> tuple[Manifest, Materialized]:
         """Before the first batch: ``initial_state``'s rows, routed like a batch's, through
@@ -644,7 +695,7 @@ class StatefulOperator:
                 refs = self._collect_reports(reports, prog)
                 fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
                 with _timed(prog, "fence"):
-                    self._fence(refs)
+                    self._fence(refs, assembled=plan.base if plan.spec.rescaled else None)
             except FenceTimeoutError as exc:
                 output.release()
                 if run == self.daemon_retries:
@@ -719,11 +770,16 @@ class StatefulOperator:
             refs[p] = r.ref
         return refs
 
-    def _fence(self, refs: dict[int, CheckpointRef]) -> None:
+    def _fence(self, refs: dict[int, CheckpointRef], assembled: Manifest | None = None) -> None:
         """Step 5: wait until every reported delta exists in the object store (HEAD, not the report),
-        polling every <= 50 ms for ``FENCE_FAST_SECONDS`` then every <= 0.5 s; ``FenceTimeoutError``
-        after ``fence_timeout`` seconds (the batch is then not committed, and Spark replays it)."""
+        and after a rescale (``assembled``: the rescaled manifest the batch started from) every
+        assembled state's snapshot, polling every <= 50 ms for ``FENCE_FAST_SECONDS`` then every <= 0.5 s;
+        ``FenceTimeoutError`` after ``fence_timeout`` seconds (the batch is then not committed, and
+        Spark replays it)."""
         keys = {file_key(StoreId(self.root, self.operator_id, p), ref, DELTA) for p, ref in refs.items()}
+        if assembled is not None:
+            keys |= {file_key(StoreId(self.root, self.operator_id, p), assembled.ref(p), SNAPSHOT)
+                     for p in range(self.num_partitions) if not assembled.ref(p).is_empty_state}
         if not keys:
             return
         timeout = self.fence_timeout
@@ -788,6 +844,8 @@ class StatefulOperator:
             metadata.update(event_time)
         if plan.base.metadata.get(INITIAL_STATE_KEY):
             metadata[INITIAL_STATE_KEY] = True
+        if plan.spec.rescaled:  # the first batch after a rescale: where its states came from
+            metadata[RESCALED_FROM_KEY] = plan.base.metadata[RESCALED_FROM_KEY]
         op, root, known = self.operator_id, self.root, plan.owner
         if known is not None:  # who wrote it (the owner record's epoch)
             metadata["owner"], metadata["owner_epoch"] = known.owner, known.epoch

@@ -176,6 +176,10 @@ class TaskSpec:
     # the key columns' types (a VectorizedProcessor's timers of keys without rows are decoded to them;
     # None: the batch's rows' types, or inferred from the values in a batch without rows)
     key_schema: pa.Schema | None = None
+    # the first batch after the partition count changed (``files.rescale``): ``(old partition count, the
+    # version of the refs' assembled states)``. Every task opens its partition (loading it assembles its
+    # state and writes its snapshot) and asks its daemon to drop copies of the old layout's partitions
+    rescaled: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -453,6 +457,9 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
     table = _table_of([b for b in batches if b.num_rows])
     idle = table is None
     if table is None:
+        if spec.rescaled is not None and not initial and not _has_time_work(processor):
+            _assemble_only(spec, partition, timings={})
+            return spec.output_schema.empty_table()
         if initial or not _has_time_work(processor):
             return spec.output_schema.empty_table()
         table = pa.table({KG_COLUMN: pa.array([], pa.int32())})
@@ -496,6 +503,7 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
         return out, ref, states
 
     client, (out, ref, states) = _commit_partition(spec, partition, apply, timings)
+    _drop_old_layout(client, spec, partition)
     if ref is None:
         return out
     node = _coordinate(client, spec, partition)
@@ -535,6 +543,33 @@ def _commit_partition(spec: TaskSpec, partition: int, apply: Callable[[Client, i
                         tries - 1)
             time.sleep(RETRY_PAUSES[min(retry, len(RETRY_PAUSES) - 1)])
     raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _assemble_only(spec: TaskSpec, partition: int, timings: dict[str, float]) -> None:
+    """The first batch after a rescale, a partition without rows nor time work: open its state (the
+    daemon assembles it from the old partitions' files and writes its snapshot, so that the manifest
+    may name it) and leave it unchanged."""
+
+    def open_only(client: Client, retry: int) -> None:
+        base = spec.refs[partition]
+        with client.open(StoreId(spec.root, spec.operator_id, partition), base.version, base.ckptid or None) as handle:
+            handle.abort()
+
+    client, _ = _commit_partition(spec, partition, open_only, timings)
+    _drop_old_layout(client, spec, partition)
+
+
+def _drop_old_layout(client: Client, spec: TaskSpec, partition: int) -> None:
+    """After a rescale: ask this node's daemon to drop the copies it holds of the old layout's
+    partitions (older than the assembled states; its copies of new states stay). Best effort."""
+    if spec.rescaled is None:
+        return
+    old_n, version = spec.rescaled
+    stale = [(p, version + 1) for p in range(max(old_n, spec.num_partitions)) if p != partition]
+    try:
+        client.release(spec.root, spec.operator_id, stale)
+    except StateStoreError as exc:
+        log.warning("could not ask the daemon to drop the old layout's partitions %s: %s", stale, exc)
 
 
 def _coordinate(client: Client, spec: TaskSpec, partition: int) -> dict[str, Any] | None:

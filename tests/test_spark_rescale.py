@@ -1,0 +1,217 @@
+"""Rescaling a stateful query online: the same query restarted with another number of partitions.
+
+The stream is written in phases; each phase runs the query (same Spark checkpoint, same operator id)
+with another ``num_partitions``: 4, then 2, 7, 1. Each phase's first batch rescales (``files.rescale``):
+every new partition's state is assembled by the daemon from the key-group ranges it owns in the old
+partitions' files. Every batch's output and the final state must equal Spark's own streaming
+aggregation over the whole stream, also when the daemon or the driver is killed (-9) in the first
+rescaled batch; the bytes read to rescale are counted by the daemon and, on S3, by the proxy in
+front of SeaweedFS, and must stay within 1.2x the old layout's stored size.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+from spark_cluster import (
+    Daemon,
+    collector,
+    dict_oracle,
+    final_count_sum,
+    read_outputs,
+    run_job,
+    run_stream,
+    spark_oracle,
+    write_batches,
+)
+
+from statestore_async.client import Client
+from statestore_async.files.loader import load_store
+from statestore_async.files.manifest import list_manifest_versions, read_manifest
+from statestore_async.files.rescale import RESCALED_FROM_KEY
+from statestore_async.ids import StoreId
+from statestore_async.objectstore import open_object_store
+from statestore_async.spark import OperatorConfigError, StatefulOperator, load_state
+from statestore_async.spark.examples import CountSum, VectorizedCountSum
+from statestore_async.testing import faults
+
+pytestmark = [pytest.mark.spark, pytest.mark.slow]
+OUT = "key string, count bigint, sum bigint"
+G = 64
+PHASES = (4, 2, 7, 1)  # num_partitions of each run of the query
+BATCHES_PER_PHASE = 2
+ROWS, KEYS = 40000, 150000
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fault_hooks():
+    faults.install()
+    yield
+    faults.uninstall()
+
+
+def write_phase(src: str, phase: int) -> list[list[tuple]]:
+    return write_batches(src, BATCHES_PER_PHASE, ROWS, KEYS, seed=11, first=phase * BATCHES_PER_PHASE)
+
+
+def manifest(root: str, version: int | None = None, s3_options=None):
+    async def go():
+        async with open_object_store(root, **({"s3_options": s3_options} if s3_options else {})) as s:
+            v = version if version is not None else max(await list_manifest_versions(s, "counts"))
+            return await read_manifest(s, "counts", v)
+    return asyncio.run(go())
+
+
+def stored_bytes(root: str, m, s3_options=None) -> int:
+    """The bytes of the files a load of manifest ``m``'s state reads: the state's stored size."""
+    async def go():
+        async with open_object_store(root, **({"s3_options": s3_options} if s3_options else {})) as s:
+            total = 0
+            for p in range(m.num_partitions):
+                _, report = await load_store(s, StoreId(root, "counts", p), m.ref(p))
+                total += report.bytes_read
+            return total
+    return asyncio.run(go())
+
+
+def daemon_counters(socket: str) -> dict:
+    with Client(socket) as c:
+        return c.stats()["registry"]
+
+
+def held_partitions(socket: str, root: str) -> list[int]:
+    with Client(socket) as c:
+        return c.release(root, "counts", [])["held"]
+
+
+def check_rescale(root, socket, before, counters_before, new_n, s3_options=None) -> float:
+    """After a phase that rescaled to ``new_n``: the manifest says where its state came from, the
+    daemon assembled every new partition once, reading <= 1.2x the old layout's stored size, and
+    holds no copy of an old partition id beyond the new layout. Returns the ratio read / stored."""
+    after = manifest(root, s3_options=s3_options)
+    first = manifest(root, before.version + 1, s3_options=s3_options)
+    assert after.num_partitions == new_n and first.metadata[RESCALED_FROM_KEY]["num_partitions"] == before.num_partitions
+    assert first.metadata[RESCALED_FROM_KEY]["version"] == before.version
+    counters = daemon_counters(socket)
+    rescales = counters["rescales"] - counters_before["rescales"]
+    read = counters["rescale_bytes_read"] - counters_before["rescale_bytes_read"]
+    stored = stored_bytes(root, before, s3_options)
+    print(f"rescale {before.num_partitions} -> {new_n}: {rescales} partitions assembled, {read} bytes read "
+          f"for {stored} stored ({read / stored:.3f}x)")
+    assert rescales == new_n  # every new partition once (this stream's key groups all hold keys)
+    assert read <= 1.2 * stored
+    assert all(p < new_n for p in held_partitions(socket, root))
+    return read / stored
+
+
+def test_rescale_4_2_7_1_equals_spark(spark, tmp_path):
+    src, root, ckpt = str(tmp_path / "src"), f"file://{tmp_path}/state", str(tmp_path / "ckpt")
+    batches: list = []
+    got: dict = {}
+    with Daemon() as d:
+        for phase, n in enumerate(PHASES):
+            batches += write_phase(src, phase)
+            before = manifest(root) if phase else None
+            counters = daemon_counters(d.socket)
+            op = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, n, G, socket_path=d.socket,
+                                  fence_timeout=30)
+            run_stream(spark, src, ckpt, op.foreach_batch(collector(got)))
+            if before is not None:
+                check_rescale(root, d.socket, before, counters, n)
+    expected = spark_oracle(spark, src, str(tmp_path / "oracle"))
+    assert got == expected
+    assert final_count_sum(load_state(root, "counts")) == dict_oracle(batches)[1]
+    # what cannot be done is refused before anything is written
+    with pytest.raises(OperatorConfigError, match="key groups"):
+        StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 2, 2 * G).base_manifest(len(batches))
+    with pytest.raises(OperatorConfigError, match="key groups"):
+        StatefulOperator(root, "counts", ["key"], CountSum(), OUT, G + 1, G)
+
+
+def test_vectorized_rescale_on_s3_reads_the_state_about_once(spark, tmp_path, seaweedfs, s3_bucket, proxy):
+    """The S3 variant: the daemon reaches SeaweedFS through the proxy, whose log counts the GET
+    bytes of the rescaled batches (the object store's own count, beside the daemon's)."""
+    src, ckpt, root = str(tmp_path / "src"), str(tmp_path / "ckpt"), f"s3://{s3_bucket}/ckpt"
+    opts = seaweedfs.client_options()
+    env = dict(seaweedfs.env(), STATESTORE_S3_ENDPOINT_URL=proxy.endpoint_url, STATESTORE_SNAPSHOT_INTERVAL="1000")
+    batches: list = []
+    got: dict = {}
+    with Daemon(env=env) as d:
+        for phase, n in enumerate(PHASES[:3]):
+            batches += write_phase(src, phase)
+            before = manifest(root, s3_options=opts) if phase else None
+            counters = daemon_counters(d.socket)
+            get_bytes = proxy.stats["GET_bytes"]
+            op = StatefulOperator(root, "counts", ["key"], VectorizedCountSum(), OUT, n, G, socket_path=d.socket,
+                                  s3_options=opts, fence_timeout=30)
+            run_stream(spark, src, ckpt, op.foreach_batch(collector(got)))
+            if before is not None:
+                ratio = check_rescale(root, d.socket, before, counters, n, s3_options=opts)
+                # the proxy saw the daemon's GETs of the phase: the rescale's, and no other load
+                # (no snapshots, so no cleanup either; every partition stays in memory afterwards)
+                seen = proxy.stats["GET_bytes"] - get_bytes
+                stored = stored_bytes(root, before, opts)
+                print(f"  proxy: {seen} GET bytes ({seen / stored:.3f}x stored; the daemon counted {ratio:.3f}x)")
+                assert seen <= 1.2 * stored
+    per_batch, final = dict_oracle(batches)
+    assert [got[b] for b in sorted(got)] == per_batch
+    assert final_count_sum(load_state(root, "counts", s3_options=opts)) == final
+
+
+@pytest.mark.parametrize("point", ["before_commit", "after_commit"])
+def test_daemon_killed_in_the_first_rescaled_batch(spark, tmp_path, point):
+    src, root, ckpt = str(tmp_path / "src"), f"file://{tmp_path}/state", str(tmp_path / "ckpt")
+    got: dict = {}
+    batches = write_phase(src, 0)
+    with Daemon() as d:
+        op = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 4, G, socket_path=d.socket)
+        run_stream(spark, src, ckpt, op.foreach_batch(collector(got)))
+        batches += write_phase(src, 1)
+        first = BATCHES_PER_PHASE  # the first batch of the run at N = 2
+        fault = {"point": point, "batch": first, "action": "kill_daemon", "partition": 1}
+        op2 = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 2, G, socket_path=d.socket,
+                               fence_timeout=3, faults=[fault])
+        try:
+            run_stream(spark, src, ckpt, op2.foreach_batch(collector(got)))
+        except Exception:  # the batch of the kill fails, unless the uploads won the race
+            pass
+        op3 = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 2, G, socket_path=d.socket,
+                               fence_timeout=30)
+        run_stream(spark, src, ckpt, op3.foreach_batch(collector(got)))
+    per_batch, final = dict_oracle(batches)
+    assert [got[b] for b in sorted(got)] == per_batch
+    assert final_count_sum(load_state(root, "counts")) == final
+    assert manifest(root).num_partitions == 2
+
+
+def test_driver_killed_in_the_first_rescaled_batch_then_restarted_at_another_count(tmp_path):
+    """The driver dies before the fence of the first batch at N = 2; the query is restarted at N = 7:
+    the replay rescales again, from the manifest the killed batch started from, and at the count
+    the new run asks for."""
+    src, root = str(tmp_path / "src"), f"file://{tmp_path}/state"
+
+    def args(socket, n, fault=None):
+        a = ["--src", src, "--root", root, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"),
+             "--socket", socket, "--partitions", str(n), "--key-groups", str(G)]
+        return a + (["--faults", f'[{{"point": "{fault}", "batch": {BATCHES_PER_PHASE}, "action": "kill_self"}}]']
+                    if fault else [])
+
+    batches = write_phase(src, 0)
+    with Daemon() as d:
+        r1 = run_job(args(d.socket, 4))
+        assert r1.returncode == 0, r1.stdout[-4000:]
+        batches += write_phase(src, 1)
+        r2 = run_job(args(d.socket, 2, "before_fence"))
+        assert r2.returncode == -signal.SIGKILL, r2.stdout[-4000:]
+        assert manifest(root).num_partitions == 4  # nothing of the killed batch counts
+        r3 = run_job(args(d.socket, 7, "after_manifest"))  # dies again, after its manifest
+        assert r3.returncode == -signal.SIGKILL, r3.stdout[-4000:]
+        assert manifest(root, BATCHES_PER_PHASE + 1).num_partitions == 7
+        r4 = run_job(args(d.socket, 7))
+        assert r4.returncode == 0, r4.stdout[-4000:]
+    got = read_outputs(str(tmp_path / "out"))
+    per_batch, final = dict_oracle(batches)
+    assert [got[b] for b in sorted(got)] == per_batch
+    assert final_count_sum(load_state(root, "counts")) == final
+    assert manifest(root).num_partitions == 7
