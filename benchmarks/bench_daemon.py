@@ -37,6 +37,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import charts
 from redis_peer import RedisServer, RedisUnavailable
 
 from statestore_async.client.clients import Client
@@ -280,6 +281,19 @@ def bench(args) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     show(rows, (p50, p99, rp50, rp99, bare_rt))
     show_engine_share(rows, engine_us)
+    if charts.chart_path(args):
+        groups = [f"batch {b:,}" for b, *_ in rows]
+        charts.bar_charts(charts.chart_path(args), "Daemon throughput: keys read or written per second", [
+            charts.Panel("ops/s (log scale)", groups, {
+                "(a) in-process dict": [a for _, a, *_ in rows], "(b) our daemon": [c for _, _, c, *_ in rows],
+                "(c) redis-py pipelined": [rd for _, _, _, rd, *_ in rows],
+                "(e) protocol, no store": [fl for *_, fl in rows]}, "ops/s", log=True),
+            charts.Panel("our daemon (b) as a share of", groups, {
+                "(a) in-process dict": [c / a for _, a, c, *_ in rows],
+                "(e) protocol, no store": [c / fl for _, _, c, _, _, fl in rows]}, "ratio",
+                fmt=lambda v: f"{v:.0%}", reference=(1.0, "100%"))],
+            charts.measured_caption(f"1 op = 1 key; each round puts a batch and reads it back; round trip at batch 1: "
+                                    f"p50 {p50:.0f} µs, p99 {p99:.0f} µs"))
 
 
 def engine_round_us(keys: list[bytes], values: list[bytes], seconds: float = 1.0) -> float:
@@ -443,6 +457,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=0, help="fire N random/mutated frames instead")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--bare-server", metavar="SOCKET", help=argparse.SUPPRESS)  # (e)'s server process
+    charts.add_chart_args(ap, "bench_daemon")
     args = ap.parse_args()
     if args.bare_server:
         bare_server(args.bare_server)

@@ -23,6 +23,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import charts
+
 from statestore_async.client.clients import Client
 from statestore_async.ids import StoreId
 from statestore_async.testing.daemon import start_daemon as start_daemon_process
@@ -103,14 +105,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", default="1000000,10000000", help="comma-separated record counts")
     ap.add_argument("--per-commit", type=int, default=0, help="records per commit (default: 1%% of the records)")
+    charts.add_chart_args(ap, "bench_engine_memory")
     args = ap.parse_args()
     print("| records | raw MiB | daemon RSS − empty, MiB | ratio to raw | engine's own count, MiB | load s |")
     print("|---:|---:|---:|---:|---:|---:|")
+    measured = []
     for n in (int(x) for x in args.records.split(",")):
         r = measure(n, args.per_commit or max(1, n // 100))
         held = r["full"] - r["empty"]
+        measured.append((n, r, held))
         print(f"| {n:,} | {r['raw'] / 2**20:.1f} | {held / 2**20:.1f} | {held / r['raw']:.2f}× "
               f"| {r['engine'] / 2**20:.1f} | {r['seconds']:.1f} |", flush=True)
+    if charts.chart_path(args):
+        mib = [f"{n:,} records" for n, _, _ in measured]
+        charts.bar_charts(charts.chart_path(args), "The daemon's memory for N records of 12+16 bytes", [
+            charts.Panel("MiB held", mib, {
+                "raw keys + values": [r["raw"] / 2**20 for _, r, _ in measured],
+                "daemon RSS − empty daemon": [held / 2**20 for _, _, held in measured],
+                "the engine's own count": [r["engine"] / 2**20 for _, r, _ in measured]}, "MiB",
+                fmt=lambda v: f"{v:,.1f}"),
+            charts.Panel("RSS − empty over raw", mib, {
+                "daemon RSS − empty daemon": [held / r["raw"] for _, r, held in measured]}, "× raw",
+                fmt=lambda v: f"{v:.2f}×")],
+            charts.measured_caption("RSS once durable, minus the RSS of a daemon that has served one small store"))
 
 
 if __name__ == "__main__":

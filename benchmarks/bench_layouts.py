@@ -63,6 +63,7 @@ from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import charts
 import numpy as np
 
 from statestore_async.codecs import framing
@@ -1110,6 +1111,7 @@ def main() -> int:
     ap.add_argument("--layout", help=argparse.SUPPRESS)
     ap.add_argument("--folder", help=argparse.SUPPRESS)
     ap.add_argument("--budget-bytes", type=int, help=argparse.SUPPRESS)
+    charts.add_chart_args(ap, "bench_layouts")
     args = ap.parse_args()
     if args.n is None:
         args.n = 100_000 if args.quick else 1_000_000
@@ -1141,6 +1143,17 @@ def main() -> int:
             results[name][part] = run_worker(part, name, n, args.seconds, budget, timeout=900)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     print(render(results, args, n_budget, budget, when), flush=True)
+    if charts.chart_path(args):
+        def fig(key: str) -> dict:
+            return {LAYOUTS[x]: [results[x].get("main", {}).get(key) or None] for x in names}
+
+        charts.bar_charts(charts.chart_path(args), f"Engine layouts: {args.n:,} records of 12+16 bytes", [
+            charts.Panel(f"round at batch {BATCH}: put + get", ["records/s"], fig("round_rps"), "records/s (log)", log=True),
+            charts.Panel("GET of committed keys", ["records/s"], fig("base_get_rps"), "records/s (log)", log=True),
+            charts.Panel("resident bytes per record", ["B / record"], fig("rss_per_record"), f"bytes (raw {RAW})",
+                         fmt=lambda v: f"{v:.1f}", reference=(RAW, "raw")),
+            charts.Panel("commit 1% with undo", ["ms"], fig("commit1_ms"), "ms", fmt=lambda v: f"{v:.1f}")],
+            charts.measured_caption(f"load average at start {args.load_start}"), width=14.0)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"when": when, "n": args.n, "budget": budget, "n_budget": n_budget, "results": results}, fh, indent=1)

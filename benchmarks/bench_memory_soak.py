@@ -39,6 +39,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import charts
+
 from statestore_async.client import Client
 from statestore_async.config import parse_size
 from statestore_async.errors import StateStoreError
@@ -94,6 +96,7 @@ def main() -> int:
     ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
     ap.add_argument("--retention-versions", type=int, default=None,
                     help="the daemon's retention window (default: its own, 100); smaller starts retention sooner")
+    charts.add_chart_args(ap, "bench_memory_soak")
     args = ap.parse_args()
     budget = parse_size(args.budget)
     flat_margin = parse_size(args.flat_margin)
@@ -168,6 +171,17 @@ def main() -> int:
               f"peak RSS {peak / MIB:.1f} MiB (first sample {samples[0][1] / MIB:.1f}, last {samples[-1][1] / MIB:.1f}); "
               f"last third vs middle third peak: {growth / MIB:+.1f} MiB (flat within {flat_margin / MIB:.0f} MiB)")
         print(f"verdict: flat: {'yes' if flat else 'no'}, bounded: {'yes' if bounded else 'no'}", flush=True)
+        if charts.chart_path(args):
+            charts.line_chart(charts.chart_path(args), f"Daemon RSS under constant eviction ({args.clients} clients, "
+                              f"budget {budget / MIB:.0f} MiB)", [t for t, _ in samples],
+                              {"daemon RSS": [r / MIB for _, r in samples]},
+                              charts.measured_caption(f"{args.clients} clients x {args.stores} stores x {args.keys} keys; "
+                                                      f"verdict: flat {'yes' if flat else 'no'}, "
+                                                      f"bounded {'yes' if bounded else 'no'}"),
+                              xlabel="seconds", ylabel="MiB",
+                              hlines=[((budget + fixed) / MIB, f"bound: budget + empty daemon + working overhead "
+                                       f"= {(budget + fixed) / MIB:.1f} MiB"),
+                                      (budget / MIB, f"memory budget {budget / MIB:.0f} MiB")])
         return 0 if flat and bounded and not failed else 1
     finally:
         for p in procs:

@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 
+import charts
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -333,6 +334,7 @@ def main() -> int:
                          "spills and the raw state size after each of our runs")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra Spark setting for the session every peer shares (repeatable)")
+    charts.add_chart_args(ap, "bench_spark")
     a = ap.parse_args()
     confs = []
     for c in a.conf:
@@ -454,6 +456,19 @@ def main() -> int:
             print(f"| {K:,} | {r['peer']} | {rs:,.0f} | {rs / ref1 if ref1 else 0:.2f} | {rs / ref4 if ref4 else 0:.2f} "
                   f"| {rs / ref2 if ref2 else 0:.1f} | {r.get('batch_ms', 0):,.0f} | "
                   f"{'-' if cm is None else f'{cm:,.0f}'} | {ckpt} | {r.get('correct', r.get('error'))} |")
+    if charts.chart_path(a):
+        by_k = {K: {r["peer"]: r["rows_s"] or None for r in results if r["K"] == K} for K in keys}
+        names = list(dict.fromkeys(r["peer"] for r in results))
+        p1 = {K: by_k[K].get("P1 hdfs (default)") for K in keys}
+        groups = [f"K = {K:,}" for K in keys]
+        charts.bar_charts(charts.chart_path(a), f"Workload W: {rows:,} rows per micro-batch, local[2]", [
+            charts.Panel("rows/s (log scale)", groups, {n: [by_k[K].get(n) for K in keys] for n in names}, "rows/s",
+                         log=True),
+            charts.Panel("× P1 hdfs (Spark's default provider)", groups, {
+                n: [by_k[K][n] / p1[K] if by_k[K].get(n) and p1[K] else None for K in keys] for n in names
+                if n != "P2 applyInPandasWithState"}, "ratio", fmt=lambda v: f"{v:.2f}×", reference=(1.0, "P1"))],
+            charts.measured_caption(f"median of {measured} batches after a warm-up batch; "
+                                    f"JVM warmed by {a.warmup_rounds} discarded round(s)"), width=13.0)
     return 0
 
 
