@@ -243,14 +243,20 @@ def decode_partition(records: Iterable[tuple[bytes, bytes | None]], layout: Stat
     names_keys = valuecodec.decode_rows([k[2:] for k in keys])
     decoded = valuecodec.decode_rows(values)
     rows: dict[tuple, KeyRow] = {}
+    ttl: dict[str, bool] = {}
     for k, nk, stored in zip(keys, names_keys, decoded):
         name = nk[0]
         if state_var is not None and name != state_var:
             continue
-        value, expires = split_value(layout, name, stored)
-        live = live_value(layout, name, value, expires, now_ms)
-        if live is None:
-            continue
+        has_ttl = ttl.get(name)
+        if has_ttl is None:
+            has_ttl = ttl[name] = layout.ttl(name)
+        if has_ttl:
+            live = live_value(layout, name, *split_value(layout, name, stored), now_ms)
+            if live is None:
+                continue
+        else:
+            live = (stored, None)
         key = tuple(nk[1:])
         row = rows.get(key)
         if row is None:

@@ -75,6 +75,26 @@ def _infer(v: Any) -> Type:
     raise _Incompatible
 
 
+def _fits(v: Any, t: Type) -> bool:
+    """Whether ``v`` is of type ``t`` already (False: infer and merge; never wrong, may be
+    conservative)."""
+    if v is None:
+        return True
+    k = t[0]
+    s = _SCALARS.get(type(v))
+    if s is not None:
+        if s[0] == "long":
+            return (k == "long" or k == "double") and _INT64[0] <= v <= _INT64[1]
+        return s == t
+    if k == "struct":
+        return type(v) is tuple and len(v) == len(t[1]) and all(_fits(x, f) for x, f in zip(v, t[1]))
+    if k == "list":
+        return type(v) is list and all(_fits(x, t[1]) for x in v)
+    if k == "map":
+        return type(v) is dict and all(x is not None and _fits(x, t[1]) and _fits(y, t[2]) for x, y in v.items())
+    return False
+
+
 def merge(a: Type, b: Type) -> Type:
     """The narrowest type both ``a`` and ``b`` fit (``JSON`` when there is none)."""
     try:
@@ -120,11 +140,8 @@ class ColumnType:
         self.type = t
 
     def observe(self, value: Any) -> None:
-        if self.type == JSON or value is None:
-            return
-        t = _SCALARS.get(type(value))
-        if t is not None and t == self.type and t != ("long",):
-            return  # the common case: one more value of the column's scalar type
+        if self.type == JSON or value is None or _fits(value, self.type):
+            return  # the common case: one more value of the column's type
         self.type = merge(self.type, infer(value))
 
     def observe_all(self, values: list) -> None:
