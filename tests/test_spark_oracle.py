@@ -56,10 +56,11 @@ def test_per_key_processor_equals_spark(spark, data, daemon, tmp_path):
     assert len(rows) == len(final)
     assert {r.partition for r in rows} == {0, 1, 2}
     assert all(r.key_group * 3 // 64 == r.partition for r in rows)
-    # a restart with another number of partitions is refused with a clear error
-    op2 = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, num_partitions=4, num_key_groups=64,
+    # a restart with other key groups is refused with a clear error (another number of partitions
+    # rescales: tests/test_spark_rescale.py)
+    op2 = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, num_partitions=3, num_key_groups=128,
                            socket_path=daemon.socket)
-    with pytest.raises(OperatorConfigError, match="4 partitions"):
+    with pytest.raises(OperatorConfigError, match="64 key groups"):
         op2.base_manifest(len(expected))
 
 

@@ -215,3 +215,75 @@ def test_driver_killed_in_the_first_rescaled_batch_then_restarted_at_another_cou
     assert [got[b] for b in sorted(got)] == per_batch
     assert final_count_sum(load_state(root, "counts")) == final
     assert manifest(root).num_partitions == 7
+
+
+def _cli(*args: str, **kw):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "statestore_async.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_offline_repartition_resumes_after_a_kill_and_the_query_continues(spark, tmp_path):
+    """``statestore-async repartition``: refused while the owner is not named and above the key
+    groups; ``--dry-run`` plans and writes nothing; a run killed (-9) after its first partition
+    resumes; then the query, restarted at the new count, continues exactly (no online rescale)."""
+    import json
+    import os
+    import time
+
+    src, root, ckpt = str(tmp_path / "src"), f"file://{tmp_path}/state", str(tmp_path / "ckpt")
+    got: dict = {}
+    batches = write_phase(src, 0)
+    with Daemon() as d:
+        op = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 4, G, socket_path=d.socket)
+        run_stream(spark, src, ckpt, op.foreach_batch(collector(got)))
+        owner = op.owner().owner
+        before = manifest(root)
+
+        p = _cli("repartition", root, "--operator", "counts", "--partitions", "3")
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and "OwnerConflictError" in err and owner in err
+        p = _cli("repartition", root, "--operator", "counts", "--partitions", str(G + 1), "--owner", owner)
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 1 and "RepartitionConfigError" in err and f"1 to {G}" in err
+        files_before = sorted(os.listdir(tmp_path / "state" / "counts" / "0" / "default"))
+        p = _cli("repartition", root, "--operator", "counts", "--partitions", "3", "--owner", owner, "--dry-run",
+                 "--json")
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        plan = json.loads(out)
+        stored = stored_bytes(root, before)
+        print(f"offline plan 4 -> 3: ~{plan['bytes_to_read']} bytes to read of {stored} stored")
+        assert [pp["partition"] for pp in plan["partitions"]] == [0, 1, 2]
+        assert stored * 0.9 <= plan["bytes_to_read"] <= stored * 1.1
+        assert sorted(os.listdir(tmp_path / "state" / "counts" / "0" / "default")) == files_before  # nothing written
+
+        # a run killed as soon as its first new partition's snapshot exists
+        first = plan["partitions"][0]["ref"]
+        snap = tmp_path / "state" / "counts" / "0" / "default" / f"{first[0]}_{first[1]}.snapshot"
+        p = _cli("repartition", root, "--operator", "counts", "--partitions", "3", "--owner", owner,
+                 start_new_session=True)
+        deadline = time.monotonic() + 120
+        while not snap.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        p.kill()
+        p.communicate()
+        assert manifest(root).num_partitions in (3, 4)
+        p = _cli("repartition", root, "--operator", "counts", "--partitions", "3", "--owner", owner, "--json")
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        done = json.loads(out)
+        print(f"offline 4 -> 3 resumed: skipped {done['skipped']}, read {done['bytes_read']} bytes")
+        after = manifest(root)
+        assert after.version == before.version and after.num_partitions == 3
+        assert after.metadata[RESCALED_FROM_KEY]["num_partitions"] == 4
+
+        counters = daemon_counters(d.socket)
+        batches += write_phase(src, 1)
+        op2 = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 3, G, socket_path=d.socket)
+        run_stream(spark, src, ckpt, op2.foreach_batch(collector(got)))
+        assert daemon_counters(d.socket)["rescales"] == counters["rescales"]  # nothing left to rescale online
+    per_batch, final = dict_oracle(batches)
+    assert [got[b] for b in sorted(got)] == per_batch
+    assert final_count_sum(load_state(root, "counts")) == final

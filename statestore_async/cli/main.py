@@ -1,5 +1,5 @@
 """``statestore-async`` command line: ``serve``, ``health``, ``selftest``, ``inspect``, ``verify``, ``gc``,
-and ``ls``, ``show``, ``export``, ``diff`` (``cli.state``).
+and ``ls``, ``show``, ``export``, ``diff`` (``cli.state``), ``repartition`` (``cli.repartition``).
 
 Settings come from flags > ``STATESTORE_*`` environment > ``--config`` TOML file > defaults
 (``config.load_config``); every ``DaemonConfig`` setting has a flag (``--memory-budget 2GiB``).
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from statestore_async.cli.repartition import repartition as repartition_command
 from statestore_async.cli.state import COMMANDS as STATE_COMMANDS
 from statestore_async.config import FIELDS, load_config
 from statestore_async.errors import StateStoreError
@@ -35,6 +36,7 @@ def main() -> None:
 
 for _command in STATE_COMMANDS:  # ls, show, export, diff
     main.add_command(_command)
+main.add_command(repartition_command)
 
 
 def _setting_options(fn: _F) -> _F:
