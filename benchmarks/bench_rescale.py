@@ -136,7 +136,7 @@ def main() -> int:
     sockdir = tempfile.mkdtemp(prefix="ssr-", dir="/tmp")
     sock = os.path.join(sockdir, "d.sock")
     placement.start_daemon(sock, args=["--log-level", "warning"])
-    sink = lambda df, b: df.write.format("noop").mode("overwrite").save()  # noqa: E731
+    sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
 
     def run(src: str, case: str, n: int) -> StatefulOperator:
         root = "file://" + os.path.join(work, case, "state")

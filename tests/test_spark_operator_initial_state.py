@@ -11,7 +11,7 @@ import pytest
 from spark_cluster import Daemon
 
 from statestore_async.errors import InterfaceError
-from statestore_async.spark import StatefulOperator, StatefulProcessor, load_state
+from statestore_async.spark import OperatorConfigError, StatefulOperator, StatefulProcessor, load_state
 from statestore_async.spark.examples import CountSum
 
 OUT = "user string, n bigint, source string"
@@ -71,6 +71,10 @@ def test_initial_state_seeds_the_first_batch_once(spark, daemon, tmp_path):
     first.process_batch(events([("b", 1)]), 1, _sink(out))
     assert out[1] == [("b", 8, "batch")]  # the initial state is loaded once
     assert {k[0]: v for (_, k), v in load_state(root, "init").items()} == {"a": 16, "b": 8, "c": 1, "d": 1}
+    # a restarted query (a new driver) whose state exists refuses initial_state= before writing anything
+    with pytest.raises(OperatorConfigError, match="already has state"):
+        op().process_batch(events([("b", 1)]), 2, _sink(out))
+    assert 2 not in out
     # Spark replays batch 0 (a new driver): the initial state is loaded again from scratch, not added
     out.clear()
     op().process_batch(events([("a", 1), ("d", 1)]), 0, _sink(out))

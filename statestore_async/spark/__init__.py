@@ -4,12 +4,15 @@
   and ``VectorizedProcessor`` (a whole partition as Arrow/numpy) — ``processor``;
 * ``StatefulOperator`` — the foreachBatch operator with the driver's fence and manifest — ``operator``;
 * ``open_partition_store`` — a store per partition for mapPartitions / mapInArrow / pandas UDFs;
-* ``read_state`` / ``load_state`` — an operator's committed state as a DataFrame / a dict;
+* ``read_state`` / ``load_state_table`` / ``load_state`` — an operator's committed state as typed
+  rows (a DataFrame / a pyarrow Table) or a dict; ``read_changes`` / ``load_changes_table`` — the
+  change feed between two versions; ``read_metadata`` — operators, versions, partitions, sizes;
 * ``placement.connect`` — this node's daemon, started on demand.
 
 Spark is imported only inside this package (and lazily: importing it does not start a JVM).
 See ``docs/SPARK.md``.
 """
+from statestore_async.spark.changefeed import load_changes_table, read_changes
 from statestore_async.spark.operator import (
     BatchProgress,
     DuplicateReportError,
@@ -33,7 +36,7 @@ from statestore_async.spark.processor import (
     ValueState,
     VectorizedProcessor,
 )
-from statestore_async.spark.reader import decode_record, load_state, read_state
+from statestore_async.spark.reader import decode_record, load_state, load_state_table, read_metadata, read_state
 from statestore_async.spark.routing import murmur3_int, route_values, with_routing
 from statestore_async.spark.runtime import (
     Fault,
@@ -65,9 +68,13 @@ __all__ = [
     "daemon_pid",
     "decode_record",
     "group_rows",
+    "load_changes_table",
     "load_state",
+    "load_state_table",
     "murmur3_int",
     "open_partition_store",
+    "read_changes",
+    "read_metadata",
     "read_state",
     "route_values",
     "start_daemon",
