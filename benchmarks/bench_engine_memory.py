@@ -117,14 +117,14 @@ def main() -> None:
         print(f"| {n:,} | {r['raw'] / 2**20:.1f} | {held / 2**20:.1f} | {held / r['raw']:.2f}× "
               f"| {r['engine'] / 2**20:.1f} | {r['seconds']:.1f} |", flush=True)
     if charts.chart_path(args):
-        mib = [f"{n:,} records" for n, _, _ in measured]
+        labels = [f"{n:,} records" for n, _, _ in measured]
         charts.bar_charts(charts.chart_path(args), "The daemon's memory for N records of 12+16 bytes", [
-            charts.Panel("MiB held", mib, {
+            charts.Panel("MiB held", labels, {
                 "raw keys + values": [r["raw"] / 2**20 for _, r, _ in measured],
                 "daemon RSS − empty daemon": [held / 2**20 for _, _, held in measured],
                 "the engine's own count": [r["engine"] / 2**20 for _, r, _ in measured]}, "MiB",
                 fmt=lambda v: f"{v:,.1f}"),
-            charts.Panel("RSS − empty over raw", mib, {
+            charts.Panel("RSS − empty over raw", labels, {
                 "daemon RSS − empty daemon": [held / r["raw"] for _, r, held in measured]}, "× raw",
                 fmt=lambda v: f"{v:.2f}×")],
             charts.measured_caption("RSS once durable, minus the RSS of a daemon that has served one small store"))

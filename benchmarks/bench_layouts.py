@@ -1148,11 +1148,11 @@ def main() -> int:
             return {LAYOUTS[x]: [results[x].get("main", {}).get(key) or None] for x in names}
 
         charts.bar_charts(charts.chart_path(args), f"Engine layouts: {args.n:,} records of 12+16 bytes", [
-            charts.Panel(f"round at batch {BATCH}: put + get", ["records/s"], fig("round_rps"), "records/s (log)", log=True),
-            charts.Panel("GET of committed keys", ["records/s"], fig("base_get_rps"), "records/s (log)", log=True),
+            charts.Panel(f"round at batch {BATCH}: put + get", ["records/s"], fig("round_rps"), "records/s"),
+            charts.Panel("GET of committed keys", ["records/s"], fig("base_get_rps"), "records/s"),
             charts.Panel("resident bytes per record", ["B / record"], fig("rss_per_record"), f"bytes (raw {RAW})",
                          fmt=lambda v: f"{v:.1f}", reference=(RAW, "raw")),
-            charts.Panel("commit 1% with undo", ["ms"], fig("commit1_ms"), "ms", fmt=lambda v: f"{v:.1f}")],
+            charts.Panel("commit 1% with undo", ["ms"], fig("commit1_ms"), "ms", fmt=lambda v: f"{v:.3g} ms")],
             charts.measured_caption(f"load average at start {args.load_start}"), width=14.0)
     if args.json:
         with open(args.json, "w") as fh:

@@ -459,13 +459,13 @@ def main() -> int:
     if charts.chart_path(a):
         by_k = {K: {r["peer"]: r["rows_s"] or None for r in results if r["K"] == K} for K in keys}
         names = list(dict.fromkeys(r["peer"] for r in results))
-        p1 = {K: by_k[K].get("P1 hdfs (default)") for K in keys}
+        p1_rows = {K: by_k[K].get("P1 hdfs (default)") for K in keys}
         groups = [f"K = {K:,}" for K in keys]
         charts.bar_charts(charts.chart_path(a), f"Workload W: {rows:,} rows per micro-batch, local[2]", [
             charts.Panel("rows/s (log scale)", groups, {n: [by_k[K].get(n) for K in keys] for n in names}, "rows/s",
                          log=True),
             charts.Panel("× P1 hdfs (Spark's default provider)", groups, {
-                n: [by_k[K][n] / p1[K] if by_k[K].get(n) and p1[K] else None for K in keys] for n in names
+                n: [by_k[K][n] / p1_rows[K] if by_k[K].get(n) and p1_rows[K] else None for K in keys] for n in names
                 if n != "P2 applyInPandasWithState"}, "ratio", fmt=lambda v: f"{v:.2f}×", reference=(1.0, "P1"))],
             charts.measured_caption(f"median of {measured} batches after a warm-up batch; "
                                     f"JVM warmed by {a.warmup_rounds} discarded round(s)"), width=13.0)

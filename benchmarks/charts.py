@@ -135,8 +135,13 @@ def bar_charts(path: str, title: str, panels: Sequence[Panel], caption: str, *, 
         ax.set_title(p.title, fontsize=10)
         ax.set_ylabel(p.ylabel)
         if p.log:
+            # bars start a decade or so below the smallest value, ticks read as 10k, 1M (not 2x10^5)
+            shown = [v for vs in p.series.values() for v in vs if v is not None and v > 0]
             ax.set_yscale("log")
-            ax.margins(y=0.25)
+            if shown:
+                ax.set_ylim(10 ** math.floor(math.log10(min(shown) / 2)), max(shown) * 4)
+            ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: si(v)))
+            ax.yaxis.set_minor_formatter(plt.NullFormatter())
         else:
             ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
         ax.grid(axis="y", alpha=0.3)
