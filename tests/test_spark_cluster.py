@@ -60,3 +60,60 @@ def test_node_lost_mid_stream_recovers_from_s3(seaweedfs, s3_bucket, tmp_path):
     where = [{loc.split(":", 1)[1] for loc in p["locations"].values()} for p in progress]
     assert where[-1] == {cluster.socket("A")}
     assert set().union(*where) <= {cluster.socket("A"), cluster.socket("B")}
+
+
+def test_rescale_on_two_nodes_reads_the_state_once_and_drops_the_old_copies(seaweedfs, s3_bucket, tmp_path):
+    """The query runs at 4 partitions on two nodes, then is restarted at 3: the daemons of both
+    nodes assemble the new partitions (together reading about the old layout's stored size once),
+    and neither keeps a copy of an old partition id the new layout does not have."""
+    import asyncio
+
+    from spark_cluster import run_job
+
+    from statestore_async.client import Client
+    from statestore_async.files.loader import load_store
+    from statestore_async.files.manifest import list_manifest_versions, read_manifest
+    from statestore_async.ids import StoreId
+    from statestore_async.objectstore import open_object_store
+
+    src, root, opts = str(tmp_path / "src"), f"s3://{s3_bucket}/rescale", seaweedfs.client_options()
+    batches = write_batches(src, 2, 20000, 50000, seed=9)
+
+    def job(cluster, n):
+        r = run_job(["--master", cluster.url, "--cluster", "--src", src, "--root", root, "--ckpt", str(tmp_path / "ckpt"),
+                     "--out", str(tmp_path / "out"), "--s3-options", json.dumps(opts), "--partitions", str(n),
+                     "--key-groups", "64"], timeout=300)
+        assert r.returncode == 0, r.stdout[-4000:]
+
+    def registry(cluster):
+        out = {}
+        for node in ("A", "B"):
+            with Client(cluster.socket(node)) as c:
+                out[node] = (c.stats()["registry"], c.release(root, "counts", [])["held"])
+        return out
+
+    async def stored():
+        async with open_object_store(root, s3_options=opts) as s:
+            m = await read_manifest(s, "counts", max(await list_manifest_versions(s, "counts")))
+            total = 0
+            for p in range(m.num_partitions):
+                total += (await load_store(s, StoreId(root, "counts", p), m.ref(p)))[1].bytes_read
+            return total
+
+    with StandaloneCluster(extra_env=seaweedfs.env()) as cluster:
+        job(cluster, 4)
+        size = asyncio.run(stored())
+        before = registry(cluster)
+        batches += write_batches(src, 2, 20000, 50000, seed=9, first=2)
+        job(cluster, 3)
+        after = registry(cluster)
+    read = sum(after[n][0]["rescale_bytes_read"] - before[n][0]["rescale_bytes_read"] for n in after)
+    assembled = sum(after[n][0]["rescales"] - before[n][0]["rescales"] for n in after)
+    print(f"rescale 4 -> 3 on two nodes: {assembled} partitions assembled, {read} bytes read for {size} stored "
+          f"({read / size:.3f}x); held after: {[after[n][1] for n in after]}")
+    assert assembled >= 3 and read <= 1.2 * size
+    assert all(p < 3 for n in after for p in after[n][1])
+    got = read_outputs(str(tmp_path / "out"))
+    per_batch, final = dict_oracle(batches)
+    assert [got[b] for b in sorted(got)] == per_batch
+    assert final_count_sum(load_state(root, "counts", s3_options=opts)) == final
