@@ -196,6 +196,8 @@ class BatchPlan:
     # batch 0 of an operator with ``initial_state``: handle_initial_state's output, computed and kept
     # (it joins the batch's output); released with the batch's
     initial: Materialized | None = None
+    # the key columns' Spark types in this batch's rows (recorded in the manifest for readers)
+    key_types: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -535,7 +537,9 @@ class StatefulOperator:
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
                         daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark,
                         rescaled=rescaled)
+        types = {f.name: f.dataType.simpleString() for f in df.schema.fields if f.name in self.key_columns}
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
+                         key_types=types if len(types) == len(self.key_columns) else None,
                          max_event_time_ms=seen, observation=observation, initial=initial)
 
     def _rescale(self, base: Manifest) -> tuple[Manifest, tuple[int, int]]:
@@ -838,6 +842,9 @@ class StatefulOperator:
         stores = tuple(refs.get(p, plan.base.ref(p)) for p in range(self.num_partitions))
         metadata = {"layout": LAYOUT, "key_columns": list(self.key_columns),
                     "processor": type(self.processor).__qualname__, "batch_id": plan.batch_id}
+        key_types = plan.key_types or plan.base.metadata.get("key_types")
+        if key_types:  # the key columns' Spark types, for readers (``read_state``)
+            metadata["key_types"] = key_types
         if states:
             metadata["states"] = states
         if event_time:

@@ -399,6 +399,12 @@ class StateRead:
     def refs(self) -> list[tuple[int, CheckpointRef]]:
         return [(p, self.manifest.ref(p)) for p in self.partitions]
 
+    @property
+    def key_types(self) -> dict[str, str] | None:
+        """The key columns' Spark types as the operator recorded them (None: not recorded)."""
+        types = (self.manifest.metadata or {}).get("key_types")
+        return dict(types) if isinstance(types, dict) else None
+
 
 async def plan_read(objstore, root: str, operator_id: str, version: int | None = None, *,
                     state_var: str | None = None, partition: int | Sequence[int] | None = None,
@@ -495,9 +501,19 @@ def read_state(spark, root: str, operator_id: str, version: int | None = None, *
                 yield from cols.table(p, _rows_of(read, p, opts)).to_batches(max_chunksize=65536)
 
     if not parts:
-        return spark.createDataFrame([], spark_schema)
+        return _key_types(spark.createDataFrame([], spark_schema), read.key_types)
     src = spark.createDataFrame(sc.parallelize([(p,) for p in parts], len(parts)), "partition int")
-    return src.mapInArrow(rows, spark_schema)
+    return _key_types(src.mapInArrow(rows, spark_schema), read.key_types)
+
+
+def _key_types(df: Any, key_types: dict[str, str] | None) -> Any:
+    """``df`` with its key columns cast to the Spark types the operator recorded for them (manifest
+    ``key_types``, e.g. ``int`` where the stored values read back as ``bigint``)."""
+    if not key_types:
+        return df
+    from pyspark.sql import functions as F
+
+    return df.select(*(F.col(c).cast(key_types[c]).alias(c) if c in key_types else F.col(c) for c in df.columns))
 
 
 def read_metadata(spark, root: str, operator_id: str | None = None, *, s3_options: dict | None = None):
