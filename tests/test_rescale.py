@@ -133,3 +133,45 @@ async def test_a_missing_source_file_and_a_damaged_recipe_are_typed_errors(objst
                                                                                                 b'"from_version":5'))
     with pytest.raises(CorruptFileError, match="checksum"):
         await load_store(objstore, sid(objstore.uri, 0), bad)
+
+
+async def test_offline_plan_refuses_a_manifest_of_another_format_and_counts_out_of_range(objstore):
+    import json
+
+    import xxhash
+
+    from statestore_async.files.manifest import Manifest, manifest_key, write_manifest
+    from statestore_async.files.repartition import RepartitionConfigError, plan_repartition, repartition
+
+    old_refs, state, stored = await build_old_layout(objstore, 4, 30000)
+    m = Manifest("agg", 4, 4, G, {"default": tuple(old_refs)}, metadata={"key_columns": ["k"]})
+    await write_manifest(objstore, m)
+    plan = await plan_repartition(objstore, objstore.uri, "agg", 3)
+    assert [p.partition for p in plan.partitions] == [0, 1, 2] and not plan.already
+    assert 0.9 * stored <= sum(p.bytes_to_read for p in plan.partitions) <= 1.1 * stored
+    for bad in (0, G + 1):
+        with pytest.raises(RepartitionConfigError, match=f"1 to {G}"):
+            await plan_repartition(objstore, objstore.uri, "agg", bad)
+    report = await repartition(objstore, objstore.uri, "agg", 3)
+    assert report.bytes_read <= 1.2 * stored and report.bytes_written > 0
+    again = await repartition(objstore, objstore.uri, "agg", 3)  # at that count already: nothing to do
+    assert again.plan.already and again.bytes_read == 0
+    loaded = {}
+    new = await read_manifest_of(objstore)
+    for p in range(3):
+        store, _ = await load_store(objstore, sid(objstore.uri, p), new.ref(p))
+        loaded.update(dict(store.items()))
+    assert loaded == state
+    # a manifest written by a format this build does not know is refused, naming the file
+    body = {**json.loads(m.to_bytes())["manifest"], "format": 2}
+    canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    await objstore.put(manifest_key("agg", 4), json.dumps(
+        {"manifest": body, "xxh3": f"{xxhash.xxh3_64_intdigest(canon):016x}"}).encode())
+    with pytest.raises(CorruptFileError, match="format 2"):
+        await plan_repartition(objstore, objstore.uri, "agg", 2)
+
+
+async def read_manifest_of(objstore, operator_id="agg"):
+    from statestore_async.files.manifest import list_manifest_versions, read_manifest
+
+    return await read_manifest(objstore, operator_id, max(await list_manifest_versions(objstore, operator_id)))

@@ -29,7 +29,7 @@ from statestore_async.codecs.keylayout import partition_key_groups
 from statestore_async.errors import InterfaceError, OwnerConflictError
 from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import Manifest, list_manifest_versions, read_manifest, read_owner, write_manifest
-from statestore_async.files.names import SNAPSHOT, file_key
+from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.rescale import RESCALED_FROM_KEY, Recipe, Source, plan_sources, write_recipe
 from statestore_async.files.retention import needed_files
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId
@@ -97,7 +97,10 @@ async def _stored_bytes(objstore: ObjectStore, store_id: StoreId, ref: Checkpoin
     if ref.is_empty_state:
         return 0
     sizes = {info.key: info.size async for info in objstore.list(store_id.prefix + "/")}
-    return sum(sizes[k] for k in await needed_files(objstore, store_id, [ref], set(sizes)))
+    needed = await needed_files(objstore, store_id, [ref], set(sizes))
+    # a load reads a state's snapshot, not the delta kept beside it (retention keeps both)
+    read = {k for k in needed if not (k.endswith("." + DELTA) and k[: -len(DELTA)] + SNAPSHOT in needed)}
+    return sum(sizes[k] for k in read)
 
 
 async def plan_repartition(objstore: ObjectStore, root: str, operator_id: str, partitions: int, *,
