@@ -200,8 +200,12 @@ async def read_key_groups(objstore: ObjectStore, store_id: StoreId, ref: Checkpo
     if header.kind != kind or header.ref != ref or not header.matches(store_id):
         raise CorruptFileError(key, f"the file says it is the {header.kind} of {header.store} at {header.ref}, "
                                f"expected the {kind} of {store_id.to_json()} at {ref}")
-    records = [r for r in decode_blocks(span, key, wanted, base_offset=span_start)
-               if first_kg <= key_group_of(r[0]) <= last_kg] if wanted else []
+    records: list[Record] = []
+    for block in wanted:  # only a block reaching past the range holds records to leave out
+        decoded = decode_blocks(span, key, [block], base_offset=span_start)
+        if block.first_kg < first_kg or block.last_kg > last_kg:
+            decoded = [r for r in decoded if first_kg <= key_group_of(r[0]) <= last_kg]
+        records += decoded
     stats.files_read.append(key)
     return header, records
 
