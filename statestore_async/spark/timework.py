@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from statestore_async.codecs import keylayout, valuecodec
 from statestore_async.spark import timekeys as tk
@@ -54,22 +56,27 @@ class TaskTime:
 
     def scan_due(self) -> tuple[list[tuple], list[int]]:
         """Read the due timers the store holds; returns the keys (tuples) and key groups of those
-        that are not batch keys (the timers' keys without rows), which get the next key indexes."""
-        extra_keys: list[tuple] = []
+        that are not batch keys (the timers' keys without rows), which get the next key indexes.
+        The records are parsed as columns, the keys without rows decoded in one call."""
+        extra_enc: list[bytes] = []
         extra_kgs: list[int] = []
         if not self.thresholds:
-            return extra_keys, extra_kgs
-        for k, _ in self.handle.scan_ranges(tk.due_ranges(self.kgs, self.thresholds)):
-            kgp, kind, at, enc = tk.parse_timer_at(k)
-            i = self.index.get(enc)
+            return [], extra_kgs
+        recs = due_timer_records(self.handle, self.kgs, self.now_ms, self.thresholds.get(tk.EVENT))
+        if not len(recs):
+            return [], extra_kgs
+        kgs, kinds, ats, encs = tk.parse_timer_columns(recs)
+        index, enc_of, kg_of, due = self.index, self.enc, self.kg, self.stored_due
+        for e, kb, at, g in zip(encs.to_pylist(), kinds.tolist(), ats.tolist(), kgs.tolist()):
+            i = index.get(e)
             if i is None:
-                i = self.index[enc] = len(self.enc)
-                self.enc.append(enc)
-                self.kg.append(int.from_bytes(kgp, "big"))
-                extra_keys.append(tuple(valuecodec.decode_row(enc)))
-                extra_kgs.append(self.kg[-1])
-            self.stored_due.append((kind, at, i))
-        return extra_keys, extra_kgs
+                i = index[e] = len(enc_of)
+                enc_of.append(e)
+                kg_of.append(g)
+                extra_enc.append(e)
+                extra_kgs.append(g)
+            due.append((tk.KIND_OF[kb], at, i))
+        return [tuple(k) for k in valuecodec.decode_rows(extra_enc)] if extra_enc else [], extra_kgs
 
     def load_timers(self) -> dict[int, set[tuple[str, int]]]:
         """Every stored timer of every key of the task (one request), by key index: for ``list``."""
@@ -83,24 +90,47 @@ class TaskTime:
         """``(at_ms, kind, key index)`` of every timer to fire after the rows, in time order: the
         stored due ones the rows did not delete, and the ones the rows registered at a due time."""
         changes = self.timers._changes
-        due = {(at, kind, i) for kind, at, i in self.stored_due if changes.get(i, {}).get((kind, at)) is not False}
+        due = set()
+        for kind, at, i in self.stored_due:
+            ch = changes.get(i)
+            if ch is None or ch.get((kind, at)) is not False:
+                due.add((at, kind, i))
+        limits = self.thresholds
         for i, per_key in changes.items():
             for (kind, at), on in per_key.items():
-                if on and kind in self.thresholds and at <= self.thresholds[kind]:
-                    due.add((at, kind, i))
-        return sorted(due, key=lambda t: (t[0], tk.KIND_BYTE[t[1]], self.kg[t[2]], self.enc[t[2]]))
+                if on:
+                    lim = limits.get(kind)
+                    if lim is not None and at <= lim:
+                        due.add((at, kind, i))
+        kind_byte, kg, enc = tk.KIND_BYTE, self.kg, self.enc
+        ordered = sorted([(at, kind_byte[kind], kg[i], enc[i], kind, i) for at, kind, i in due])
+        return [(t[0], t[4], t[5]) for t in ordered]
 
     # -- what the batch writes ------------------------------------------------------------------------
     def timer_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """(keys to put with an empty value, keys to remove) of the timers' two indexes."""
-        puts: list[bytes] = []
-        removes: list[bytes] = []
+        """(keys to put with an empty value, keys to remove) of the timers' two indexes, built as
+        columns (``timekeys.timer_record_columns``)."""
+        idx: list[int] = []
+        kinds: list[int] = []
+        ats: list[int] = []
+        ons: list[bool] = []
+        kind_byte = tk.KIND_BYTE
         for i, per_key in self.timers._changes.items():
-            kg, enc = self.prefixes[self.kg[i]], self.enc[i]
             for (kind, at), on in per_key.items():
-                keys = (tk.timer_at_key(kg, kind, at, enc), tk.timer_by_key_key(kg, enc, kind, at))
-                (puts if on else removes).extend(keys)
-        return puts, removes
+                idx.append(i)
+                kinds.append(kind_byte[kind])
+                ats.append(at)
+                ons.append(on)
+        if not idx:
+            return [], []
+        where = np.array(idx, np.int64)
+        by_time, by_key = tk.timer_record_columns(np.array(self.kg, np.uint16)[where], np.array(kinds, np.uint8),
+                                                  np.array(ats, np.int64),
+                                                  pa.array(self.enc, pa.binary()).take(pa.array(where)))
+        on = pa.array(ons, pa.bool_())
+        off = pc.invert(on)
+        return ([*by_time.filter(on).to_pylist(), *by_key.filter(on).to_pylist()],
+                [*by_time.filter(off).to_pylist(), *by_key.filter(off).to_pylist()])
 
     def ttl_index(self, var: _StateVar, put_keys: pa.Array) -> list[bytes]:
         """The expiry index records of a TTL'd variable's values written this batch (all expire at
