@@ -40,6 +40,7 @@ BASE_MS = 2_000_000_000_000        # key i's timer is at BASE_MS + i
 BUILD_MS = 1_000_000_000_000       # the clock of the batches that build the state: nothing is due
 FRACTIONS = (0.0, 0.001, 0.01, 0.1)
 OUTPUT = "k bigint, at bigint"
+PHASES = ("group", "time_scan", "read", "process", "write", "total")  # a task's timings printed per case
 
 
 def processors():
@@ -120,7 +121,7 @@ def run(spark, api: str, keys: int, rows: int, build_batch: int, repeat: int, wo
         cases = []
         for frac in FRACTIONS:
             due = round(keys * frac)
-            totals, tasks_ms, scans, calls = [], [], [], []
+            totals, tasks_ms, scans, calls, slowest = [], [], [], [], []
             for _ in range(repeat):
                 now[0] = BASE_MS + fired + due - 1
                 counts.clear()
@@ -132,11 +133,14 @@ def run(spark, api: str, keys: int, rows: int, build_batch: int, repeat: int, wo
                 totals.append(p.total)
                 tasks = list(p.tasks.values())
                 tasks_ms.append(max((t.get("total", 0.0) for t in tasks), default=0.0))
+                slowest.append(max(tasks, key=lambda t: t.get("total", 0.0), default={}))
                 scans.append(max((t.get("time_scan", 0.0) for t in tasks), default=0.0))
                 calls.append(max((t.get("call", t.get("process", 0.0)) for t in tasks), default=0.0))
             cases.append({"frac": frac, "due": due, "ms": statistics.median(totals) * 1000,
                           "all_ms": [round(x * 1000) for x in totals], "task_ms": statistics.median(tasks_ms) * 1000,
-                          "scan_ms": statistics.median(scans) * 1000, "call_ms": statistics.median(calls) * 1000})
+                          "scan_ms": statistics.median(scans) * 1000, "call_ms": statistics.median(calls) * 1000,
+                          "phases": {k: round(statistics.median(t.get(k, 0.0) for t in slowest) * 1000, 1)
+                                     for k in PHASES}})
         if fired >= keys - rows:
             raise AssertionError("the measured batches fired timers of the keys that have rows")
         return {"api": api, "keys": keys, "build_s": build_s, "cases": cases}
@@ -184,7 +188,8 @@ def main() -> int:
                 r = run(spark, api, keys, a.rows, a.build_batch, a.repeat, d)
                 results.append(r)
                 print(f"# {api} {keys:,} keys: state built in {r['build_s']:.0f}s; batch ms per case "
-                      f"{[(c['due'], c['all_ms']) for c in r['cases']]}", flush=True)
+                      f"{[(c['due'], c['all_ms']) for c in r['cases']]}; the slower task's ms (median): "
+                      f"{[(c['due'], c['phases']) for c in r['cases']]}", flush=True)
                 shutil.rmtree(d, ignore_errors=True)
     finally:
         spark.stop()
