@@ -1,13 +1,18 @@
 """The daemon's Prometheus metrics, read from its STATS at scrape time (nothing on the hot path).
 
-Every metric is exposed on every scrape, zeros included; the table below is the list of them
+Every metric is exposed on every scrape, zeros included; the tables below are the list of them
 (the Helm chart's dashboard and ``tests/test_guarantees_daemon.py`` read the same names).
+Latencies are kept where they happen as ``Buckets`` (plain counters: a bisect and two
+additions per observation) and exported here as Prometheus histograms.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
+
+from statestore_async.errors import InterfaceError
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -30,6 +35,11 @@ _GAUGES = (
     ("statestore_upload_queue_bytes", "bytes waiting for upload", "uploader", "queued_bytes"),
     ("statestore_degraded_roots", "object-store roots refusing uploads in a way retrying does not heal "
      "(credentials, permissions, bucket, full disk): the daemon is degraded", "uploader", "degraded_roots"),
+    ("statestore_upload_lag_seconds", "age of the oldest committed delta not yet durable (0 when none is waiting)",
+     "uploader", "lag_seconds"),
+    ("statestore_snapshots_in_progress", "snapshots being written", "maintenance", "in_progress"),
+    ("statestore_cleanups_in_progress", "retention runs deleting old versions' files", "maintenance",
+     "cleanups_in_progress"),
 )
 _COUNTERS = (
     ("statestore_requests", "requests served", "daemon", "requests"),
@@ -46,13 +56,62 @@ _COUNTERS = (
     ("statestore_spills", "stores spilled onto their head's snapshot file on local disk", "registry", "spills"),
     ("statestore_uploads_durable", "deltas made durable", "uploader", "durable"),
     ("statestore_uploads_failed", "deltas that failed for good", "uploader", "failed"),
+    ("statestore_snapshots", "snapshots written to the object store", "maintenance", "snapshots"),
+    ("statestore_snapshot_bytes", "bytes of snapshots written to the object store", "maintenance", "snapshot_bytes"),
+    ("statestore_snapshot_errors", "snapshots that failed (retried at the store's next durable delta)",
+     "maintenance", "snapshot_errors"),
+    ("statestore_cleanups", "retention runs done (deleting the files no state of the last retention_versions "
+     "versions needs)", "maintenance", "cleanups"),
+    ("statestore_cleanup_deleted_files", "files deleted by retention", "maintenance", "files_deleted"),
+    ("statestore_cleanup_errors", "retention runs that failed (retried after the store's next snapshot)",
+     "maintenance", "cleanup_errors"),
 )
+# (metric name, help, STATS section, key of a ``Buckets.stats()`` dict), exported as histograms in seconds
+_HISTOGRAMS = (
+    ("statestore_commit_latency_seconds", "time from handling a COMMIT to writing its answer (waits for upload "
+     "queue room included)", "daemon", "commit_latency"),
+    ("statestore_upload_durable_seconds", "time from a delta's commit to its file being durable in the object "
+     "store", "uploader", "durable_latency"),
+)
+#: upper bounds (seconds) of the COMMIT latency buckets: 0.5 ms to 1 s
+COMMIT_LATENCY_BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+#: upper bounds (seconds) of the commit-to-durable buckets: 10 ms to 2 min
+DURABLE_LATENCY_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Buckets:
+    """A histogram kept as plain counters: how many observations fell at or below each fixed upper
+    bound, their count and their sum. ``observe`` costs a bisect and two additions; ``stats``
+    (read at scrape time, possibly from another thread) is O(bounds)."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        if not bounds or list(bounds) != sorted(set(bounds)):
+            raise InterfaceError(f"histogram bounds must be increasing and distinct, got {list(bounds)}")
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def stats(self) -> dict[str, Any]:
+        """``{"count": n, "sum": seconds, "le": {"<bound>": cumulative count, ...}}`` (the count is
+        that of ``+Inf``); the same keys whatever was observed."""
+        counts = list(self.counts)  # one copy: the cumulative counts and the count agree
+        cumulative, le = 0, {}
+        for bound, n in zip(self.bounds, counts, strict=False):
+            cumulative += n
+            le[repr(bound)] = cumulative
+        return {"count": cumulative + counts[-1], "sum": self.total, "le": le}
 
 
 def start_metrics(stats: Callable[[], dict[str, Any]], host: str, port: int) -> WSGIServer:
     """Serve Prometheus metrics read from ``stats()`` (the daemon's STATS) at every scrape."""
     from prometheus_client import CollectorRegistry, start_http_server
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
     class _Collector:
         def collect(self) -> Iterator[Metric]:
@@ -61,6 +120,10 @@ def start_metrics(stats: Callable[[], dict[str, Any]], host: str, port: int) -> 
                 for name, doc, section, key in metrics:
                     # every key is in STATS, zeros included, once the daemon started
                     yield family(name, doc, value=float(s.get(section, {}).get(key, 0)))
+            for name, doc, section, key in _HISTOGRAMS:
+                h = s.get(section, {}).get(key) or {"count": 0, "sum": 0.0, "le": {}}
+                buckets = [(le, float(n)) for le, n in h["le"].items()] + [("+Inf", float(h["count"]))]
+                yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=float(h["sum"]))
 
     registry = CollectorRegistry()
     registry.register(_Collector())

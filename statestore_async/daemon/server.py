@@ -39,7 +39,7 @@ from statestore_async import __version__
 from statestore_async.codecs.packed import PackedList
 from statestore_async.config import DaemonConfig
 from statestore_async.daemon.maintenance import Maintenance
-from statestore_async.daemon.metrics import start_metrics
+from statestore_async.daemon.metrics import COMMIT_LATENCY_BOUNDS, Buckets, start_metrics
 from statestore_async.daemon.objectstores import ObjectStores, open_root
 from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.snapshotter import SnapshotWorker
@@ -413,6 +413,7 @@ class _Connection(asyncio.Protocol):
         self._opened(ev.request_id, w)
 
     def _commit(self, ev: Commit) -> None:
+        started = time.perf_counter()  # to the answer: ``Daemon.commit_latency``
         d = self.daemon
         uploader = d.uploader
         assert uploader is not None  # set by start(), before any connection
@@ -428,6 +429,7 @@ class _Connection(asyncio.Protocol):
             # would wait for the apply. Any use of the store or of the delta's records applies
             # them first, so nothing sees the commit half done.
             self._write(self.proto.send_committed(ev.request_id, ref))
+            d.commit_latency.observe(time.perf_counter() - started)
             # The client's request woke this thread on the client's core (a Unix-socket write is a
             # synchronous wake-up) and preempted it there: runnable, answer in hand, it waits
             # for that core until this thread sleeps, the other core idle or not. Yielding lets
@@ -456,13 +458,15 @@ class _Connection(asyncio.Protocol):
             return
         if up.admitted.is_set():
             self._write(self.proto.send_committed(ev.request_id, delta.ref))
+            d.commit_latency.observe(time.perf_counter() - started)
         else:
             d.counters["commits_waited"] += 1
-            self._spawn(self._commit_wait(ev.request_id, up, delta.ref), keep_on_close=True)
+            self._spawn(self._commit_wait(ev.request_id, up, delta.ref, started), keep_on_close=True)
 
-    async def _commit_wait(self, rid: int, up: _Upload, ref: CheckpointRef) -> None:
+    async def _commit_wait(self, rid: int, up: _Upload, ref: CheckpointRef, started: float) -> None:
         await up.admitted.wait()
         self._write(self.proto.send_committed(rid, ref))
+        self.daemon.commit_latency.observe(time.perf_counter() - started)
 
     def _scan(self, ev: Scan) -> None:
         pairs = list(self._writer(ev.handle, "scan").scan(ev.prefix))
@@ -558,6 +562,8 @@ class Daemon:
         self.counters = {"connections": 0, "refused": 0, "requests": 0, "errors": 0, "aborted_on_disconnect": 0,
                          "commits_waited": 0, "max_inflight_seen": 0,
                          "versions_expired": 0}
+        #: seconds from handling each COMMIT to writing its answer (waits for upload-queue room included)
+        self.commit_latency = Buckets(COMMIT_LATENCY_BOUNDS)
         #: after ``stop``: True when every acknowledged commit was durable
         self.clean_stop: bool | None = None
         self.requests_by_op: dict[str, int] = {}
@@ -704,7 +710,7 @@ class Daemon:
             "daemon": {"version": __version__, "pid": os.getpid(), "uptime": round(time.monotonic() - self._started, 3),
                        "open_connections": len(self.connections), "stopping": self.stopping,
                        "open_versions": sum(c.open_versions for c in self.connections), **self.counters,
-                       "requests_by_op": dict(self.requests_by_op)},
+                       "requests_by_op": dict(self.requests_by_op), "commit_latency": self.commit_latency.stats()},
             # ``is not None``: an empty registry is falsy (it has a length), and its section must
             # still carry every key (zeros), as the metrics endpoint reads them all
             "registry": self.registry.stats() if self.registry is not None else {},

@@ -39,6 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from statestore_async.daemon.metrics import DURABLE_LATENCY_BOUNDS, Buckets
 from statestore_async.engine.store import Delta
 from statestore_async.errors import (
     CheckpointConflictError,
@@ -72,7 +73,8 @@ _PERMANENT = (CheckpointConflictError, InterfaceError)
 
 
 class _Upload:
-    __slots__ = ("admitted", "attempts", "delta", "done", "error", "lineage", "ref", "size", "state", "store_id")
+    __slots__ = ("admitted", "attempts", "delta", "done", "enqueued", "error", "lineage", "ref", "size", "state",
+                 "store_id")
 
     def __init__(self, delta: Delta, size: int) -> None:
         self.store_id: StoreId = delta.store_id
@@ -81,6 +83,7 @@ class _Upload:
         # the refs this one's load needs (until it is finished: a durable delta's lineage was durable)
         self.lineage: tuple[CheckpointRef, ...] = delta.lineage
         self.size = size
+        self.enqueued = time.monotonic()  # when it was committed: upload lag and commit-to-durable time
         self.state = UploadState.QUEUED
         # the last attempt's error while pending; the typed reason once FAILED
         self.error: BaseException | None = None
@@ -176,6 +179,8 @@ class Uploader:
         self.on_durable: Callable[[StoreId, CheckpointRef, int, tuple[CheckpointRef, ...]], None] | None = None
         self.counters = {"submitted": 0, "durable": 0, "failed": 0, "retries": 0, "bytes_uploaded": 0,
                          "multipart_aborted": 0}
+        #: seconds from each delta's commit (``enqueue``) to its file being durable
+        self.durable_latency = Buckets(DURABLE_LATENCY_BOUNDS)
 
     # --- submitting -----------------------------------------------------------------------------
     async def submit(self, delta: Delta) -> None:
@@ -330,6 +335,8 @@ class Uploader:
                 continue
             up.state = UploadState.DURABLE
             up.error = None
+            # observed first: a scrape that sees the delta counted durable sees its latency too
+            self.durable_latency.observe(time.monotonic() - up.enqueued)
             self.counters["durable"] += 1
             self.counters["bytes_uploaded"] += len(data)
             self._healed(root)
@@ -523,9 +530,22 @@ class Uploader:
                          "refused": deg.count, "uploads_waiting": waiting}
         return out
 
+    def lag(self) -> float:
+        """Seconds since the oldest delta not yet durable was committed (queued, waiting for
+        admission or uploading; one that failed for good is not waiting): 0 when none is. O(stores)."""
+        now = time.monotonic()
+        oldest = now
+        # read by the metrics endpoint's thread while the loop changes the queues: copy, then look
+        for queue in list(self._by_store.values()):
+            try:
+                oldest = min(oldest, queue[0].enqueued)  # each store's queue is in commit order
+            except IndexError:  # emptied meanwhile
+                continue
+        return now - oldest
+
     def stats(self) -> dict[str, Any]:
         states = {s.value: 0 for s in UploadState}
-        for up in self._status.values():
+        for up in list(self._status.values()):  # a copy: the metrics endpoint reads this from its thread
             states[up.state.value] += 1
         return {
             "queued_bytes": self.queued_bytes,
@@ -534,6 +554,8 @@ class Uploader:
             "stores_uploading": len(self._workers),
             "states": states,
             "degraded_roots": len(self._degraded),
+            "lag_seconds": round(self.lag(), 6),
+            "durable_latency": self.durable_latency.stats(),
             **self.counters,
         }
 
