@@ -235,10 +235,16 @@ def test_every_metric_of_the_dashboard_exists_on_a_daemon(daemon_process, tmp_pa
                     h.put_many([(b"key-%d-%d" % (store, i), b"value-%d" % version) for i in range(100)])
                     ref = h.commit()
             assert ref is not None and c.await_durable(sid, ref, DEADLINE)
-        samples = wait_for(lambda: (s := scrape(port))["statestore_uploads_durable_total"] >= 6 and s,
-                           "six deltas durable in the metrics")
+        samples = wait_for(lambda: (s := scrape(port))["statestore_uploads_durable_total"] >= 6
+                           and s["statestore_upload_lag_seconds"] == 0 and s,
+                           "six deltas durable in the metrics, none waiting")
     assert samples["statestore_stores"] == 2
     assert samples["statestore_requests_total"] > 0 and samples["statestore_memory_bytes"] > 0
+    # the latency histograms behind the commit latency and commit-to-durable panels have observations
+    assert samples["statestore_commit_latency_seconds_count"] == 6
+    assert samples["statestore_commit_latency_seconds_sum"] > 0
+    assert samples["statestore_upload_durable_seconds_count"] == 6
+    assert samples["statestore_upload_durable_seconds_sum"] > 0
     exported = {name for name in samples if name.startswith("statestore_")}
     named = set().union(*(metric_names(e) for e in expressions(dashboard)))
     assert named <= exported, f"the dashboard names metrics no daemon serves: {sorted(named - exported)}"
