@@ -9,8 +9,9 @@ overwrites its file). Per-key and vectorized processors.
 
 * Driver kill: the driver SIGKILLs itself before the fence of a batch whose timers fired (its tasks
   committed the callbacks' writes and the fired timers' deletions on the daemon, no manifest names
-  them), then, in a second run, right after the manifest of a later batch with fired timers (the
-  sink has not run); a third run finishes. Spark replays each killed batch from its checkpoint;
+  them: the test reads those commits from the files and finds the batch's due timers gone), then,
+  in a second run, right after the manifest of a later batch with fired timers (the sink has not
+  run); a third run finishes. Spark replays each killed batch from its checkpoint;
   the operator reruns it from the manifest's state, where those timers still exist.
 * Retried task: with ``local[2,2]`` every task of a batch with fired timers fails right after its
   commit on attempt 0; attempt 1 reruns from the manifest's state under a new checkpoint id.
@@ -114,6 +115,31 @@ def _deltas(tmp_path, partition: int, version: int) -> list[str]:
         if folder.is_dir() else []
 
 
+def _timers_in(root: str, refs: dict) -> set[tuple[str, int]]:
+    """``(user, at_ms)`` of every timer (its by-time record) of the states ``refs`` (partition ->
+    ``CheckpointRef``), read from the checkpoint files."""
+    from statestore_async.codecs import valuecodec
+    from statestore_async.files.loader import load_store
+    from statestore_async.ids import StoreId
+    from statestore_async.objectstore import open_object_store
+    from statestore_async.spark import timekeys
+
+    async def go():
+        out: set[tuple[str, int]] = set()
+        async with open_object_store(root) as store:
+            for p, ref in refs.items():
+                if ref.is_empty_state:
+                    continue
+                vs, _ = await load_store(store, StoreId(root, OPERATOR, p), ref)
+                for k, _ in vs.items():
+                    if k[2] == timekeys.TIMER_AT:
+                        _, _, at, enc = timekeys.parse_timer_at(k)
+                        out.add((valuecodec.decode_row(enc)[0], at))
+        return out
+
+    return asyncio.run(go())
+
+
 def _wait_for(what: str, condition, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -143,8 +169,16 @@ def test_driver_killed_mid_batch_after_timers_fired_then_restarted(stream, src, 
         # the batch's tasks had committed (their timers fired) on the daemon, which uploads the
         # deltas; no manifest names them
         refs = _manifest_refs(root, b1)
-        _wait_for(f"a delta of batch {b1} in the files",
-                  lambda: any(_deltas(tmp_path, p, ref.version + 1) for p, ref in refs.items()))
+        _wait_for(f"a delta of batch {b1} in each partition's files",
+                  lambda: all(_deltas(tmp_path, p, ref.version + 1) for p, ref in refs.items()))
+        # in those commits the batch's due timers are gone (fired): they are in the manifest's state
+        from statestore_async.ids import CheckpointRef
+
+        orphans = {p: CheckpointRef(ref.version + 1, _deltas(tmp_path, p, ref.version + 1)[0][:-6].split("_", 1)[1])
+                   for p, ref in refs.items()}
+        due = {(u, at) for b, u, at in S.fired_timers(stream) if b == b1}
+        assert due and due <= _timers_in(root, refs)
+        assert not due & _timers_in(root, orphans)
         r2 = _run_driver(_args(stream, src, tmp_path, d.socket, vectorized,
                                [{"point": "after_manifest", "batch": b2, "action": "kill_self"}]))
         assert r2.returncode == -signal.SIGKILL, r2.stdout[-4000:]
