@@ -25,19 +25,24 @@ FULL = [
     ["bench_spark.py"],
     ["bench_sessions.py"],
     ["bench_timers.py"],
+    ["bench_rescale.py"],
+    ["bench_export.py"],
     ["bench_memory_soak.py", "--seconds", "600"],
 ]
+# quick runs draw no charts: docs/img holds the charts of full runs (and of recorded figures)
 QUICK = [
     ["bench_foundation.py", "--keys", "200000", "--codec-rows", "50000"],
-    ["bench_layouts.py", "--quick"],
+    ["bench_layouts.py", "--quick", "--no-chart"],
     ["bench_encode.py", "--records", "100000"],
-    ["bench_engine_memory.py", "--records", "1000000"],
-    ["bench_daemon.py", "--seconds", "0.5", "--batches", "1,128,1024,10000"],
+    ["bench_engine_memory.py", "--records", "1000000", "--no-chart"],
+    ["bench_daemon.py", "--seconds", "0.5", "--batches", "1,128,1024,10000", "--no-chart"],
     ["bench_durability.py", "--batches", "50", "--keys", "200000"],
-    ["bench_spark.py", "--quick"],
-    ["bench_sessions.py", "--quick"],
+    ["bench_spark.py", "--quick", "--no-chart"],
+    ["bench_sessions.py", "--quick", "--no-chart"],
     ["bench_timers.py", "--quick"],
-    ["bench_memory_soak.py", "--seconds", "60"],
+    ["bench_rescale.py", "--keys", "200000", "--no-chart"],
+    ["bench_export.py", "--records", "100000", "--repeat", "1"],
+    ["bench_memory_soak.py", "--seconds", "60", "--no-chart"],
 ]
 
 
