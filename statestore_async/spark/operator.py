@@ -536,7 +536,7 @@ class StatefulOperator:
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
                         daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark,
-                        rescaled=rescaled)
+                        rescaled=rescaled, key_schema=_key_schema(df, self.key_columns))
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields if f.name in self.key_columns}
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
                          key_types=types if len(types) == len(self.key_columns) else None,
@@ -938,6 +938,19 @@ class _DriverIO:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(30)
             loop.close()
+
+
+def _key_schema(df: DataFrame, key_columns: Sequence[str]) -> pa.Schema | None:
+    """The key columns' Arrow types as the tasks receive them (``TaskSpec.key_schema``: the keys of
+    due timers without rows decode straight to them); None when Spark cannot say."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.types import StructType
+
+    try:
+        return to_arrow_schema(StructType([df.schema[c] for c in key_columns]))
+    except Exception as exc:  # a type Arrow cannot carry: the tasks infer from the values
+        log.debug("no Arrow schema for the key columns %s: %s", list(key_columns), exc)
+        return None
 
 
 def _release_checkpoint(df: DataFrame) -> None:
