@@ -24,8 +24,7 @@ other change sets ``new_value`` (and ``new_expires_ms``) — gives the state at 
 """
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from statestore_async.files.names import DELTA
 from statestore_async.files.transfer import read_checkpoint_file
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId
 from statestore_async.spark import statetypes
-from statestore_async.spark.reader import StateLayout, _open, _partitions, split_value
+from statestore_async.spark.reader import StateLayout, _partitions, on_root, split_value, typed_frame, typed_table
 from statestore_async.spark.statemeta import read_manifests
 from statestore_async.spark.statetypes import ColumnType
 from statestore_async.spark.timekeys import is_state_key
@@ -253,31 +252,13 @@ def load_changes_table(root: str, operator_id: str, start_version: int, end_vers
                        old_values: bool = True, s3_options: dict | None = None) -> pa.Table:
     """``read_changes``'s rows as one pyarrow Table, read in this process."""
 
-    async def go() -> pa.Table:
-        r, store = _open(root, s3_options)
-        try:
-            read = await plan_changes(store, r, operator_id, start_version, end_version, state_var=state_var,
-                                      partition=partition, old_values=old_values)
-            parts = [(p, await partition_changes(store, read, p)) for p in read.partitions]
-            cols = ChangeColumns(read.layout, read.state_var)
-            for _p, changes in parts:
-                cols.observe(changes)
-            return pa.concat_tables([cols.table(p, c) for p, c in parts]) if parts else cols.schema().empty_table()
-        finally:
-            await store.close()
+    async def go(r: str, store: Any) -> pa.Table:
+        read = await plan_changes(store, r, operator_id, start_version, end_version, state_var=state_var,
+                                  partition=partition, old_values=old_values)
+        parts = [(p, await partition_changes(store, read, p)) for p in read.partitions]
+        return typed_table(ChangeColumns(read.layout, read.state_var), parts)
 
-    return asyncio.run(go())
-
-
-def _changes_of(read: ChangeRead, partition: int, s3_options: dict | None) -> list[Change]:
-    async def go() -> list[Change]:
-        _r, store = _open(read.root, s3_options)
-        try:
-            return await partition_changes(store, read, partition)
-        finally:
-            await store.close()
-
-    return asyncio.run(go())
+    return on_root(root, s3_options, go)
 
 
 def read_changes(spark, root: str, operator_id: str, start_version: int, end_version: int | None = None, *,
@@ -287,43 +268,15 @@ def read_changes(spark, root: str, operator_id: str, start_version: int, end_ver
     DataFrame (see the module's docstring); one Spark task per partition, each reading its deltas
     twice: a first job infers the columns' types."""
 
-    async def plan() -> ChangeRead:
-        r, store = _open(root, s3_options)
-        try:
-            return await plan_changes(store, r, operator_id, start_version, end_version, state_var=state_var,
-                                      partition=partition, old_values=old_values)
-        finally:
-            await store.close()
-
-    read = asyncio.run(plan())
+    read = on_root(root, s3_options, lambda r, store: plan_changes(
+        store, r, operator_id, start_version, end_version, state_var=state_var, partition=partition,
+        old_values=old_values))
     opts = s3_options
-    sc = spark.sparkContext
-    parts = read.partitions
 
-    def infer(ps: Iterator[int]) -> Iterator[ChangeColumns]:
-        cols = ChangeColumns(read.layout, read.state_var)
-        for p in ps:
-            cols.observe(_changes_of(read, p, opts))
-        yield cols
+    def changes_of(p: int) -> list[Change]:
+        return on_root(read.root, opts, lambda _r, store: partition_changes(store, read, p))
 
-    cols = ChangeColumns(read.layout, read.state_var)
-    if not parts:
-        from pyspark.sql.pandas.types import from_arrow_schema as schema_of
-
-        return spark.createDataFrame([], schema_of(cols.schema()))
-    for c in sc.parallelize(parts, len(parts)).mapPartitions(infer).collect():
-        cols.merge(c)
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    spark_schema = from_arrow_schema(cols.schema())
-
-    def rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            for p in batch.column(0).to_pylist():
-                yield from cols.table(p, _changes_of(read, p, opts)).to_batches(max_chunksize=65536)
-
-    src = spark.createDataFrame(sc.parallelize([(p,) for p in parts], len(parts)), "partition int")
-    return src.mapInArrow(rows, spark_schema)
+    return typed_frame(spark, read.partitions, lambda: ChangeColumns(read.layout, read.state_var), changes_of)
 
 
 __all__ = ["DELETE", "INSERT", "UPDATE", "Change", "ChangeColumns", "load_changes_table", "partition_changes",

@@ -34,9 +34,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pyarrow as pa
 
@@ -50,6 +50,8 @@ from statestore_async.objectstore import open_object_store
 from statestore_async.spark import statetypes
 from statestore_async.spark.statetypes import ColumnType
 from statestore_async.spark.timekeys import is_state_key
+
+T = TypeVar("T")
 
 EXPIRES_SUFFIX = "_expires_ms"
 
@@ -68,6 +70,73 @@ def _open(root: str, s3_options: dict | None):
             s3_options = s3_options_from_env()
         return root, open_object_store(root, s3_options=s3_options)
     return root, open_object_store(root, create=False)
+
+
+def on_root(root: str, s3_options: dict | None, read: Callable[[str, Any], Awaitable[T]]) -> T:
+    """``read(root URI, object store)`` run to its end in this thread, on the root opened by
+    ``_open`` and closed after: every reader's one way to the files."""
+
+    async def go() -> T:
+        r, store = _open(root, s3_options)
+        try:
+            return await read(r, store)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+class TypedColumns(Protocol):
+    """What ``typed_table`` and ``typed_frame`` need of a reader's columns (``StateColumns``,
+    ``changefeed.ChangeColumns``): their types inferred from rows, merged across partitions."""
+
+    def observe(self, rows: Any) -> None: ...
+
+    def merge(self, other: Any) -> None: ...
+
+    def schema(self) -> pa.Schema: ...
+
+    def table(self, partition: int, rows: Any) -> pa.Table: ...
+
+
+def typed_table(cols: TypedColumns, parts: Sequence[tuple[int, Any]]) -> pa.Table:
+    """The rows of every ``(partition, rows)`` as one Table, typed by ``cols`` once it has seen them all."""
+    for _p, rows in parts:
+        cols.observe(rows)
+    return pa.concat_tables([cols.table(p, rows) for p, rows in parts]) if parts else cols.schema().empty_table()
+
+
+def typed_frame(spark: Any, partitions: Sequence[int], new_columns: Callable[[], TypedColumns],
+                rows_of: Callable[[int], Any]) -> Any:
+    """A DataFrame of ``rows_of(p)`` for each partition, one Spark task per partition, each reading
+    its rows twice: a first job infers the columns' types (``new_columns()`` per task, merged),
+    the DataFrame's own job reads the rows (``rows_of`` runs on the executors)."""
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    sc = spark.sparkContext
+    parts = list(partitions)
+
+    def infer(ps: Iterator[int]) -> Iterator[TypedColumns]:
+        cols = new_columns()
+        for p in ps:
+            cols.observe(rows_of(p))
+        yield cols
+
+    cols = new_columns()
+    if parts:
+        for c in sc.parallelize(parts, len(parts)).mapPartitions(infer).collect():
+            cols.merge(c)
+    spark_schema = from_arrow_schema(cols.schema())
+    if not parts:
+        return spark.createDataFrame([], spark_schema)
+
+    def rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            for p in batch.column(0).to_pylist():
+                yield from cols.table(p, rows_of(p)).to_batches(max_chunksize=65536)
+
+    src = spark.createDataFrame(sc.parallelize([(p,) for p in parts], len(parts)), "partition int")
+    return src.mapInArrow(rows, spark_schema)
 
 
 async def _manifest(store, operator_id: str, version: int | None):
@@ -95,14 +164,7 @@ def load_partition(root: str, operator_id: str, partition: int, ckpt_version: in
     if ref.is_empty_state:
         return []
 
-    async def go():
-        r, store = _open(root, s3_options)
-        try:
-            return await load_records(store, r, operator_id, partition, ref)
-        finally:
-            await store.close()
-
-    return asyncio.run(go())
+    return on_root(root, s3_options, lambda r, store: load_records(store, r, operator_id, partition, ref))
 
 
 async def load_records(objstore, root: str, operator_id: str, partition: int,
@@ -144,25 +206,21 @@ def load_state(root: str, operator_id: str, version: int | None = None, *, s3_op
     stored: a TTL'd value as ``(expires_at_ms, value)``; with ``now_ms``, TTL'd values expired by
     then are left out (None: every stored value)."""
 
-    async def go():
-        r, store = _open(root, s3_options)
-        try:
-            m = await _manifest(store, operator_id, version)
-            ttl = _ttl_states(m)
-            out = {}
-            for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
-                for k, v in await load_records(store, r, operator_id, p, ref):
-                    if not is_state_key(k):
-                        continue
-                    _, name, key, value = decode_record(k, v)
-                    value = _visible(name, value, ttl, now_ms)
-                    if value is not _GONE:
-                        out[(name, key)] = value
-            return out
-        finally:
-            await store.close()
+    async def go(r: str, store: Any) -> dict:
+        m = await _manifest(store, operator_id, version)
+        ttl = _ttl_states(m)
+        out = {}
+        for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
+            for k, v in await load_records(store, r, operator_id, p, ref):
+                if not is_state_key(k):
+                    continue
+                _, name, key, value = decode_record(k, v)
+                value = _visible(name, value, ttl, now_ms)
+                if value is not _GONE:
+                    out[(name, key)] = value
+        return out
 
-    return asyncio.run(go())
+    return on_root(root, s3_options, go)
 
 
 # --- the state as rows of typed columns -------------------------------------------------------------
@@ -427,31 +485,13 @@ def load_state_table(root: str, operator_id: str, version: int | None = None, *,
                      include_expired: bool = False, s3_options: dict | None = None) -> pa.Table:
     """``read_state``'s rows as one pyarrow Table, read in this process."""
 
-    async def go() -> pa.Table:
-        r, store = _open(root, s3_options)
-        try:
-            read = await plan_read(store, r, operator_id, version, state_var=state_var, partition=partition,
-                                   now_ms=now_ms, include_expired=include_expired)
-            parts = [(p, await partition_rows(store, read, p)) for p in read.partitions]
-            cols = StateColumns(read.layout, read.state_var)
-            for _p, rows in parts:
-                cols.observe(rows)
-            return pa.concat_tables([cols.table(p, rows) for p, rows in parts]) if parts else cols.schema().empty_table()
-        finally:
-            await store.close()
+    async def go(r: str, store: Any) -> pa.Table:
+        read = await plan_read(store, r, operator_id, version, state_var=state_var, partition=partition,
+                               now_ms=now_ms, include_expired=include_expired)
+        parts = [(p, await partition_rows(store, read, p)) for p in read.partitions]
+        return typed_table(StateColumns(read.layout, read.state_var), parts)
 
-    return asyncio.run(go())
-
-
-def _rows_of(read: StateRead, partition: int, s3_options: dict | None) -> list[KeyRow]:
-    async def go() -> list[KeyRow]:
-        _r, store = _open(read.root, s3_options)
-        try:
-            return await partition_rows(store, read, partition)
-        finally:
-            await store.close()
-
-    return asyncio.run(go())
+    return on_root(root, s3_options, go)
 
 
 def read_state(spark, root: str, operator_id: str, version: int | None = None, *, s3_options: dict | None = None,
@@ -467,43 +507,16 @@ def read_state(spark, root: str, operator_id: str, version: int | None = None, *
     the columns' types, the DataFrame's own job reads the rows.
     """
 
-    async def plan() -> StateRead:
-        r, store = _open(root, s3_options)
-        try:
-            return await plan_read(store, r, operator_id, version, state_var=state_var, partition=partition,
-                                   now_ms=now_ms, include_expired=include_expired)
-        finally:
-            await store.close()
-
-    read = asyncio.run(plan())
+    read = on_root(root, s3_options, lambda r, store: plan_read(
+        store, r, operator_id, version, state_var=state_var, partition=partition, now_ms=now_ms,
+        include_expired=include_expired))
     opts = s3_options
-    sc = spark.sparkContext
-    parts = read.partitions
 
-    def infer(ps: Iterator[int]) -> Iterator[StateColumns]:
-        cols = StateColumns(read.layout, read.state_var)
-        for p in ps:
-            cols.observe(_rows_of(read, p, opts))
-        yield cols
+    def rows_of(p: int) -> list[KeyRow]:
+        return on_root(read.root, opts, lambda _r, store: partition_rows(store, read, p))
 
-    cols = StateColumns(read.layout, read.state_var)
-    if parts:
-        for c in sc.parallelize(parts, len(parts)).mapPartitions(infer).collect():
-            cols.merge(c)
-    schema = cols.schema()
-    from pyspark.sql.pandas.types import from_arrow_schema
-
-    spark_schema = from_arrow_schema(schema)
-
-    def rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for batch in batches:
-            for p in batch.column(0).to_pylist():
-                yield from cols.table(p, _rows_of(read, p, opts)).to_batches(max_chunksize=65536)
-
-    if not parts:
-        return _key_types(spark.createDataFrame([], spark_schema), read.key_types)
-    src = spark.createDataFrame(sc.parallelize([(p,) for p in parts], len(parts)), "partition int")
-    return _key_types(src.mapInArrow(rows, spark_schema), read.key_types)
+    df = typed_frame(spark, read.partitions, lambda: StateColumns(read.layout, read.state_var), rows_of)
+    return _key_types(df, read.key_types)
 
 
 def _key_types(df: Any, key_types: dict[str, str] | None) -> Any:
@@ -523,15 +536,8 @@ def read_metadata(spark, root: str, operator_id: str | None = None, *, s3_option
     ckptid, state_files, state_bytes, files, bytes, orphaned_files`` and ``state_vars`` (JSON)."""
     from statestore_async.spark.statemeta import describe_root
 
-    async def go():
-        r, store = _open(root, s3_options)
-        try:
-            return await describe_root(store, r, operator_id)
-        finally:
-            await store.close()
-
     rows = []
-    for op in asyncio.run(go()):
+    for op in on_root(root, s3_options, lambda r, store: describe_root(store, r, operator_id)):
         for p in op.partitions:
             rows.append((op.operator_id, p.partition, op.num_partitions, op.num_key_groups, p.key_groups.start,
                          p.key_groups.stop - 1, op.versions[0], op.versions[-1], len(op.versions), p.ref.version,
