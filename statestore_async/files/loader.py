@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -167,6 +167,18 @@ async def _chain(
             raise LineageError(f"store {store_id}: lineage of {ref} is longer than {max_depth} hops")
 
 
+def _in_order(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef,
+              deltas: list[tuple[CheckpointRef, list[Record]]]) -> Iterator[tuple[CheckpointRef, list[Record]]]:
+    """The deltas of ``ref``'s load after ``base``, each checked to follow the one before
+    (``LineageError`` naming the gap otherwise)."""
+    expect_version = base.version
+    for r, records in deltas:
+        expect_version += 1
+        if r.version != expect_version:
+            raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
+        yield r, records
+
+
 async def load_store(
     objstore: ObjectStore,
     store_id: StoreId,
@@ -195,11 +207,7 @@ async def load_store(
     load_records(data, base_records)  # a snapshot's records: no tombstones
     if base.version:
         report.snapshot = base
-    expect_version = base.version
-    for r, records in deltas:
-        expect_version += 1
-        if r.version != expect_version:
-            raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
+    for r, records in _in_order(store_id, ref, base, deltas):
         load_records(data, records)  # a tombstone removes the key
         report.deltas.append(r)
     report.records = len(data)
@@ -224,11 +232,7 @@ async def _assemble(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
                                                   read=key_group_reader(src.first_kg, src.last_kg))
         assert isinstance(base_records, list)  # no cold level was offered
         load_records(data, base_records)
-        expect_version = base.version
-        for r, records in deltas:
-            expect_version += 1
-            if r.version != expect_version:
-                raise LineageError(f"store {sid}: replay of {src.ref} expected version {expect_version}, got {r}")
+        for _r, records in _in_order(sid, src.ref, base, deltas):
             load_records(data, records)
     report.records = len(data)
     report.rescaled_from = [(s.partition, s.ref) for s in recipe.sources]
@@ -250,11 +254,7 @@ def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level
     report.snapshot = base
     report.cold = getattr(level, "path", repr(level))
     changes = Table()
-    expect_version = base.version
-    for r, records in deltas:
-        expect_version += 1
-        if r.version != expect_version:
-            raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
+    for r, records in _in_order(store_id, ref, base, deltas):
         for k, v in records:
             changes.put(k, v)  # the newest change of each key; a tombstone stays one
         report.deltas.append(r)
