@@ -11,22 +11,21 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from statestore_async.cli.repartition import repartition as repartition_command
 from statestore_async.cli.state import COMMANDS as STATE_COMMANDS
+from statestore_async.cli.tooling import open_root, run_tool
 from statestore_async.config import FIELDS, load_config
 from statestore_async.errors import StateStoreError
 
 if TYPE_CHECKING:
     from statestore_async.ids import CheckpointRef, StoreId
-    from statestore_async.objectstore.base import ObjectStore
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-_T = TypeVar("_T")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -203,40 +202,6 @@ def _cleanup(store_id: StoreId, refs: list[CheckpointRef], file_key: Callable[[S
         click.echo(f"note: could not remove the scratch files of {store_id}: {exc}", err=True)
 
 
-def _open_root(root: str) -> ObjectStore:
-    """The object store of a checkpoint root for ``inspect``, ``verify`` and ``gc``, with the S3
-    settings of the daemon config if readable. They never create anything but what they were asked
-    to: a local root is opened without creating its folder, and one that does not exist is an
-    error (a mistyped root), not an empty store."""
-    from urllib.parse import unquote, urlparse
-
-    from statestore_async.errors import ObjectNotFoundError
-    from statestore_async.objectstore import open_object_store
-
-    parsed = urlparse(root)
-    if parsed.scheme in ("", "file"):
-        path = unquote(parsed.path) if parsed.scheme == "file" else root
-        if not os.path.isdir(path):
-            raise ObjectNotFoundError(f"no checkpoint root at {root!r}: {os.path.abspath(path)!r} is not a folder "
-                                      "(nothing was created)", root)
-        return open_object_store(root, create=False)
-    try:
-        s3 = load_config().s3_options()
-    except StateStoreError:
-        s3 = None
-    return open_object_store(root, s3_options=s3)
-
-
-def _run_tool(coro_fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
-    import asyncio
-
-    try:
-        return asyncio.run(coro_fn())
-    except StateStoreError as exc:
-        click.echo(f"statestore-async: {type(exc).__name__}: {exc}", err=True)
-        sys.exit(1)
-
-
 @main.command()
 @click.argument("root")
 @click.argument("key")
@@ -252,13 +217,13 @@ def inspect(root: str, key: str, as_json: bool) -> None:
     from statestore_async.cli.offline import FileReport, ManifestReport, file_status, inspect_file, inspect_manifest
 
     async def go() -> tuple[FileReport | ManifestReport, str | None]:
-        async with _open_root(root) as objstore:
+        async with open_root(root) as objstore:
             if key.endswith(".json"):
                 return await inspect_manifest(objstore, key), None
             report = await inspect_file(objstore, key)
             return report, await file_status(objstore, root, key)
 
-    r, status = _run_tool(go)
+    r, status = run_tool(go)
     if isinstance(r, ManifestReport):
         m = r.manifest
         if as_json:
@@ -293,10 +258,10 @@ def verify(root: str, operator_id: str, version: int | None) -> None:
     from statestore_async.cli.offline import VerifyReport, verify_operator
 
     async def go() -> VerifyReport:
-        async with _open_root(root) as objstore:
+        async with open_root(root) as objstore:
             return await verify_operator(objstore, root, operator_id, version)
 
-    r = _run_tool(go)
+    r = run_tool(go)
     for (store, p), info in sorted(r.partitions.items()):
         click.echo(f"  {store}/{p}: {info['ref']} OK, {info['records']} records "
                    f"from {info['files']} files ({info['bytes']} bytes)")
@@ -323,10 +288,10 @@ def gc(root: str, operator_id: str, keep: int, dry_run: bool, keep_orphans: bool
     from statestore_async.cli.offline import GcReport, gc_operator
 
     async def go() -> GcReport:
-        async with _open_root(root) as objstore:
+        async with open_root(root) as objstore:
             return await gc_operator(objstore, root, operator_id, keep, dry_run=dry_run, orphans=not keep_orphans)
 
-    r = _run_tool(go)
+    r = run_tool(go)
     if as_json:
         click.echo(json.dumps({**r.to_json(), "dry_run": dry_run}))
         return

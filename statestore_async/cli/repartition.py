@@ -22,8 +22,7 @@ def repartition(root: str, operator_id: str, partitions: int, owner: str | None,
     replaced by one at the new count (the same state). A run after a crash resumes where it
     stopped. Restart the query with num_partitions=PARTITIONS afterwards (a query restarted with
     another count without this rescales online, in its first batch)."""
-    from statestore_async.cli.main import _open_root, _run_tool
-    from statestore_async.cli.state import _Progress
+    from statestore_async.cli.tooling import Progress, open_root, run_tool
     from statestore_async.files.repartition import (
         PartitionPlan,
         RepartitionPlan,
@@ -34,10 +33,10 @@ def repartition(root: str, operator_id: str, partitions: int, owner: str | None,
 
     if dry_run:
         async def plan() -> RepartitionPlan:
-            async with _open_root(root) as objstore:
+            async with open_root(root) as objstore:
                 return await plan_repartition(objstore, root, operator_id, partitions, owner=owner)
 
-        p = _run_tool(plan)
+        p = run_tool(plan)
         if as_json:
             click.echo(json.dumps({**p.to_json(), "dry_run": True}))
             return
@@ -54,7 +53,7 @@ def repartition(root: str, operator_id: str, partitions: int, owner: str | None,
         click.echo(f"total: read ~{sum(pp.bytes_to_read for pp in p.partitions)} bytes")
         return
 
-    with _Progress() as bar:
+    with Progress() as bar:
         done = [0]
 
         def progress(pp: PartitionPlan, read: int) -> None:
@@ -62,10 +61,10 @@ def repartition(root: str, operator_id: str, partitions: int, owner: str | None,
             bar("partitions", done[0], partitions)
 
         async def go() -> RepartitionReport:
-            async with _open_root(root) as objstore:
+            async with open_root(root) as objstore:
                 return await run(objstore, root, operator_id, partitions, owner=owner, progress=progress)
 
-        r = _run_tool(go)
+        r = run_tool(go)
     if as_json:
         click.echo(json.dumps(r.to_json()))
         return

@@ -8,11 +8,11 @@ creates nothing but the file ``export`` is asked to write. ``--json`` prints JSO
 from __future__ import annotations
 
 import json
-import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from statestore_async.cli.tooling import Progress, open_root, run_tool
 from statestore_async.errors import InterfaceError
 
 if TYPE_CHECKING:
@@ -64,14 +64,13 @@ def ls(root: str, operator_id: str | None, version: int | None, as_json: bool) -
     included); state bytes are the files its load reads, bytes every file of its folder. An
     orphaned file is one no manifest needs (``gc`` deletes it); a pending one is newer than every
     manifest (a batch in flight, or one that failed before its manifest)."""
-    from statestore_async.cli.main import _open_root, _run_tool
     from statestore_async.cli.offline import ls_root
 
     async def go():
-        async with _open_root(root) as objstore:
+        async with open_root(root) as objstore:
             return await ls_root(objstore, root, operator_id, version)
 
-    ops = _run_tool(go)
+    ops = run_tool(go)
     if as_json:
         _json_out([op.to_json() for op in ops])
         return
@@ -119,51 +118,18 @@ def _common(fn):
 def show(root: str, operator_id: str, version: int | None, state_var: str | None, partition: int | None,
          now_ms: int | None, include_expired: bool, key: tuple[str, ...], limit: int, as_json: bool) -> None:
     """Show the state rows of a version: the key columns and each state variable, decoded."""
-    from statestore_async.cli.main import _open_root, _run_tool
     from statestore_async.cli.offline import show_rows
 
     async def go() -> pa.Table:
-        async with _open_root(root) as objstore:
+        async with open_root(root) as objstore:
             return await show_rows(objstore, root, operator_id, version, partition=partition, key=_key_of(key),
                                    state_var=state_var, limit=limit or None, now_ms=now_ms,
                                    include_expired=include_expired)
 
-    table = _run_tool(go)
+    table = run_tool(go)
     _rows_out(table, as_json)
     if not as_json:
         click.echo(f"{table.num_rows} rows" + (f" (--limit {limit})" if limit and table.num_rows == limit else ""))
-
-
-class _Progress:
-    """Progress of an export: a rich bar on a terminal, a plain line per partition otherwise."""
-
-    def __init__(self) -> None:
-        self.bar: Any = None
-        self.tasks: dict[str, Any] = {}
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), console=Console(stderr=True), transient=False)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        label = {"types": "reading types", "rows": "writing rows"}.get(phase, phase)
-        if self.bar is None:
-            click.echo(f"{label}: partition {done}/{total}", err=True)
-            return
-        if phase not in self.tasks:
-            self.tasks[phase] = self.bar.add_task(label, total=total)
-        self.bar.update(self.tasks[phase], completed=done)
 
 
 @click.command("export")
@@ -175,19 +141,18 @@ class _Progress:
 def export(root: str, operator_id: str, version: int | None, state_var: str | None, partition: int | None,
            now_ms: int | None, include_expired: bool, path: str, fmt: str | None, as_json: bool) -> None:
     """Export the state rows of a version to a Parquet or JSON-lines file."""
-    from statestore_async.cli.main import _open_root, _run_tool
     from statestore_async.cli.offline import ExportReport, export_state
 
     fmt = fmt or ("jsonl" if path.endswith((".jsonl", ".json")) else "parquet")
 
     async def go() -> ExportReport:
-        with _Progress() as progress:
-            async with _open_root(root) as objstore:
+        with Progress() as progress:
+            async with open_root(root) as objstore:
                 return await export_state(objstore, root, operator_id, path, fmt=fmt, version=version,
                                           state_var=state_var, partition=partition, now_ms=now_ms,
                                           include_expired=include_expired, progress=progress)
 
-    r = _run_tool(go)
+    r = run_tool(go)
     if as_json:
         _json_out({"path": r.path, "format": r.format, "version": r.version, "rows": r.rows,
                    "partitions": r.partitions, "bytes": r.bytes, "seconds": round(r.seconds, 3),
@@ -210,18 +175,17 @@ def export(root: str, operator_id: str, version: int | None, state_var: str | No
 def diff(root: str, operator_id: str, start_version: int, end_version: int | None, state_var: str | None,
          partition: int | None, no_old_values: bool, limit: int, as_json: bool) -> None:
     """The change feed between two versions: per change its key, state, type, old and new value, version."""
-    from statestore_async.cli.main import _open_root, _run_tool
     from statestore_async.cli.offline import diff_versions
 
     if limit < 0:
         raise click.UsageError(str(InterfaceError(f"--limit is a number of changes >= 0, got {limit}")))
 
     async def go() -> pa.Table:
-        async with _open_root(root) as objstore:
+        async with open_root(root) as objstore:
             return await diff_versions(objstore, root, operator_id, start_version, end_version, state_var=state_var,
                                        partition=partition, old_values=not no_old_values, limit=limit or None)
 
-    table = _run_tool(go)
+    table = run_tool(go)
     if as_json:
         _rows_out(table, True)
         return
