@@ -162,6 +162,38 @@ cdef extern from *:
         return q;
     }
 
+    /* n bytes from s to d; keys and values are mostly short, where a call to memcpy costs more
+       than the copy: two overlapping loads and stores (both loads first: s and d may overlap) */
+    static inline void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) {
+        if (n >= 8 && n <= 16) {
+            uint64_t x = ssa_rd64(s), y = ssa_rd64(s + n - 8);
+            memcpy(d, &x, 8);
+            memcpy(d + n - 8, &y, 8);
+        } else if (n >= 4 && n < 8) {
+            uint32_t x, y;
+            memcpy(&x, s, 4);
+            memcpy(&y, s + n - 4, 4);
+            memcpy(d, &x, 4);
+            memcpy(d + n - 4, &y, 4);
+        } else if (n) {
+            memmove(d, s, n);
+        }
+    }
+
+    /* whether n bytes at a and b are equal (short keys without a call to memcmp) */
+    static inline int ssa_eq(const uint8_t* a, const uint8_t* b, size_t n) {
+        if (n >= 8) {
+            if (n <= 16)
+                return ssa_rd64(a) == ssa_rd64(b) && ssa_rd64(a + n - 8) == ssa_rd64(b + n - 8);
+            return memcmp(a, b, n) == 0;
+        }
+        if (n >= 4)
+            return ssa_rd32x(a) == ssa_rd32x(b) && ssa_rd32x(a + n - 4) == ssa_rd32x(b + n - 4);
+        for (size_t i = 0; i < n; i++)
+            if (a[i] != b[i]) return 0;
+        return 1;
+    }
+
     static inline void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl,
                                  const uint8_t* v, uint32_t vl, int tomb) {
         uint8_t* q = p + 1;
@@ -169,11 +201,16 @@ cdef extern from *:
         p[0] = tomb ? SSA_TOMB : 0;
         q = ssa_wvar(q, kl);
         if (!tomb) q = ssa_wvar(q, vl);
-        if (kl) memcpy(q, k, kl);
+        ssa_copy(q, k, kl);
         q += kl;
-        if (vl) memcpy(q, v, vl);
+        ssa_copy(q, v, vl);
         q += vl;
-        while (q < e) *q++ = 0;
+        switch (e - q) {  /* the padding to 4 bytes: at most 3 */
+            case 3: *q++ = 0; /* fall through */
+            case 2: *q++ = 0; /* fall through */
+            case 1: *q = 0;
+            default: break;
+        }
     }
 
     static inline int ssa_cmp(const uint8_t* a, size_t al, const uint8_t* b, size_t bl) {
@@ -213,6 +250,8 @@ cdef extern from *:
     void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl, const uint8_t* v, uint32_t vl,
                    int tomb) noexcept nogil
     int ssa_cmp(const uint8_t* a, size_t al, const uint8_t* b, size_t bl) noexcept nogil
+    int ssa_eq(const uint8_t* a, const uint8_t* b, size_t n) noexcept nogil
+    void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) noexcept nogil
     const uint8_t* ssa_key_of(const uint8_t* arena, uint32_t ref, uint32_t* kl) noexcept nogil
     int ssa_cmp_refs(const uint8_t* arena, uint32_t x, uint32_t y) noexcept nogil
     int ssa_cmp_ref_key(const uint8_t* arena, uint32_t x, const uint8_t* k, size_t kl) noexcept nogil
@@ -480,7 +519,7 @@ cdef class Table:
                 return -1
             if (s >> 32) == h32:
                 rk = ssa_rec(self.arena + (((s & REF_MASK) - 1) << 2), &rkl, &rvl)
-                if rkl == kl and (kl == 0 or memcmp(rk, k, kl) == 0):
+                if rkl == kl and ssa_eq(rk, k, kl):
                     return pos
             pos += 1
             if pos == cap:
@@ -1530,7 +1569,7 @@ def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned lo
                 _wr32(o, found[i].vl)
                 o += 4
                 if found[i].vl:
-                    memcpy(o, found[i].val, found[i].vl)
+                    ssa_copy(o, found[i].val, found[i].vl)
                 o += found[i].vl
     finally:
         free(found)

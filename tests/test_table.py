@@ -419,6 +419,35 @@ def test_reads_see_the_overlay_then_the_base(tb, overlay, base, ks):
     assert tb.get_packed(None, b, FR.encode_list(ks), 0) == FR.encode_optional_list(alone)
 
 
+# keys and values of every length up to 40 (the native table compares and copies short ones without
+# a call to memcmp / memcpy: lengths 4-7 and 8-16 by two overlapping loads), keys that differ from
+# each other in one byte only, at each position
+near_keys = st.integers(0, 40).flatmap(lambda n: st.tuples(st.binary(min_size=n, max_size=n),
+                                                          st.lists(st.integers(0, max(n - 1, 0)), max_size=6)))
+
+
+@SETTINGS
+@given(shape=near_keys, lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_keys_and_values_of_every_short_length(tb, shape, lengths, seed):
+    stem, positions = shape
+    keys = [stem] + [stem[:i] + bytes([stem[i] ^ 0x5A]) + stem[i + 1:] for i in positions if i < len(stem)]
+    keys += [stem[:-1]] if stem else []
+    rng = random.Random(seed)
+    want: dict[bytes, bytes | None] = {}
+    t, base = _table(tb, {}), _table(tb, {})
+    for n in lengths:  # each round overwrites every key: in place when the length stays, moved when not
+        items = [(k, rng.randbytes(n)) for k in keys]
+        tb.put_packed(t, FR.encode_pairs(items), 0, 0)
+        want.update(items)
+        probes = keys + [stem + b"\x00"]
+        expect = [want.get(k) for k in probes]
+        assert tb.get_packed(t, base, FR.encode_list(probes), 0) == FR.encode_optional_list(expect)
+        assert tb.get_list(t, base, probes) == expect
+    tb.remove_packed(t, FR.encode_list(keys[:1]), 0, 0)
+    want[keys[0]] = None
+    _check(t, want)
+
+
 def test_bad_batches_raise_as_framing_does_and_change_nothing(tb):
     start = {b"\x00\x01a": b"old", b"\x00\x01t": None}
     t = _table(tb, start)
