@@ -12,7 +12,7 @@ import xxhash
 from statestore_async.codecs import framing
 from statestore_async.codecs.keylayout import store_key
 from statestore_async.codecs.packed import PackedList
-from statestore_async.engine.store import VersionedStore
+from statestore_async.engine.store import VersionedStore, table_of
 from statestore_async.engine.table import Table
 from statestore_async.errors import CorruptFileError, InterfaceError, VersionNotFoundError
 from statestore_async.files import checkpoint
@@ -264,3 +264,64 @@ def test_delta_files_stacked_over_a_snapshot_read_as_the_state(tmp_path):
     assert list(stack.items(lo, hi)) == [(k, v) for k, v in s.items() if lo <= k < hi]
     with pytest.raises(ValueError):
         ColdStack([snap, runs[0]])  # the snapshot must be the oldest run
+
+
+@pytest.mark.parametrize("fixed", [True, False])
+def test_the_snapshot_of_a_spilled_store_merges_by_block_and_copies_untouched_blocks(tmp_path, fixed):
+    """Compaction: the snapshot of a store spilled over a snapshot run and delta runs, with a hot
+    part, holds exactly the store's records (fixed-size records: spliced by numpy; variable ones:
+    merged as lists) — keys with 0x00 and 0xff bytes, removals, new keys before the first and after
+    the last key, blocks emptied — and the blocks no change fell in are the snapshot's own bytes."""
+    rnd = random.Random(11 if fixed else 12)
+
+    def val(tag: int) -> bytes:
+        return bytes([tag % 256]) * (8 if fixed else rnd.randrange(1, 40))
+
+    def k(i: int) -> bytes:  # 2-byte group + 6 bytes: edge bytes in the middle and at the end
+        return store_key(1 + i % 3, bytes([(i * 37) % 256, 0, 255]) + i.to_bytes(3, "big"))
+
+    universe = [k(i) for i in range(6000)]
+    mem = VersionedStore(SID, history=1)
+    w = mem.open(0)
+    w.put_many([(key, val(1)) for key in universe[:5000]])
+    w.commit("%032x" % 1)
+    spilled = VersionedStore(SID, table_of(mem.items()), mem.head, (), head_has_snapshot=True, history=1)
+    cache = BlockCache(1 << 20)
+    snap_path = write_snapshot(spilled, tmp_path / "snap", 1024)
+    spilled.spill(ColdRun.open(snap_path, SID, spilled.head, cache))
+    ordered = sorted(universe[:5000])
+    untouched = ordered[400]  # no change falls in the blocks below it
+    edge = [store_key(0, b"\x00" * 6), store_key(65535, b"\xff" * 6)]  # before the first, after the last
+    runs: list[ColdRun] = []
+    for v in range(2, 7):
+        keys = [x for x in rnd.sample(universe, 300) if x >= untouched] + (edge if v == 3 else [])
+        gone = rnd.sample(ordered[1200:1300], 60) + (edge[:1] if v == 5 else [])
+        gone += ordered[2000:2100] if v == 4 else []  # whole blocks emptied
+        deltas = []
+        puts = [(x, val(v)) for x in keys]
+        for s in (mem, spilled):
+            w = s.open(s.head.version)
+            w.put_many(puts)
+            w.remove_many(gone)
+            deltas.append(w.commit("%032x" % v))
+        if v < 6:  # the last commit stays in the hot part
+            (tmp_path / f"d{v}").write_bytes(checkpoint.encode_delta(deltas[1], block_bytes=1024))
+            runs.insert(0, ColdRun.open(str(tmp_path / f"d{v}"), SID, deltas[1].ref, cache, kind="delta"))
+            spilled.spill(ColdStack.over(runs[:1], spilled.cold))
+    assert isinstance(spilled.cold, ColdStack) and len(spilled.cold.runs) == 5 and spilled.hot_bytes > 0
+    with spilled.freeze() as view:
+        data = checkpoint.encode_snapshot(view, block_bytes=1024)
+        stepped = b"".join(next(x for x in reversed(list(checkpoint.snapshot_steps(view, block_bytes=1024)))
+                                if x is not None))
+    got = read_checkpoint(data, "compacted")
+    assert got.records == list(mem.items())
+    assert read_checkpoint(stepped, "stepped").records == got.records
+    assert got.header.ref == mem.head and got.header.kind == "snapshot"
+    original = open(snap_path, "rb").read()
+    copied = [b for b in got.footer.blocks if data[b.offset:b.offset + b.length] in original]
+    assert len(copied) >= 5, copied  # the blocks of the untouched keys after the first, as stored
+    # a compacted snapshot opens as a run again and compacts again
+    (tmp_path / "again").write_bytes(data)
+    again = VersionedStore(SID, head=mem.head, head_has_snapshot=True)
+    again.spill(ColdRun.open(str(tmp_path / "again"), SID, mem.head, cache))
+    assert list(again.items()) == list(mem.items())

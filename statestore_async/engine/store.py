@@ -210,7 +210,8 @@ class FrozenView:
     (``Table.freeze``: its arena stays append-only while the view lives, and the view keeps the
     records' order), so reading the view stays exact while puts and commits go on. ``release()``
     it when done. A spilled store's view is its frozen hot table over its cold level (which
-    never changes); its ``chunk``/``chunk_packed`` are read in order, from position 0.
+    never changes); its ``chunk``/``chunk_packed`` are read in order, from position 0, and its
+    snapshot is written block by block from the cold level (``merged_blocks``).
     """
 
     def __init__(self, store: VersionedStore):
@@ -307,6 +308,17 @@ class FrozenView:
             return b"", pos, 0, 0
         kgs = [key_group_or_zero(k) for k, _ in out]
         return blockcodec.encode_records_raw(out), pos + len(out), min(kgs), max(kgs)
+
+    def merged_blocks(self, max_payload: int) -> Iterator[tuple[bytes, int, int, int, bytes, bool]] | None:
+        """A spilled store's snapshot blocks: its cold level's ``merged_blocks`` of the frozen hot
+        part (a compaction that copies untouched blocks through: ``files.coldrun``); None when the
+        store is not spilled (write ``chunk_packed``) or its cold level cannot merge by block."""
+        view = self._live()
+        merge = getattr(self._cold, "merged_blocks", None)
+        if merge is None:
+            return None
+        blocks: Iterator[tuple[bytes, int, int, int, bytes, bool]] = merge(view.items(), max_payload)
+        return blocks
 
     @property
     def approx_bytes(self) -> int:

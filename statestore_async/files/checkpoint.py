@@ -24,7 +24,9 @@ Readers do not rely on the order: files written in commit order read the same.
 Writing: the records of an engine table are written into block payloads straight from its arena
 (``TableView.chunk_packed``: no Python object per record) and each payload is compressed
 (``blockcodec.encode_payload_block``; zstd runs without the GIL) in a small pool of threads,
-``ENCODE_THREADS`` of them, while the next payload is gathered; blocks are appended in order.
+``ENCODE_THREADS`` of them, while the next payload is gathered; blocks are appended in order. The
+snapshot of a spilled store is written from its snapshot run's blocks instead (``merged_blocks``,
+``files.coldrun``): blocks nothing changed in are copied as stored, the others merged and compressed.
 
 A reader checks every checksum, every length and that the header names the file it was asked
 for; any failure raises ``CorruptFileError`` naming the file — never a wrong value.
@@ -152,6 +154,12 @@ class PackedRecords(Protocol):
     def __len__(self) -> int: ...
 
     def chunk_packed(self, pos: int, max_bytes: int) -> tuple[bytes, int, int, int]: ...
+
+
+# a block of a compaction (``FrozenView.merged_blocks`` of a spilled store, ``files.coldrun``):
+# (data, records, first key group, last key group, first key, encoded) — ``data`` is a block as
+# stored (copied through) when ``encoded``, else a records payload to compress
+MergedBlock: TypeAlias = tuple[bytes, int, int, int, bytes, bool]
 
 
 #: Threads that compress the blocks of one file in parallel (zstd runs without the GIL); files share
@@ -300,6 +308,37 @@ class CheckpointWriter:
             for fut, *_ in pending:  # after a failure: nothing more is needed
                 fut.cancel()
 
+    def add_merged_steps(self, blocks: Iterable[MergedBlock]) -> Iterator[None]:
+        """Append ``blocks`` (a spilled view's ``merged_blocks``) in this thread, yielding after each."""
+        for data, count, lo, hi, first, encoded in blocks:
+            self.add_block(data if encoded else self._encode(data, count), count, lo, hi, first)
+            yield
+
+    def add_merged(self, blocks: Iterable[MergedBlock], *, threads: bool = True) -> None:
+        """Append ``blocks`` (a spilled view's ``merged_blocks``): blocks as stored go in as they are,
+        payloads are compressed in the encoding pool (with ``threads``) while the next are merged."""
+        pool = _encode_pool() if threads else None
+        if pool is None:
+            for _ in self.add_merged_steps(blocks):
+                pass
+            return
+        pending: deque[tuple[Future[bytes] | bytes, int, int, int, bytes]] = deque()
+        try:
+            for data, count, lo, hi, first, encoded in blocks:
+                pending.append((data if encoded else pool.submit(self._encode, data, count), count, lo, hi, first))
+                while len(pending) > 2 * ENCODE_THREADS:
+                    self._add_pending(pending.popleft())
+            while pending:
+                self._add_pending(pending.popleft())
+        finally:
+            for fut, *_ in pending:  # after a failure: nothing more is needed
+                if isinstance(fut, Future):
+                    fut.cancel()
+
+    def _add_pending(self, item: tuple[Future[bytes] | bytes, int, int, int, bytes]) -> None:
+        block, count, lo, hi, first = item
+        self.add_block(block.result() if isinstance(block, Future) else block, count, lo, hi, first)
+
     def finish(self) -> bytes:
         """The whole file."""
         return b"".join(self.finish_parts())
@@ -350,7 +389,11 @@ def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, blo
     """
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, codec=codec, level=level,
                          block_bytes=block_bytes if block_bytes is not None else block_bytes_for(view.approx_bytes))
-    yield from w.add_packed_steps(view)
+    merged = view.merged_blocks(w._payload_limit())
+    if merged is not None:  # a spilled store: its snapshot run's blocks, merged with what changed
+        yield from w.add_merged_steps(merged)
+    else:
+        yield from w.add_packed_steps(view)
     yield w.finish_parts()
 
 
@@ -360,7 +403,11 @@ def encode_snapshot(view: FrozenView, *, threads: bool = True, **kwargs: Unpack[
     ``block_bytes_for`` the view's size."""
     kwargs.setdefault("block_bytes", block_bytes_for(view.approx_bytes))
     w = CheckpointWriter(SNAPSHOT, view.store_id, view.ref, view.lineage, **kwargs)
-    w.add_packed(view, threads=threads)
+    merged = view.merged_blocks(w._payload_limit())
+    if merged is not None:  # a spilled store: its snapshot run's blocks, merged with what changed
+        w.add_merged(merged, threads=threads)
+    else:
+        w.add_packed(view, threads=threads)
     return w.finish()
 
 

@@ -20,6 +20,16 @@ files are on local disk already (an LSM's flushed memtables, written by the uplo
 
 ``ColdRun`` and ``ColdStack`` satisfy the engine's ``engine.store.ColdLevel``: the engine does no
 IO of its own.
+
+**Compaction** (the snapshot of a spilled store) is block-wise: ``merged_blocks`` walks the
+snapshot run's blocks once, with the newer records (the hot part and the delta runs, merged into
+one key-ordered list of changes) split by the blocks' first keys. A block no change falls in is
+copied through as it is stored (its checksum checked, nothing decoded or compressed again); a
+block with changes is decompressed and its records payload spliced: when its records all have
+one size (the common case: fixed-size keys and values) the changes' positions come from a binary
+search over the payload's key column (numpy) and the untouched stretches are copied as byte
+slices, so the Python work is per change, not per record; otherwise its records are decoded and
+merged as lists. Merged blocks keep about the size of the block they replace (split past twice it).
 """
 from __future__ import annotations
 
@@ -29,11 +39,16 @@ import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
+import numpy as np
+import xxhash
+import zstandard
+
 from statestore_async.codecs import blockcodec
-from statestore_async.engine.table import Table, load_records
+from statestore_async.codecs.keylayout import key_group_or_zero
+from statestore_async.engine.table import Table, load_records, put_items, remove_keys
 from statestore_async.errors import CorruptBlockError, CorruptFileError
 from statestore_async.files.checkpoint import (
     HEADER_FIXED,
@@ -50,6 +65,53 @@ from statestore_async.ids import CheckpointRef, StoreId
 
 _ids = itertools.count(1)
 MISSING = object()  # ``lookup_many``: the run has no entry for the key (a tombstone gives None)
+
+# what ``merged_blocks`` yields: (data, records, first key group, last key group, first key, encoded);
+# ``data`` is a block as stored when ``encoded``, else a records payload still to be compressed
+MergedBlock = tuple[bytes, int, int, int, bytes, bool]
+_Entries = Iterable[tuple[bytes, "bytes | None"]]
+_BLOCK_HEAD = 24  # blockcodec's block header: magic, codec, flags, count, raw_len, stored_len, checksum
+_zstd = threading.local()
+
+
+class _Changes:
+    """Key-ordered changes for a compaction: ``keys``, ``values`` (None: a removal), and, when every
+    key has one length and every value another (both under 128 bytes), the same as numpy arrays:
+    ``key_array`` (``S<klen>``), ``puts`` (one row of ``width`` bytes per put record, in order) and
+    ``puts_before`` (how many puts precede each change)."""
+
+    def __init__(self, keys: list[bytes], values: list[bytes | None]) -> None:
+        self.keys, self.values = keys, values
+        self.width = 0  # 0: not fixed-size
+        klens = set(map(len, keys))
+        vlens = {len(v) for v in values if v is not None}
+        if len(klens) == 1 and len(vlens) <= 1:
+            self.klen = klens.pop()
+            vlen = vlens.pop() if vlens else 0
+            if 0 < self.klen < 0x80 and vlen < 0x80:
+                self.width = 3 + self.klen + vlen
+                self.key_array = np.array(keys, dtype=f"S{self.klen}")
+                is_put = np.fromiter((v is not None for v in values), bool, len(values))
+                self.is_put = is_put
+                self.puts_before = np.concatenate(([0], np.cumsum(is_put)))
+                raw = blockcodec.encode_records_raw([(k, v) for k, v in zip(keys, values) if v is not None])
+                self.puts = np.frombuffer(raw, f"V{self.width}")
+
+
+def _sorted_changes(layers: Sequence[_Entries]) -> _Changes:
+    """The entries of ``layers`` (each in key order, oldest layer first), the newest layer's entry
+    for each key (tombstones kept as None)."""
+    if len(layers) == 1:
+        pairs = list(layers[0])
+    else:
+        merged = Table()
+        for layer in layers:  # a layer has one entry per key: its puts and removals in any order
+            entries = list(layer)
+            put_items(merged, [(k, v) for k, v in entries if v is not None], 0)
+            remove_keys(merged, [k for k, v in entries if v is None], 0)
+        with merged.freeze() as view:
+            pairs = list(view.items())
+    return _Changes([k for k, _ in pairs], [v for _, v in pairs])
 
 
 class BlockCache:
@@ -264,14 +326,167 @@ class ColdRun:
             yield from self._block(i).items(start, stop)
             i += 1
 
+    def all_entries(self) -> list[tuple[bytes, bytes | None]]:
+        """Every entry in key order, tombstones included, read past the block cache (a compaction
+        reads a delta run once)."""
+        out: list[tuple[bytes, bytes | None]] = []
+        for i in range(len(self._blocks)):
+            out.extend(self._read_block(i))
+        return out
+
     def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """(key, value) with ``start <= key < stop`` in key order, reading blocks as it goes."""
         for k, v in self.entries(start, stop):
             if v is not None:
                 yield k, v
 
+    # --- compaction (see the module doc) ---------------------------------------------------------
+    def merged_blocks(self, changes: _Entries, max_payload: int) -> Iterator[MergedBlock]:
+        """The blocks of a snapshot of this (snapshot) run's records with ``changes`` (key order;
+        None: a removal) applied, in key order: untouched blocks as stored, the others as payloads
+        of about ``max_payload`` bytes or the size of the block they replace."""
+        return self._merged(_sorted_changes([changes]), max_payload)
+
+    def _merged(self, changes: _Changes, max_payload: int) -> Iterator[MergedBlock]:
+        if self.kind != SNAPSHOT:
+            raise ValueError("only a snapshot run is the base of a compaction")
+        ckeys, cvals = changes.keys, changes.values
+        n, m, first = len(self._blocks), len(ckeys), self._first
+        if not n:
+            yield from _payloads([(k, v) for k, v in zip(ckeys, cvals) if v is not None], max_payload)
+            return
+        j = 0
+        for i, e in enumerate(self._blocks):
+            # block i takes the changes below the next block's first key (block 0 those before its own too)
+            hi = m if i == n - 1 else bisect.bisect_left(ckeys, first[i + 1], j)
+            raw = self._raw_block(i)
+            if hi == j:
+                yield raw, e.count, e.first_kg, e.last_kg, first[i], True
+            else:
+                yield from self._merge_block(i, raw, changes, j, hi, max_payload)
+            j = hi
+
+    def _raw_block(self, i: int) -> bytes:
+        """Block ``i`` as stored, its lengths and checksum checked (not decoded)."""
+        fd = self._fd
+        if fd is None:
+            raise CorruptFileError(self.path, "the cold run was closed", None)
+        e = self._blocks[i]
+        data = os.pread(fd, e.length, e.offset)
+        try:
+            if len(data) != e.length:
+                raise CorruptBlockError(f"truncated: {len(data)} of {e.length} bytes")
+            _codec, count, _raw_len, _stored, total = blockcodec.read_block_header(data, 0)
+            if total != e.length or count != e.count:
+                raise CorruptBlockError(f"the block holds {count} records in {total} bytes, the index says "
+                                        f"{e.count} in {e.length}")
+            if xxhash.xxh3_64_intdigest(data[:16] + data[_BLOCK_HEAD:]) != int.from_bytes(data[16:24], "little"):
+                raise CorruptBlockError("checksum mismatch")
+        except CorruptBlockError as exc:
+            raise CorruptFileError(self.path, f"block {i} at {e.offset}: {exc}", e.offset) from None
+        self.blocks_read += 1
+        return data
+
+    def _payload(self, i: int, raw: bytes) -> bytes:
+        """The records payload of block ``i`` (``raw``, checked by ``_raw_block``), decompressed."""
+        codec, _count, raw_len, _stored, _total = blockcodec.read_block_header(raw, 0)
+        if codec == blockcodec.CODEC_NONE:
+            return raw[_BLOCK_HEAD:]
+        d = getattr(_zstd, "d", None)
+        if d is None:
+            d = _zstd.d = zstandard.ZstdDecompressor()
+        try:
+            payload = d.decompress(raw[_BLOCK_HEAD:], max_output_size=raw_len)
+        except zstandard.ZstdError as exc:
+            raise CorruptFileError(self.path, f"block {i}: zstd decompression failed: {exc}", self._blocks[i].offset) from None
+        if len(payload) != raw_len:
+            raise CorruptFileError(self.path, f"block {i}: decompressed {len(payload)} bytes, the header says "
+                                   f"{raw_len}", self._blocks[i].offset)
+        return payload
+
+    def _merge_block(self, i: int, raw: bytes, changes: _Changes, j: int, hi: int,
+                     max_payload: int) -> Iterator[MergedBlock]:
+        payload = self._payload(i, raw)
+        count = self._blocks[i].count
+        spliced = _splice_fixed(payload, count, changes, j, hi)
+        if spliced is None:  # records of different sizes: decode them and merge lists
+            try:
+                recs = blockcodec.decode_records_raw(payload, count)
+            except CorruptBlockError as exc:
+                raise CorruptFileError(self.path, f"block {i}: {exc}", self._blocks[i].offset) from None
+            out = _merge_lists(recs, changes.keys[j:hi], changes.values[j:hi])
+            if out:
+                yield from _payloads(out, max(max_payload, len(payload)))
+            return
+        merged, n, first_key, last_key = spliced
+        if not n:
+            return  # every record of the block removed
+        target = max(max_payload, len(payload))
+        if len(merged) > 2 * target:
+            yield from _payloads(blockcodec.decode_records_raw(merged, n), target)
+        else:
+            yield merged, n, key_group_or_zero(first_key), key_group_or_zero(last_key), first_key, False
+
     def __repr__(self) -> str:
         return f"ColdRun({self.path!r}, {self.ref}, {self._records} records in {len(self._blocks)} blocks)"
+
+
+def _splice_fixed(payload: bytes, count: int, changes: _Changes, j: int,
+                  hi: int) -> tuple[bytes, int, bytes, bytes] | None:
+    """A snapshot block's payload with changes ``j:hi`` applied, when its records are all puts of the
+    changes' one key size and one record size: (payload, records, first key, last key). Rows are
+    deleted and inserted with numpy: no Python work per record or per change. None otherwise (the
+    caller decodes and merges)."""
+    width, klen, size = changes.width, changes.klen if changes.width else 0, len(payload)
+    if not width or not count or size != count * width or payload[1] != klen or payload[2 + klen] != width - 3 - klen:
+        return None
+    if (payload[0::width] != bytes(count) or payload[1::width] != bytes((klen,)) * count
+            or payload[2 + klen::width] != bytes((width - 3 - klen,)) * count):
+        return None
+    keys = np.ascontiguousarray(np.frombuffer(payload, np.uint8).reshape(count, width)[:, 2:2 + klen]
+                                ).view(f"S{klen}").ravel()  # compared as memcmp: equal lengths
+    rows = np.frombuffer(payload, f"V{width}")  # a record per element
+    wanted = changes.key_array[j:hi]
+    pos = keys.searchsorted(wanted)
+    hit = (pos < count) & (keys[np.minimum(pos, count - 1)] == wanted)
+    gone = pos[hit]  # base rows replaced or removed
+    put = changes.is_put[j:hi]
+    at = pos[put]
+    at = at - np.searchsorted(gone, at)  # where each put goes once the gone rows are out
+    out = np.insert(np.delete(rows, gone, axis=0), at, changes.puts[changes.puts_before[j]:changes.puts_before[hi]],
+                    axis=0)
+    n = len(out)
+    if not n:
+        return b"", 0, b"", b""
+    merged = out.tobytes()
+    return merged, n, merged[2:2 + klen], merged[-width + 2:-width + 2 + klen]
+
+
+def _merge_lists(recs: list[tuple[bytes, bytes | None]], ks: list[bytes],
+                 vs: list[bytes | None]) -> list[tuple[bytes, bytes | None]]:
+    """``recs`` (key order, no tombstones) with the changes applied (a None value removes the key)."""
+    keys = [r[0] for r in recs]
+    out: list[tuple[bytes, bytes | None]] = []
+    prev, count = 0, len(recs)
+    for k, v in zip(ks, vs):
+        p = bisect.bisect_left(keys, k, prev)
+        if p > prev:
+            out.extend(recs[prev:p])
+        prev = p + 1 if p < count and keys[p] == k else p
+        if v is not None:
+            out.append((k, v))
+    out.extend(recs[prev:])
+    return out
+
+
+def _payloads(records: Sequence[tuple[bytes, bytes | None]], max_payload: int) -> Iterator[MergedBlock]:
+    """``records`` (key order) as records payloads of at most ``max_payload`` bytes (at least one record each)."""
+    start, n = 0, len(records)
+    while start < n:
+        block, nxt = blockcodec.encode_block(records, start, max_payload, blockcodec.CODEC_NONE)
+        lo, hi = blockcodec.key_group_range(records, start, nxt)
+        yield block[_BLOCK_HEAD:], nxt - start, lo, hi, bytes(records[start][0]), False
+        start = nxt
 
 
 class ColdStack:
@@ -327,6 +542,13 @@ class ColdStack:
             last = k
             if v is not None:
                 yield k, v
+
+    def merged_blocks(self, changes: _Entries, max_payload: int) -> Iterator[MergedBlock]:
+        """``ColdRun.merged_blocks`` of the snapshot run under the stack, with the delta runs'
+        entries and then ``changes`` (the newest) applied."""
+        layers: list[_Entries] = [run.all_entries() for run in reversed(self.runs[:-1])]
+        layers.append(changes)
+        return self.runs[-1]._merged(_sorted_changes(layers), max_payload)
 
     def close(self) -> None:
         for run in self.runs:
