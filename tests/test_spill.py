@@ -5,6 +5,7 @@ Every wait is for a condition, with a generous deadline."""
 from __future__ import annotations
 
 import asyncio
+import pathlib
 import random
 import signal
 import time
@@ -12,6 +13,8 @@ import time
 import pytest
 
 from statestore_async.client import AsyncClient, Client
+from statestore_async.files.coldrun import ColdStack
+from statestore_async.files.names import DELTA, file_name
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
 DEADLINE = 90.0
@@ -139,8 +142,66 @@ async def test_a_daemon_killed_with_state_on_disk_restarts_over_its_local_files(
     with Client(d2.socket) as sc:
         st = sc.stats()
     assert st["registry"]["cold_loads"] == 1 and st["registry"]["loads"] == 1
-    gets = st["object_stores"][sid.root].get("GET", 0)
-    assert gets <= 3, st["object_stores"]  # the deltas after the snapshot at most, never the snapshot
+    # the deltas after the snapshot open as runs over their cached copies: nothing downloaded
+    assert st["registry"]["delta_runs_loaded"] >= 2 and st["registry"]["deltas_downloaded"] == 0
+    # one GET at most: the head's own snapshot, asked for and not there (a 404)
+    assert st["object_stores"][sid.root].get("GET", 0) <= 1, st["object_stores"]
+
+
+async def test_a_reload_opens_the_deltas_after_the_snapshot_as_runs(daemon_factory, tmp_path):
+    """A spilled store with deltas committed after its snapshot, loaded by another daemon on the same
+    node (file:// root: the files are local): the snapshot and every delta open as runs of a cold
+    stack, nothing of them read into memory (empty hot part, no file read whole), and it answers
+    exactly — then commits on over the stack."""
+    root = f"file://{tmp_path}/root"
+    settings = {"memory_budget": 3 << 20, "spill_min_bytes": 256 << 10, "block_cache_bytes": 256 << 10,
+                "snapshot_interval": 1000}
+    d = await daemon_factory(**settings)
+    sid = StoreId(root, "spill", 0)
+    rnd = random.Random(7)
+    expected: dict[bytes, bytes] = {}
+    async with AsyncClient(d.config.socket) as c:
+        ref = await fill(c, sid, expected, 2, rnd)
+        await wait_for(lambda: d.registry.counters["spills"] >= 1, "the store to spill")
+        snapshot = d.registry.get(sid).cold.ref
+        ref = await fill(c, sid, expected, 3, rnd, ref)
+    deltas = ref.version - snapshot.version
+    assert deltas >= 3
+    d2 = await daemon_factory(**settings)
+    async with AsyncClient(d2.config.socket) as c:
+        await check(c, sid, ref, expected)
+        st = d2.registry.stats()
+        assert st["cold_loads"] == 1 and st["delta_runs_loaded"] == deltas, st
+        store = d2.registry.get(sid)
+        assert isinstance(store.cold, ColdStack) and len(store.cold.runs) == deltas + 1
+        assert store.cold.runs[-1].ref == snapshot and store.cold.ref == ref
+        assert len(store._data) == 0  # the hot part: nothing read into memory
+        ref = await fill(c, sid, expected, 2, rnd, ref)  # commits over the stack
+        await check(c, sid, ref, expected)
+
+
+async def test_a_damaged_local_delta_copy_is_downloaded_again(s3_daemon, s3_bucket, tmp_path):
+    """A cached delta copy damaged while the daemon was down (a flipped byte in a block): the restarted
+    daemon's check at open catches it, drops the copy, downloads the delta once into the cache folder
+    and opens that as a run; the store answers exactly."""
+    cache = str(tmp_path / "cache")
+    sid = StoreId(f"s3://{s3_bucket}/ckpt", "spill", 2)
+    ref, expected = await spill_then_kill(s3_daemon, cache, sid, 4, 2)
+    copies = list(pathlib.Path(cache).rglob(file_name(ref, DELTA)))
+    assert len(copies) == 1
+    data = bytearray(copies[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copies[0].write_bytes(bytes(data))
+    d2 = s3_daemon(cache)
+    async with AsyncClient(d2.socket) as c:
+        await check(c, sid, ref, expected)
+    with Client(d2.socket) as sc:
+        st = sc.stats()
+    assert st["registry"]["cold_loads"] == 1 and st["registry"]["deltas_downloaded"] == 1, st["registry"]
+    assert st["registry"]["delta_runs_loaded"] >= 2
+    # the download, and at most the head's own snapshot asked for and not there (a 404)
+    assert 1 <= st["object_stores"][sid.root].get("GET", 0) <= 2, st["object_stores"]
+    assert copies[0].read_bytes() != bytes(data)  # the copy was replaced by the download
 
 
 async def test_a_new_node_recovers_a_spilled_store_from_the_object_store_alone(s3_daemon, s3_bucket, tmp_path):

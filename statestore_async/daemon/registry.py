@@ -25,6 +25,10 @@ budget, and a later load of the store waits for its uploads) leave memory:
   from its files when opened again. A spilled store that holds less than ``spill_min_bytes``
   stays (evicting it would free little and cost a reload).
 
+A load offers the loader the local copies of a store's files (``_cold_opener``, ``_delta_opener``):
+a store whose snapshot is on local disk comes back spilled onto it, with the deltas after it opened
+as runs (up to ``MAX_RUNS``), reading none of their records into memory.
+
 ``release`` evicts named stores on the same terms as eviction, at once (the driver's coordinator
 knows another node now owns them).
 """
@@ -76,7 +80,7 @@ class StoreRegistry:
         self._load_finished = asyncio.Event()
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
                          "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
-                         "cold_loads": 0, "deltas_stacked": 0,
+                         "cold_loads": 0, "deltas_stacked": 0, "delta_runs_loaded": 0, "deltas_downloaded": 0,
                          "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
@@ -160,8 +164,9 @@ class StoreRegistry:
                     await self._uploader.wait_settled(store_id)
                 await self._admit_load()
                 try:
-                    store, report = await loader.load_store(self._objstores(store_id.root), store_id, ref,
-                                                            history=self._history, cold=self._cold_opener(store_id))
+                    store, report = await loader.load_store(
+                        self._objstores(store_id.root), store_id, ref, history=self._history,
+                        cold=self._cold_opener(store_id), cold_delta=self._delta_opener(store_id), max_runs=MAX_RUNS)
                 finally:
                     self._loads_running -= 1
                     self._load_finished.set()
@@ -179,6 +184,8 @@ class StoreRegistry:
             self.counters["loads"] += 1
             if report.cold is not None:
                 self.counters["cold_loads"] += 1
+                self.counters["delta_runs_loaded"] += len(report.delta_runs)
+                self.counters["deltas_downloaded"] += len(report.downloaded)
             if report.rescaled_from is not None:  # a rescaled partition's first state, assembled
                 self.counters["rescales"] += 1
                 self.counters["rescale_bytes_read"] += report.bytes_read
@@ -188,7 +195,8 @@ class StoreRegistry:
                             len(report.files_read))
             elif report.cold is not None:
                 log.info("loaded %s at %s over its local snapshot file %s (read by block on demand) and %d "
-                         "deltas", store_id, ref, report.cold, len(report.deltas))
+                         "deltas (%d of them as runs over local files)", store_id, ref, report.cold,
+                         len(report.deltas), len(report.delta_runs))
             else:
                 log.info("loaded %s at %s: %d records from %d files", store_id, ref, report.records,
                          len(report.files_read))
@@ -284,6 +292,29 @@ class StoreRegistry:
                 return None
 
         return open_cold
+
+    def _delta_opener(self, store_id: StoreId) -> Callable[[CheckpointRef], ColdRun | None]:
+        """For the loader: a run over the local copy of a delta of ``store_id`` (its blocks' checksums
+        checked at open), or None. A damaged copy is logged and dropped from the cache (the loader
+        then reads the object store's)."""
+        objstore = self._objstores(store_id.root)
+
+        def open_delta(ref: CheckpointRef) -> ColdRun | None:
+            key = file_key(store_id, ref, DELTA)
+            path = objstore.local_path(key)
+            if path is None:
+                return None
+            try:
+                return ColdRun.open(path, store_id, ref, self.block_cache, kind=DELTA, verify=True)
+            except (OSError, StateStoreError) as exc:
+                log.warning("cannot open the local copy %s of the delta of %s at %s (reading the object store's "
+                            "instead): %s: %s", path, store_id, ref, type(exc).__name__, exc)
+                forget = getattr(objstore, "forget", None)
+                if forget is not None:
+                    forget(key)
+                return None
+
+        return open_delta
 
     def _spill_now(self, store: VersionedStore, ref: CheckpointRef | None = None) -> int:
         """Spill ``store`` onto the local copy of the snapshot of ``ref`` (its head, or a state of

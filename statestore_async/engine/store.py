@@ -435,11 +435,16 @@ class VersionedStore:
     # --- the cold level ---------------------------------------------------------------------------
     @classmethod
     def over_cold(cls, store_id: StoreId, cold: ColdLevel, changes: Table, head: CheckpointRef,
-                  lineage: Sequence[CheckpointRef], *, history: int = DEFAULT_HISTORY) -> VersionedStore:
+                  lineage: Sequence[CheckpointRef], *, history: int = DEFAULT_HISTORY,
+                  snapshot: CheckpointRef | None = None) -> VersionedStore:
         """A store at ``head``, spilled onto ``cold`` (a state on ``head``'s lineage, or ``head``
         itself) with ``changes`` (key → value | None, the changes since ``cold.ref``) in memory:
-        what a load from a local snapshot file and the deltas after it makes."""
+        what a load from a local snapshot file and the deltas after it makes. ``snapshot``: the
+        newest state known to have a snapshot file (default ``cold.ref``; a cold level of delta
+        runs over a snapshot holds a state that has none)."""
         store = cls(store_id, head=cold.ref, head_has_snapshot=True, history=history)
+        if snapshot is not None and snapshot != cold.ref:
+            store._snapshots = {snapshot}
         store.spill(cold)
         if len(changes):
             store._mutate(changes)

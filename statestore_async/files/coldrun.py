@@ -204,8 +204,9 @@ class ColdRun:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], store_id: StoreId, ref: CheckpointRef, cache: BlockCache,
-             kind: str = SNAPSHOT) -> ColdRun:
-        """Open the ``kind`` file (the snapshot, or a delta) of ``store_id`` at ``ref``."""
+             kind: str = SNAPSHOT, *, verify: bool = False) -> ColdRun:
+        """Open the ``kind`` file (the snapshot, or a delta) of ``store_id`` at ``ref``; with
+        ``verify`` every block's lengths and checksum are checked now (read, not decoded)."""
         path = os.fspath(path)
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -230,6 +231,10 @@ class ColdRun:
             if first_keys is None:  # written before footers named first keys: learn them once
                 run._first = [run._read_block(i)[0][0] if b.count else b"" for i, b in enumerate(footer.blocks)]
                 run.nbytes = sum(len(k) + 33 for k in run._first) + 120 * len(footer.blocks) + 200
+            if verify:
+                for i in range(len(footer.blocks)):
+                    run._raw_block(i)
+                run.blocks_read = 0
             return run
         except BaseException:
             os.close(fd)

@@ -14,9 +14,14 @@ A damaged or missing delta has no substitute: the load fails naming the file.
 
 With ``cold`` (the daemon passes it), the base snapshot is not read at all when ``cold(ref)`` opens
 a cold level over a local copy of it (``files.coldrun.ColdRun``): the store starts spilled onto
-that file, with the deltas after it in memory — a restart on the same node serves at once, reading
-blocks as keys are asked for. A local copy that fails its checks is logged and the snapshot is read
-from the object store as usual.
+that file — a restart on the same node serves at once, reading blocks as keys are asked for. With
+``cold_delta`` too, the deltas after it are not read into memory either: each is opened as a run
+over its local copy (a ``file://`` root's own file, the cache folder's copy of an ``s3://`` one; a
+delta without one is downloaded once into the cache folder, then opened), and the store comes back
+as a ``ColdStack`` of those runs over the snapshot run with nothing in its hot part — a load reads
+headers and footers only. More than ``max_runs`` runs, or a delta that cannot be opened as a run,
+and the deltas are read into the hot part as before. A local copy that fails its checks is logged
+and the file is read from the object store as usual.
 
 A state with no snapshot and no delta but a recipe (``files.rescale``: the first state of a partition
 after the operator's partition count changed) is assembled from the recipe's key-group ranges of the
@@ -33,7 +38,8 @@ from typing import TYPE_CHECKING
 from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, VersionedStore
 from statestore_async.engine.table import Table, load_records
 from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
-from statestore_async.files.checkpoint import FileHeader, Record, block_bytes_for, encode_snapshot
+from statestore_async.files.checkpoint import FileHeader, Record, block_bytes_for, encode_snapshot, read_checkpoint
+from statestore_async.files.coldrun import ColdRun, ColdStack
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.rescale import Recipe, read_key_groups, read_recipe
 from statestore_async.files.transfer import ReadStats, create_checkpoint_file, read_checkpoint_file
@@ -65,6 +71,10 @@ class LoadReport:
     # the bytes of the snapshot written for it
     rescaled_from: list[tuple[int, CheckpointRef]] | None = None
     snapshot_written: int = 0
+    # deltas opened as runs over local copies (not read into memory), and of them those downloaded
+    # into the cache folder first
+    delta_runs: list[str] = field(default_factory=list)
+    downloaded: list[str] = field(default_factory=list)
 
 
 async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str,
@@ -77,6 +87,9 @@ async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
 
 
 OpenCold = Callable[[CheckpointRef], "ColdLevel | None"]
+# a run over the local copy of the delta of a state (None: no local copy, or it failed its checks)
+OpenColdDelta = Callable[[CheckpointRef], "ColdRun | None"]
+Pending = list[tuple[CheckpointRef, "list[Record] | ColdRun"]]
 ReadFile = Callable[["ObjectStore", StoreId, CheckpointRef, str, LoadReport],
                     Awaitable[tuple[FileHeader, list[Record]]]]
 
@@ -95,12 +108,39 @@ def key_group_reader(first_kg: int, last_kg: int) -> ReadFile:
     return read
 
 
+async def _delta(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, report: LoadReport,
+                 read: ReadFile, open_run: OpenColdDelta | None) -> tuple[FileHeader, list[Record] | ColdRun]:
+    """The delta of ``ref``: a run over its local copy when ``open_run`` opens one (downloading it
+    into the object store's cache folder first when it has one and no copy), else its records."""
+    if open_run is not None:
+        run = open_run(ref)
+        if run is None and hasattr(objstore, "cached_keys"):  # a cache folder: one GET keeps a copy
+            key = file_key(store_id, ref, DELTA)
+            try:
+                data = await objstore.get(key)
+            except ObjectNotFoundError:
+                report.missing.append(key)
+                raise
+            report.files_read.append(key)
+            report.bytes_read += len(data)
+            run = open_run(ref)
+            if run is None:  # the cache could not keep it: read what was downloaded
+                f = await asyncio.to_thread(read_checkpoint, data, key, expect=(store_id, ref, DELTA))
+                return f.header, f.records
+            report.downloaded.append(key)
+        if run is not None:
+            report.delta_runs.append(run.path)
+            return run.header, run
+    return await read(objstore, store_id, ref, DELTA, report)
+
+
 async def _chain(
     objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, report: LoadReport, max_depth: int,
-    cold: OpenCold | None = None, read: ReadFile = read_file,
-) -> tuple[CheckpointRef, list[Record] | ColdLevel, list[tuple[CheckpointRef, list[Record]]]]:
-    """(base snapshot ref or EMPTY, its records or a cold level over it, [(delta ref, records)] oldest first)."""
-    pending: list[tuple[CheckpointRef, list[Record]]] = []
+    cold: OpenCold | None = None, read: ReadFile = read_file, cold_delta: OpenColdDelta | None = None,
+) -> tuple[CheckpointRef, list[Record] | ColdLevel, Pending]:
+    """(base snapshot ref or EMPTY, its records or a cold level over it, [(delta ref, records or a
+    run over its local copy)] oldest first)."""
+    pending: Pending = []
     current = ref
     depth = 0
     while True:
@@ -125,7 +165,7 @@ async def _chain(
             log.warning("store %s: snapshot %s is damaged (%s): loading %s from its delta and the states "
                         "before it instead", store_id, exc.name, exc.reason, current)
         try:
-            header, records = await read(objstore, store_id, current, DELTA, report)
+            header, delta = await _delta(objstore, store_id, current, report, read, cold_delta)
         except ObjectNotFoundError:
             delta_key = file_key(store_id, current, DELTA)
             if damaged is not None:  # nothing replaces the damaged snapshot: the damage is the error
@@ -138,7 +178,7 @@ async def _chain(
                 ) from None
             raise LineageError(f"store {store_id}: lineage of {ref} needs {current}, which has no file "
                                f"(neither {file_key(store_id, current, SNAPSHOT)} nor {delta_key})") from None
-        pending.append((current, records))
+        pending.append((current, delta))
         lineage = header.lineage
         if not lineage or lineage[0].version != current.version - 1:
             raise LineageError(f"store {store_id}: delta {file_key(store_id, current, DELTA)} has a broken "
@@ -148,7 +188,7 @@ async def _chain(
         middle = list(lineage[:-1])
         if middle:
             results = await asyncio.gather(
-                *(read(objstore, store_id, r, DELTA, report) for r in middle), return_exceptions=True
+                *(_delta(objstore, store_id, r, report, read, cold_delta) for r in middle), return_exceptions=True
             )
             for i, (r, res) in enumerate(zip(middle, results)):
                 if isinstance(res, ObjectNotFoundError):
@@ -168,15 +208,24 @@ async def _chain(
 
 
 def _in_order(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef,
-              deltas: list[tuple[CheckpointRef, list[Record]]]) -> Iterator[tuple[CheckpointRef, list[Record]]]:
+              deltas: Pending) -> Iterator[tuple[CheckpointRef, list[Record]]]:
     """The deltas of ``ref``'s load after ``base``, each checked to follow the one before
-    (``LineageError`` naming the gap otherwise)."""
+    (``LineageError`` naming the gap otherwise); a delta opened as a run is read here (and closed)."""
     expect_version = base.version
     for r, records in deltas:
         expect_version += 1
         if r.version != expect_version:
             raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
+        if isinstance(records, ColdRun):
+            run, records = records, records.all_entries()
+            run.close()
         yield r, records
+
+
+def _close_runs(deltas: Pending) -> None:
+    for _r, records in deltas:
+        if isinstance(records, ColdRun):
+            records.close()
 
 
 async def load_store(
@@ -187,22 +236,31 @@ async def load_store(
     history: int = DEFAULT_HISTORY,
     max_depth: int = 10000,
     cold: OpenCold | None = None,
+    cold_delta: OpenColdDelta | None = None,
+    max_runs: int = 16,
 ) -> tuple[VersionedStore, LoadReport]:
     """Rebuild ``ref`` of ``store_id`` from files alone. Returns the store and what was read.
 
-    ``cold(snapshot ref)`` may open a cold level over a local copy of that snapshot (None: read it)."""
+    ``cold(snapshot ref)`` may open a cold level over a local copy of that snapshot (None: read it);
+    ``cold_delta(delta ref)`` a run over a local copy of a delta, so that a store over a cold level
+    comes back as a stack of at most ``max_runs`` runs (see the module doc)."""
     report = LoadReport(ref)
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
     try:
-        base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth, cold)
+        base, base_records, deltas = await _chain(objstore, store_id, ref, report, max_depth, cold,
+                                                  cold_delta=cold_delta if cold is not None else None)
     except VersionNotFoundError:
         recipe = await read_recipe(objstore, store_id, ref)  # the first state of a rescaled partition?
         if recipe is None:
             raise
         return await _assemble(objstore, store_id, ref, recipe, report, history, max_depth), report
-    if not isinstance(base_records, list):
-        return _over_cold(store_id, ref, base, base_records, deltas, report, history), report
+    try:
+        if not isinstance(base_records, list):
+            return _over_cold(store_id, ref, base, base_records, deltas, report, history, max_runs), report
+    except BaseException:
+        _close_runs(deltas)
+        raise
     data = Table()
     load_records(data, base_records)  # a snapshot's records: no tombstones
     if base.version:
@@ -249,16 +307,28 @@ async def _assemble(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
 
 
 def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level: ColdLevel,
-               deltas: list[tuple[CheckpointRef, list[Record]]], report: LoadReport, history: int) -> VersionedStore:
-    """The store at ``ref``: spilled onto ``level`` (the snapshot of ``base``), the deltas after it in memory."""
+               deltas: Pending, report: LoadReport, history: int, max_runs: int) -> VersionedStore:
+    """The store at ``ref``: spilled onto ``level`` (the snapshot of ``base``), the deltas after it
+    stacked over it as runs when all were opened as runs and they fit ``max_runs``, else in memory."""
     report.snapshot = base
     report.cold = getattr(level, "path", repr(level))
+    lineage = tuple(reversed([base] + [r for r, _ in deltas[:-1]])) if deltas else ()
+    runs = [records for _r, records in deltas if isinstance(records, ColdRun)]
+    if deltas and len(runs) == len(deltas) and len(runs) + 1 <= max_runs and isinstance(level, ColdRun):
+        for _r in _in_order(store_id, ref, base, [(r, []) for r, _ in deltas]):
+            pass  # the lineage checked: every delta follows the one before
+        report.deltas = [r for r, _ in deltas]
+        stack = ColdStack.over(list(reversed(runs)), level)  # newest first
+        store = VersionedStore.over_cold(store_id, stack, Table(), ref, lineage, history=history, snapshot=base)
+        store.mark_snapshot(base)
+        report.records = len(level)  # an estimate: the deltas add and remove
+        return store
+    report.delta_runs = []
     changes = Table()
     for r, records in _in_order(store_id, ref, base, deltas):
         for k, v in records:
             changes.put(k, v)  # the newest change of each key; a tombstone stays one
         report.deltas.append(r)
-    lineage = tuple(reversed([base] + [r for r, _ in deltas[:-1]])) if deltas else ()
     store = VersionedStore.over_cold(store_id, level, changes, ref, lineage, history=history)
     store.mark_snapshot(base)
     report.records = len(level) + len(changes)  # an estimate: the deltas' keys may be in the snapshot
