@@ -13,6 +13,9 @@ Figure: input rows / ``durationMs.triggerExecution``, median of the measured bat
   ours vectorized  StatefulOperator + examples.VectorizedCountSum (numpy per partition)
   ours … pre-agg   StatefulOperator(pre_aggregate=[count, sum]) + examples.PreAggregatedCountSum: the
                    JVM combines each key's rows of the batch before they cross to Python
+  ours … sink job  ``ours-pre-none`` / ``ours-vec-none``: the same with ``materialize="none"`` (the
+                   sink's write runs the stateful stage: one Spark job per batch, not a local
+                   checkpoint and then the sink's job)
   P1 hdfs          Spark groupBy(key).agg(count, sum), HDFSBackedStateStoreProvider (default)
   P1 rocksdb+cl    the same, RocksDBStateStoreProvider with changelog checkpointing
   P2 pandas        applyInPandasWithState (RocksDB), on ``--p2-rows`` rows per batch (it is slow)
@@ -147,7 +150,7 @@ def raw_state_bytes(root: str, operator_id: str) -> int:
 DAEMON_ARGS: list[str] = []  # extra daemon settings for our peers (--memory-budget)
 
 
-def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
+def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None, materialize="auto"):
     from statestore_async.spark import StatefulOperator, load_state, placement
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
@@ -156,7 +159,7 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None):
     root = os.path.join(work, "state")
     try:
         op = StatefulOperator("file://" + root, "w", ["key"], processor, OUT, 2, 4096, socket_path=sock,
-                              fence_timeout=120, pre_aggregate=pre_aggregate)
+                              fence_timeout=120, pre_aggregate=pre_aggregate, materialize=materialize)
         sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
         prog = run_query(spark, src, os.path.join(work, "ckpt"),
                          lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
@@ -381,6 +384,7 @@ def main() -> int:
     from statestore_async.spark.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum
 
     wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
+              "ours-vec-none": "ours vectorized, sink job", "ours-pre-none": "ours vectorized + JVM pre-agg, sink job",
               "p1": "P1 hdfs (default)", "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
               "p4": "P4 redis pre-aggregated", "floor-vec": "Spark floor, vectorized input (no state)",
               "floor-pre": "Spark floor, pre-aggregated input (no state)",
@@ -404,6 +408,11 @@ def main() -> int:
             "ours vectorized": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout),
             "ours vectorized + JVM pre-agg": lambda d: ours(spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
                                                             [F.count("*").alias("n"), F.sum("value").alias("s")]),
+            "ours vectorized, sink job": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout,
+                                                        materialize="none"),
+            "ours vectorized + JVM pre-agg, sink job": lambda d: ours(
+                spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
+                [F.count("*").alias("n"), F.sum("value").alias("s")], materialize="none"),
             "P1 hdfs (default)": lambda d: p1(spark, src, d, oracle, a.timeout, False),
             "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
             "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),
@@ -462,7 +471,9 @@ def main() -> int:
                   f"| {rs / ref2 if ref2 else 0:.1f} | {r.get('batch_ms', 0):,.0f} | "
                   f"{'-' if cm is None else f'{cm:,.0f}'} | {ckpt} | {r.get('correct', r.get('error'))} |")
     split_of = {"ours vectorized + JVM pre-agg": "Spark floor, pre-aggregated input (no state)",
-                "ours vectorized": "Spark floor, vectorized input (no state)"}
+                "ours vectorized + JVM pre-agg, sink job": "Spark floor, pre-aggregated input (no state)",
+                "ours vectorized": "Spark floor, vectorized input (no state)",
+                "ours vectorized, sink job": "Spark floor, vectorized input (no state)"}
     for K in keys:
         by = {r["peer"]: r for r in results if r["K"] == K}
         for ours_name, floor_name in split_of.items():

@@ -29,7 +29,9 @@ steps, one method each:
 3. materialize (``_materialize``, which runs the job): the output is computed once (a local
    checkpoint of its blocks, ``persist`` + a ``noop`` write, or a parquet folder when
    ``output_path`` is set: ``MATERIALIZERS``, ``materialize_parquet``), so the sink cannot re-run
-   the stateful stage;
+   the stateful stage; with ``materialize="none"`` nothing is kept: the sink's own action runs the
+   job, here, before steps 4–6 (``_compute_in_sink``: one job per batch instead of two); without a
+   sink the job is a ``noop`` write (``run_unkept``);
 4. the reports (``_collect_reports``): the checkpoint each partition with rows committed;
 5. the driver's fence (``_fence``): every reported delta file must exist in the object store (HEAD,
    not the report; after a rescale, every assembled state's snapshot too); after ``fence_timeout``
@@ -39,7 +41,8 @@ steps, one method each:
 6. commit (``_commit``): the owner is checked again, then ``_commits/<b+1>.json`` is written
    (replacing the one of an earlier attempt of ``b``), with the watermark the batch used and the
    max event time seen so far (``_event_time``), from which batch ``b+1`` computes its own;
-7. ``sink(output_df, b)`` runs; then foreachBatch returns and Spark records the batch.
+7. ``sink(output_df, b)`` runs (unless it ran in step 3); then foreachBatch returns and Spark records
+   the batch.
 
 A crash anywhere before step 7 ends makes Spark replay ``b``: the replay reads the same manifest
 ``b``, writes new checkpoint ids and a new manifest ``b+1``: state is exactly-once; the sink is
@@ -121,7 +124,7 @@ T = TypeVar("T")
 Sink = Callable[["DataFrame", int], object]  # the user's sink: sink(output_df, batch_id)
 LAYOUT = "statestore_async.spark/1"
 FENCE_FAST_SECONDS = 3.0  # the fence checks for the batch's files every <= 50 ms this long, then every <= 0.5 s
-MATERIALIZE = ("auto", "checkpoint", "cache")  # how the output waits for the sink (see StatefulOperator)
+MATERIALIZE = ("auto", "checkpoint", "cache", "none")  # how the output waits for the sink (see StatefulOperator)
 # the local property Spark sets on the thread that runs a streaming query's batch: the query's id
 # (``query.id``), kept in its checkpoint location, so the same across restarts of the query
 QUERY_ID_PROPERTY = "sql.streaming.queryId"
@@ -137,6 +140,10 @@ class FenceTimeoutError(VersionError):
 
 class DuplicateReportError(VersionError):
     """Two committed attempts reported for one partition of one batch (should never happen)."""
+
+
+class OutputReadError(InterfaceError):
+    """With ``materialize="none"`` the sink did not read the batch's whole output exactly once."""
 
 
 def _reports_param() -> AccumulatorParam[list[TaskReport]]:
@@ -233,6 +240,13 @@ def materialize_parquet(out: DataFrame, spark: SparkSession, folder: str, schema
     return Materialized(spark.read.schema(schema).parquet(folder), lambda: _remove_local_folder(folder))
 
 
+def run_unkept(out: DataFrame) -> Materialized:
+    """Run the job and keep nothing (a ``noop`` write): for a batch without a sink, whose output no
+    one reads, and for a ``materialize="none"`` sink that read none of it."""
+    out.write.format("noop").mode("overwrite").save()
+    return Materialized(out, lambda: None)
+
+
 # how the output waits for the sink, by ``StatefulOperator.materialize_mode`` (with ``output_path``: parquet)
 MATERIALIZERS: dict[str, Callable[[DataFrame], Materialized]] = {
     "checkpoint": materialize_checkpoint,
@@ -254,7 +268,8 @@ class BatchProgress:
 
     batch_id: int = -1
     plan: float = 0.0      # reading the manifest and building the plan, before Spark runs anything
-    compute: float = 0.0   # from the start to the output's materialization (plan included)
+    compute: float = 0.0   # from the start to the output's materialization (plan included; materialize "none": to
+    #                        the end of the sink, whose action runs the job, and ``sink`` is the sink's part of it)
     fence: float = 0.0
     manifest: float = 0.0
     sink: float = 0.0
@@ -292,7 +307,11 @@ class StatefulOperator:
     replays it; state stays exactly-once); ``"cache"`` — ``persist(MEMORY_AND_DISK)``, whose lost
     blocks Spark recomputes by running the stateful stage again (that run's commit is in no
     manifest); ``"auto"`` (default) — ``"checkpoint"`` in local mode (an executor is lost only with
-    the driver), ``"cache"`` on a cluster.
+    the driver), ``"cache"`` on a cluster; ``"none"`` — nothing is kept: the sink's one action on
+    the output runs the stateful stage (one Spark job per batch instead of two; the sink must read
+    the whole output exactly once, else ``OutputReadError``), and the sink runs *before* the
+    batch's state is fenced and its manifest written (``_compute_in_sink``). Without a sink the
+    stage runs as a ``noop`` write whatever the mode.
     ``takeover``: one writer per state — the first streaming query that runs a batch owns the
     operator's state (its ``query.id``, recorded under ``<root>/<operator>/_owner/``; restarts of
     that query keep it); any other query is refused with ``OwnerConflictError`` before it writes
@@ -340,6 +359,9 @@ class StatefulOperator:
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
         if materialize not in MATERIALIZE:
             raise InterfaceError(f"materialize must be one of {', '.join(MATERIALIZE)}, got {materialize!r}")
+        if materialize == "none" and output_path:
+            raise InterfaceError("output_path keeps the output in parquet files for the sink; materialize='none' keeps "
+                                 "nothing (the sink's action computes it): give one or the other")
         if isinstance(key_columns, str):
             key_columns = [key_columns]
         if not key_columns:
@@ -470,7 +492,8 @@ class StatefulOperator:
 
         The steps of the module docstring: ``_plan`` (with ``_claim``), ``_compute`` (``_run_tasks``,
         ``_materialize`` — the Spark job runs here —, ``_collect_reports``, ``_fence``), ``_commit``,
-        the sink, then ``_observe`` and ``_record``. An exception anywhere before the sink returns
+        the sink, then ``_observe`` and ``_record``; with ``materialize="none"`` the sink runs
+        inside ``_compute_in_sink``, before the fence. An exception anywhere before the sink returns
         leaves manifest ``batch_id + 1`` unwritten or replaceable: Spark replays the batch from the
         same manifest.
         """
@@ -480,18 +503,23 @@ class StatefulOperator:
         plan = self._plan(df, batch_id, streaming_query_id(spark))
         prog.plan = time.perf_counter() - t0
         try:
-            output, reports, refs = self._compute(plan, spark, prog, t0)
+            output: Materialized | None = None
+            if sink is not None and self.materialize == "none":
+                reports, refs = self._compute_in_sink(plan, spark, prog, t0, sink)
+            else:
+                output, reports, refs = self._compute(plan, spark, prog, t0, keep=sink is not None)
             try:
                 event_time = self._event_time(plan, prog)
                 with _timed(prog, "manifest"):
                     self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)),
                                  event_time)
                 fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
-                with _timed(prog, "sink"):
-                    if sink is not None:
+                if output is not None and sink is not None:
+                    with _timed(prog, "sink"):
                         sink(output.result, batch_id)
             finally:
-                output.release()
+                if output is not None:
+                    output.release()
         finally:
             if plan.initial is not None:
                 plan.initial.release()
@@ -681,18 +709,19 @@ class StatefulOperator:
         return with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
                             columns=[*self.key_columns, *values]), values
 
-    def _compute(self, plan: BatchPlan, spark: SparkSession, prog: BatchProgress,
-                 t0: float) -> tuple[Materialized, list[TaskReport], dict[int, CheckpointRef]]:
-        """Steps 2 to 5: run the stateful stage (``_run_tasks``, ``_materialize``), collect the
-        reports and fence them; returns the output (the caller must ``release()`` it), the reports
-        and the committed checkpoints. A fence that times out means a daemon died before uploading
-        what a task had committed on it: the stage runs again from the same manifest, with fresh
-        checkpoint ids (the lost ones are in no manifest), up to ``daemon_retries`` times."""
+    def _compute(self, plan: BatchPlan, spark: SparkSession, prog: BatchProgress, t0: float,
+                 keep: bool = True) -> tuple[Materialized, list[TaskReport], dict[int, CheckpointRef]]:
+        """Steps 2 to 5: run the stateful stage (``_run_tasks``, ``_materialize``; ``keep`` False: no
+        sink will read the output, the stage runs as a ``noop`` write), collect the reports and fence
+        them; returns the output (the caller must ``release()`` it), the reports and the committed
+        checkpoints. A fence that times out means a daemon died before uploading what a task had
+        committed on it: the stage runs again from the same manifest, with fresh checkpoint ids (the
+        lost ones are in no manifest), up to ``daemon_retries`` times."""
         for run in range(self.daemon_retries + 1):
             prog.reruns = run
             prog.tasks, prog.locations = {}, {}
-            out, acc = self._run_tasks(plan, spark)
-            output = self._materialize(out, spark, plan.batch_id)
+            out, acc, _ = self._run_tasks(plan, spark)
+            output = self._materialize(out, spark, plan.batch_id) if keep else run_unkept(out)
             prog.compute = time.perf_counter() - t0
             try:
                 reports: list[TaskReport] = acc.value
@@ -713,21 +742,61 @@ class StatefulOperator:
             return output, reports, refs
         raise AssertionError("unreachable: the last run returns or raises")
 
-    def _run_tasks(self, plan: BatchPlan, spark: SparkSession) -> tuple[DataFrame, Accumulator]:
+    def _compute_in_sink(self, plan: BatchPlan, spark: SparkSession, prog: BatchProgress, t0: float,
+                         sink: Sink) -> tuple[list[TaskReport], dict[int, CheckpointRef]]:
+        """Steps 2 to 5 with ``materialize="none"``: the sink gets the stateful stage's output
+        unmaterialized, and its action runs the stage (one job: no copy of the output is kept, no
+        second job reads it); a sink that read none of it is followed by a ``noop`` write. Then every
+        partition's task must have run to its end exactly once (``OutputReadError`` otherwise: the
+        batch fails, nothing is committed), and the reports are collected and fenced. The sink
+        therefore runs before the state is committed: a fence that times out fails the batch, for
+        Spark to replay it (the sink is called again for the batch), instead of running the stage
+        again here. ``prog.compute`` includes the sink, and ``prog.sink`` is its part of it."""
+        prog.tasks, prog.locations = {}, {}
+        out, acc, finished = self._run_tasks(plan, spark, track=True)
+        assert finished is not None
+        with _timed(prog, "sink"):
+            sink(out, plan.batch_id)
+        if not finished.value and not acc.value:
+            run_unkept(out)
+        prog.compute = time.perf_counter() - t0
+        ran = sorted(finished.value)
+        if ran != list(range(self.num_partitions)):
+            twice = sorted({p for p in ran if ran.count(p) > 1})
+            missing = sorted(set(range(self.num_partitions)) - set(ran))
+            raise OutputReadError(
+                f"batch {plan.batch_id} of operator {self.operator_id!r}: with materialize='none' the sink must read "
+                f"the whole output exactly once, with one action (its action computes the state); "
+                + (f"partitions {twice} ran more than once" if twice else f"partitions {missing} were not read to the end")
+                + ". Nothing is committed. Write the DataFrame once in the sink, or use materialize='checkpoint' "
+                "(the output is kept for any number of reads)")
+        reports: list[TaskReport] = acc.value
+        refs = self._collect_reports(reports, prog)
+        fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
+        with _timed(prog, "fence"):
+            self._fence(refs, assembled=plan.base if plan.spec.rescaled else None)
+        return reports, refs
+
+    def _run_tasks(self, plan: BatchPlan, spark: SparkSession, track: bool = False,
+                   ) -> tuple[DataFrame, Accumulator, Accumulator | None]:
         """Step 2: the stateful stage, lazily: one ``mapInArrow`` task per state partition
-        (``runtime.run_partition``), and the accumulator that collects the ``TaskReport`` of every
-        task that committed. Nothing runs until the output is materialized."""
+        (``runtime.run_partition``), the accumulator that collects the ``TaskReport`` of every task
+        that committed, and (``track``) the one where each task adds its partition once it has handed
+        over its last output row. Nothing runs until the output is materialized."""
         acc = spark.sparkContext.accumulator([], _reports_param())
-        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc), self.output_schema)
+        finished = spark.sparkContext.accumulator([], _reports_param()) if track else None
+        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished), self.output_schema)
         if plan.initial is not None:  # handle_initial_state's rows join batch 0's output
             out = out.union(plan.initial.result)
-        return out, acc
+        return out, acc, finished
 
     def _task_fn(self, spec: TaskSpec, acc: Accumulator, run: Callable[..., pa.Table] = run_partition,
+                 finished: Accumulator | None = None,
                  ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
         """The function ``mapInArrow`` runs on an executor: ``run`` (``run_partition``, or
         ``run_initial_state``) on the task's partition (Spark's partition id is the state
-        partition), its report added to ``acc``."""
+        partition), its report added to ``acc``, and its partition to ``finished`` (when given)
+        after its last output row."""
         processor = self.processor
 
         def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -738,6 +807,8 @@ class StatefulOperator:
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
             out = run(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
             yield from out.to_batches(max_chunksize=65536)
+            if finished is not None:
+                finished.add([part])
 
         return task
 
@@ -749,11 +820,19 @@ class StatefulOperator:
         if self.output_path:
             folder = f"{self.output_path.rstrip('/')}/{batch_id}-{uuid.uuid4().hex[:12]}"
             return materialize_parquet(out, spark, folder, self.output_schema)
-        return MATERIALIZERS[self.materialize_mode(spark)](out)
+        return MATERIALIZERS[self._holding_mode(spark)](out)
 
     def materialize_mode(self, spark: SparkSession) -> str:
-        """``"checkpoint"`` or ``"cache"``: ``materialize``, with ``"auto"`` resolved for this session."""
+        """``"checkpoint"`` or ``"cache"`` (or ``"none"``): ``materialize``, with ``"auto"`` resolved
+        for this session."""
         if self.materialize != "auto":
+            return self.materialize
+        return self._holding_mode(spark)
+
+    def _holding_mode(self, spark: SparkSession) -> str:
+        """How an output that must be held is kept: ``materialize``, ``"auto"`` and ``"none"`` (the
+        initial state's output, which joins batch 0's) resolved for this session."""
+        if self.materialize in MATERIALIZERS:
             return self.materialize
         return "checkpoint" if (spark.sparkContext.master or "").startswith("local") else "cache"
 
@@ -968,4 +1047,5 @@ def _remove_local_folder(folder: str) -> None:
         shutil.rmtree(folder.removeprefix("file://").removeprefix("file:"), ignore_errors=True)
 
 
-__all__ = ["BatchProgress", "DuplicateReportError", "FenceTimeoutError", "OperatorConfigError", "StatefulOperator"]
+__all__ = ["BatchProgress", "DuplicateReportError", "FenceTimeoutError", "OperatorConfigError", "OutputReadError",
+           "StatefulOperator"]
