@@ -9,7 +9,7 @@ import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from statestore_async.client.arrow import pair_columns, values_array
@@ -385,11 +385,21 @@ class Client:
 
     def stream(self, encode: Request, *, generation: int) -> Iterator[Any]:
         """Send the request ``encode`` makes; yield the value of each chunk of its streamed answer."""
+        rid = self.send(encode, generation=generation)
+        yield from self.chunks(rid)
+
+    def send(self, encode: Request, *, generation: int) -> int:
+        """Send the request ``encode`` makes now, without waiting: its request id, for ``chunks``.
+        Answers that arrive meanwhile are kept until read."""
         with self._lock:
             self._check_gen(generation)
             proto, _ = self._ensure()
             rid, data = encode(proto)
             self._send(data)
+            return rid
+
+    def chunks(self, rid: int) -> Iterator[Any]:
+        """The value of each chunk of the streamed answer to the request ``rid`` (``send``)."""
         while True:
             with self._lock:
                 ev = self._next(rid)
@@ -506,6 +516,23 @@ class StoreHandle:
             part = checked[i:i + step]
             for chunk in self.client.stream(scan_ranges_request(handle, part, limit), generation=self._gen):
                 yield from chunk
+
+    def start_scan_ranges(self, ranges: Iterable[tuple[bytes, bytes | None]],
+                          limit: int | None = None) -> Callable[[], list[tuple[bytes, bytes]]]:
+        """``scan_ranges`` sent now, read later: its requests go out at once and the function returned
+        collects the answer (the list ``scan_ranges`` would give), so the daemon scans while the
+        caller works. Collect it before sending large requests on this client: the daemon stops
+        reading a connection whose answers wait unread."""
+        checked = check_ranges(ranges)
+        handle = self.handle
+        step = max(1, self.client.limits.max_batch if self.client.limits is not None else len(checked))
+        rids = [self.client.send(scan_ranges_request(handle, checked[i:i + step], limit), generation=self._gen)
+                for i in range(0, len(checked), step)]
+
+        def collect() -> list[tuple[bytes, bytes]]:
+            return [kv for rid in rids for chunk in self.client.chunks(rid) for kv in chunk]
+
+        return collect
 
     def scan_range(self, start: bytes, stop: bytes | None = None, limit: int | None = None) -> list[tuple[bytes, bytes]]:
         """The (key, value) with ``start <= key < stop`` (stop None: no upper bound), at most

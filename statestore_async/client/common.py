@@ -40,6 +40,6 @@ def scan_ranges_request(handle: int, ranges: tuple[tuple[bytes, bytes | None], .
     """The SCAN_RANGES request of ``ranges`` (checked already) for both clients' ``scan_ranges``."""
 
     def encode(p: ClientProtocol) -> Frame:
-        return p.send_scan_ranges(handle, ranges, limit)
+        return p.send_checked_scan_ranges(handle, ranges, limit)
 
     return encode

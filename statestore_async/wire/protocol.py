@@ -799,11 +799,16 @@ class ClientProtocol:
     def send_scan_ranges(self, handle: int, ranges: Iterable[tuple[bytes, bytes | None]],
                          limit: int | None = None) -> tuple[int, bytes]:
         """``ranges``: ascending, disjoint ``(start, stop)`` (``check_ranges``); ``limit`` per range."""
+        return self.send_checked_scan_ranges(handle, check_ranges(ranges), limit)
+
+    def send_checked_scan_ranges(self, handle: int, ranges: tuple[tuple[bytes, bytes | None], ...],
+                                 limit: int | None = None) -> tuple[int, bytes]:
+        """``send_scan_ranges`` of ranges ``check_ranges`` returned already (not checked again: the
+        clients check a call's ranges once, then split them into requests)."""
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit < NO_LIMIT):
             raise InterfaceError(f"limit must be None or an int >= 0, got {limit!r}")
-        checked = check_ranges(ranges)
         return self._request(Op.SCAN_RANGES, _SCAN.pack(handle, NO_LIMIT if limit is None else limit)
-                             + framing.encode_pairs([(a, b or b"") for a, b in checked]))
+                             + framing.encode_pairs([(a, b or b"") for a, b in ranges]))
 
     def send_commit(self, handle: int, ckptid: str | None = None) -> tuple[int, bytes]:
         if ckptid:
