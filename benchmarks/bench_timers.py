@@ -17,9 +17,9 @@ driver's whole batch: plan, the Spark job, fence, manifest, sink), median of ``-
 per case; the difference to "none due" and that difference per due timer; the same for the
 slower task's whole time (``timings["total"]``: grouping, the due-timer scan, reads, the calls,
 writes and the commit; less noisy than the batch, whose Spark part does not depend on timers);
-and the slower task's time in the due-timer scan (the vectorized path: with the write of
-``process``'s changes before it) and in the processor's calls (vectorized: ``process``, both
-calls and the state's encoding).
+and the slower task's time in the due-timer scan (the vectorized path: the wait for the scan sent
+before ``process`` ran, and its merge with ``process``'s timer changes) and in the processor's
+calls (vectorized: ``process``, both calls and the state's encoding).
 
 local[2], 2 state partitions, one daemon on a private socket, the checkpoint on local disk. The
 machine is shared: compare the cases of one run, not figures across runs.

@@ -54,7 +54,7 @@ from statestore_async.spark.processor import (
 )
 from statestore_async.spark.routing import KG_COLUMN
 from statestore_async.spark.timekeys import KIND_OF, TIME_MODES, owned_key_groups, parse_timer_columns, timer_record_columns
-from statestore_async.spark.timework import TaskTime, due_timer_records, stored_timers
+from statestore_async.spark.timework import TaskTime, due_records, start_due_timer_scan, stored_timers
 
 if TYPE_CHECKING:
     from statestore_async.client.clients import Client, StoreHandle
@@ -822,11 +822,14 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
                     ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, dict[str, dict[str, Any]]]:
     """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key.
 
-    With timers (``handle_expired_timers``): ``process``'s changes, its timers' included, are
-    written to the open version first; then one range scan finds the due timers (those ``process``
-    registered at a due time too, not those it deleted), their keys' state is read in one call and
-    ``handle_expired_timers`` runs once; the fired timers' records are removed in the same commit.
-    A batch without rows runs only that part."""
+    With timers (``handle_expired_timers``): the range scan of the due timers the store holds is
+    sent as soon as the rows' keys' state is read, and the daemon runs it while ``process`` runs.
+    The timers that fire are those stored due ones ``process`` did not delete, and those it
+    registered at a due time; their keys' state is the one ``process`` left (read from the store for
+    keys without rows); ``handle_expired_timers`` runs once. Nothing is written before: the changes
+    of ``process``, of the call and the fired timers' removal (but for those the call registered
+    again) are returned together, the later change of a store key winning, for one write and the
+    commit. A batch without rows runs only the timers' part."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
         raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
@@ -834,48 +837,100 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
     check_declarations(spec.declared, states, _where(processor, spec))
     timers = VectorizedTimers(spec.time_mode, uses_vectorized_timers(processor))
     processor.timers, processor.processing_time_ms, processor.watermark_ms = timers, spec.now_ms, spec.watermark_ms
-    outputs: list[pa.Table] = []
-    put_keys: list[pa.Array] = []
-    put_values: list[pa.Array] = []
-    removes: list[pa.Array] = []
     timings["read"] = timings["process"] = 0.0
+    empty = pa.array([], pa.binary())
+    scan: list[Callable[[], pa.Array]] = []
+
+    def start_scan() -> None:
+        scan.append(start_due_timer_scan(handle, owned_key_groups(partition, spec.num_partitions, spec.num_key_groups),
+                                         spec.now_ms, spec.watermark_ms))
+
+    outputs: list[pa.Table] = []
+    handled, puts, gone = empty, (empty, empty), None
     if keys_table.num_rows:
         if timers.enabled:
             timers._bind(arrowcodec.encode_tuples(keys_table.columns, key=True), kgs)
             timers._load = _timer_loader(handle, spec.num_key_groups)
-        out, puts, gone = _vectorized_call(processor, processor.process, schema, spec, keys_table, kgs, handle, timings,
-                                           (rows, offsets))
+        try:
+            out, puts, gone, handled = _vectorized_call(processor, processor.process, schema, spec, keys_table, kgs,
+                                                        handle, timings, (rows, offsets),
+                                                        after_read=start_scan if timers.enabled else None)
+        except BaseException:
+            _drain(scan)
+            raise
         outputs.append(out)
-        put_keys.append(puts[0])
-        put_values.append(puts[1])
-        if gone is not None:
-            removes.append(gone)
-    if timers.enabled:
-        t = time.perf_counter()
-        tp, tr = timers._changes()
-        # the rows' changes go in first: the scan of due timers and the timers' state read see them
-        write_all(handle, (pa.concat_arrays([*put_keys, tp]), pa.concat_arrays([*put_values, _empties(len(tp))])),
-                  pa.concat_arrays([*removes, tr]))
-        put_keys, put_values, removes = [], [], []
-        due = due_timer_records(handle, owned_key_groups(partition, spec.num_partitions, spec.num_key_groups),
-                                spec.now_ms, spec.watermark_ms)
-        timings["time_scan"] = time.perf_counter() - t
-        timings["timers_fired"] = len(due)
-        if len(due):
-            out, puts, gone, fired = _fire_vectorized(processor, schema, spec, keys_table, due, timers, handle, timings)
-            outputs.append(out)
-            tp, tr = timers._changes()
-            # a fired timer is deleted before its call: one its call registers again stays
-            fired = fired.filter(pc.invert(pc.is_in(fired, value_set=tp)))
-            put_keys += [puts[0], tp]
-            put_values += [puts[1], _empties(len(tp))]
-            removes += [r for r in (gone, tr, fired) if r is not None]
+    if not timers.enabled:
+        return _vectorized_result(outputs, spec, [puts[0]], [puts[1]], [gone] if gone is not None else [], states)
+    t = time.perf_counter()
+    if not scan:
+        start_scan()
+    tp, tr = timers._changes()
+    due = _due_timers(scan[0](), tp, tr, spec.now_ms, spec.watermark_ms)
+    timings["time_scan"] = time.perf_counter() - t
+    timings["timers_fired"] = len(due)
+    put_keys, put_values = pa.concat_arrays([puts[0], tp]), pa.concat_arrays([puts[1], _empties(len(tp))])
+    removes = pa.concat_arrays([gone, tr]) if gone is not None else tr
+    if len(due):
+        timers._load = _overlay_loader(handle, spec.num_key_groups, tp, tr)
+        out, puts2, gone2, fired = _fire_vectorized(processor, schema, spec, keys_table, due, timers, handle, timings,
+                                                    (handled, puts[0], puts[1]))
+        outputs.append(out)
+        tp2, tr2 = timers._changes()
+        # a fired timer is deleted before its call: one its call registers again stays
+        if len(tp2):
+            fired = fired.filter(pc.invert(pc.is_in(fired, value_set=tp2)))
+        later_keys, later_values = pa.concat_arrays([puts2[0], tp2]), pa.concat_arrays([puts2[1], _empties(len(tp2))])
+        later_removes = pa.concat_arrays([r for r in (gone2, tr2, fired) if r is not None])
+        put_keys, put_values, removes = _later_wins(put_keys, put_values, removes, later_keys, later_removes)
+        put_keys, put_values = pa.concat_arrays([put_keys, later_keys]), pa.concat_arrays([put_values, later_values])
+        removes = pa.concat_arrays([removes, later_removes])
     timers._unbind()
+    return _vectorized_result(outputs, spec, [put_keys], [put_values], [removes], states)
+
+
+def _vectorized_result(outputs: list[pa.Table], spec: TaskSpec, put_keys: list[pa.Array], put_values: list[pa.Array],
+                       removes: list[pa.Array], states: dict[str, dict[str, Any]],
+                       ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, dict[str, dict[str, Any]]]:
     output = pa.concat_tables(outputs) if len(outputs) > 1 else (outputs[0] if outputs else
                                                                 spec.output_schema.empty_table())
-    empty = pa.array([], pa.binary())
-    return (output, (_concat(put_keys) if put_keys else empty, _concat(put_values) if put_values else empty),
-            _concat(removes) if removes else None, states)
+    return output, (_concat(put_keys), _concat(put_values)), _concat(removes) if removes else None, states
+
+
+def _drain(scan: list[Callable[[], pa.Array]]) -> None:
+    """Read the answer of a scan sent and no longer wanted (its task failed), when the connection
+    still stands, so that the shared client keeps nothing of it."""
+    for collect in scan:
+        with contextlib.suppress(Exception):
+            collect()
+
+
+def _due_timers(stored: pa.Array, registered: pa.Array, deleted: pa.Array, now_ms: int,
+                watermark_ms: int | None) -> pa.Array:
+    """The by-time records of the timers due in this batch, in store order: the ``stored`` due ones
+    not ``deleted`` this batch and those ``registered`` this batch at a due time (``registered`` and
+    ``deleted``: timer records of both indexes, as ``VectorizedTimers._changes`` gives them)."""
+    if len(stored) and len(deleted):
+        stored = stored.filter(pc.invert(pc.is_in(stored, value_set=deleted.cast(pa.binary()))))
+    new = due_records(registered, now_ms, watermark_ms)
+    if not len(new):
+        return stored
+    if len(stored):
+        new = new.filter(pc.invert(pc.is_in(new, value_set=stored)))
+    merged = pa.concat_arrays([stored, new])
+    return merged.take(pc.sort_indices(merged))
+
+
+def _later_wins(put_keys: pa.Array, put_values: pa.Array, removes: pa.Array, later_puts: pa.Array,
+                later_removes: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
+    """The earlier puts and removals without the keys a later put or removal changes again (so
+    that, all written at once, every key ends as its last change left it)."""
+    later = pa.concat_arrays([later_puts, later_removes])
+    if len(later) and len(put_keys):
+        keep = pc.invert(pc.is_in(put_keys, value_set=later))
+        put_keys, put_values = put_keys.filter(keep), put_values.filter(keep)
+    if len(later_puts) and len(removes):
+        removes = removes.filter(pc.invert(pc.is_in(removes, value_set=later_puts)))
+    return put_keys, put_values, removes
 
 
 def _empties(n: int) -> pa.Array:
@@ -888,16 +943,48 @@ def _timer_loader(handle: StoreHandle, num_key_groups: int) -> Callable[[pa.Arra
     return lambda enc, kgs: stored_timers(handle, prefixes, enc.to_pylist(), kgs.tolist())
 
 
+def _overlay_loader(handle: StoreHandle, num_key_groups: int, registered: pa.Array,
+                    deleted: pa.Array) -> Callable[[pa.Array, np.ndarray], list[tuple[int, str, int]]]:
+    """``_timer_loader`` as the store would answer with the timers ``registered`` and ``deleted``
+    (records of both indexes) written: what ``VectorizedTimers.list`` sees during
+    ``handle_expired_timers``, while those changes are not written yet."""
+    stored = _timer_loader(handle, num_key_groups)
+
+    def load(enc: pa.Array, kgs: np.ndarray) -> list[tuple[int, str, int]]:
+        have = set(stored(enc, kgs))
+        where = {e: i for i, e in enumerate(enc.to_pylist())}
+        for records, on in ((deleted, False), (registered, True)):
+            at_records = due_records(records, _NO_LIMIT_MS, _NO_LIMIT_MS)  # every by-time record of them
+            if not len(at_records):
+                continue
+            _, kinds, at, keys = parse_timer_columns(at_records)
+            for e, kb, a in zip(keys.to_pylist(), kinds.tolist(), at.tolist()):
+                i = where.get(e)
+                if i is not None:
+                    (have.add if on else have.discard)((i, KIND_OF[kb], a))
+        return sorted(have)
+
+    return load
+
+
+_NO_LIMIT_MS = (1 << 63) - 1  # the latest time a timer can have
+
+
 def _vectorized_call(processor: VectorizedProcessor, fn: Callable[..., Any], schema: pa.Schema, spec: TaskSpec,
                      keys_table: pa.Table, kgs: np.ndarray, handle: StoreHandle, timings: dict[str, float],
-                     args: tuple[Any, ...]) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None]:
-    """Read the state of ``keys_table``'s keys (one call), ``fn(keys, *args, state, exists)``, and the
-    state changes and the output it gives."""
+                     args: tuple[Any, ...], known: tuple[pa.Array, pa.Array, pa.Array] | None = None,
+                     after_read: Callable[[], None] | None = None,
+                     ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, pa.Array]:
+    """Read the state of ``keys_table``'s keys (one call; ``known``: see ``_read_state``), call
+    ``after_read``, then ``fn(keys, *args, state, exists)``; the output, the state changes it gives
+    (puts, removals) and the keys' store keys."""
     n = keys_table.num_rows
     skeys = arrowcodec.encode_tuples(keys_table.columns, key_groups=kgs, head=(processor.state_name,), key=True)
     t = time.perf_counter()
-    raw = handle.get_many_arrow(skeys)
+    raw = _read_state(handle, skeys, known)
     timings["read"] += time.perf_counter() - t
+    if after_read is not None:
+        after_read()
     exists = raw.is_valid().to_numpy(zero_copy_only=False)
     state = arrowcodec.decode_tuples(raw, schema)
     t = time.perf_counter()
@@ -917,15 +1004,35 @@ def _vectorized_call(processor: VectorizedProcessor, fn: Callable[..., Any], sch
         removes = skeys.filter(pc.and_(pc.invert(valid), pa.array(exists)))
     output = _vectorized_output(output, spec.output_schema)
     timings["process"] += time.perf_counter() - t
-    return output, puts, removes
+    return output, puts, removes, skeys
+
+
+def _read_state(handle: StoreHandle, skeys: pa.Array, known: tuple[pa.Array, pa.Array, pa.Array] | None) -> pa.Array:
+    """The stored values of ``skeys`` (null: none), where ``known = (handled, put keys, put values)``
+    overrides the store: a key of ``handled`` has the value put for it, or none (it was removed or
+    never had one); only the others are read from the store (one call)."""
+    if known is None or not len(known[0]):
+        return handle.get_many_arrow(skeys)
+    handled, put_keys, put_values = known
+    mine = pc.is_in(skeys, value_set=handled)
+    if not pc.any(mine).as_py():
+        return handle.get_many_arrow(skeys)
+    ours = put_values.cast(pa.binary()).take(pc.index_in(skeys, value_set=put_keys))
+    rest = pc.invert(mine)
+    if not pc.any(rest).as_py():
+        return ours
+    stored = handle.get_many_arrow(skeys.filter(rest))
+    return pc.replace_with_mask(ours, rest, stored.cast(pa.binary()))
 
 
 def _fire_vectorized(processor: VectorizedProcessor, schema: pa.Schema, spec: TaskSpec, batch_keys: pa.Table,
                      due: pa.Array, timers: VectorizedTimers, handle: StoreHandle, timings: dict[str, float],
+                     known: tuple[pa.Array, pa.Array, pa.Array] | None = None,
                      ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, pa.Array]:
     """``handle_expired_timers`` of the due timers (``due``: their by-time records, in store order):
-    the timers table in firing order (time, kind, key group, key), the distinct keys, their state.
-    Returns the call's output and state changes, and the fired timers' records to remove."""
+    the timers table in firing order (time, kind, key group, key), the distinct keys, their state
+    (``known``: the state ``process`` left, see ``_read_state``). Returns the call's output and
+    state changes, and the fired timers' records (both indexes) to remove."""
     kg, kinds, at, enc = parse_timer_columns(due)
     order = np.lexsort((kg, kinds, at))  # stable: ties keep the store's order (by key)
     kg, kinds, at = kg[order], kinds[order], at[order]
@@ -943,8 +1050,8 @@ def _fire_vectorized(processor: VectorizedProcessor, schema: pa.Schema, spec: Ta
         "at_ms", pa.array(at, pa.int64())).append_column("kind", pa.array(kind_names[kinds].tolist(), pa.string()))
     timers._bind(distinct, key_kgs)
     fired = pa.concat_arrays(list(timer_record_columns(kg, kinds, at, enc)))
-    out, puts, removes = _vectorized_call(processor, processor.handle_expired_timers, schema, spec, keys_table, key_kgs,
-                                          handle, timings, (timers_table,))
+    out, puts, removes, _ = _vectorized_call(processor, processor.handle_expired_timers, schema, spec, keys_table,
+                                             key_kgs, handle, timings, (timers_table,), known)
     return out, puts, removes, fired
 
 

@@ -8,7 +8,7 @@ uses neither timers nor TTLs.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -210,8 +210,31 @@ def thresholds(now_ms: int, watermark_ms: int | None) -> dict[str, int]:
 def due_timer_records(handle: StoreHandle, kgs: range, now_ms: int, watermark_ms: int | None) -> pa.Array:
     """The by-time records of every due timer of the key groups ``kgs`` (one SCAN_RANGES), as a
     binary array in store order (by key group, kind, time, key)."""
-    return pa.array([k for k, _ in handle.scan_ranges(tk.due_ranges(kgs, thresholds(now_ms, watermark_ms)))],
-                    pa.binary())
+    return start_due_timer_scan(handle, kgs, now_ms, watermark_ms)()
+
+
+def start_due_timer_scan(handle: StoreHandle, kgs: range, now_ms: int,
+                         watermark_ms: int | None) -> Callable[[], pa.Array]:
+    """``due_timer_records`` sent now, read later (``StoreHandle.start_scan_ranges``): the daemon
+    scans while the task works; the function returned gives the records."""
+    collect = handle.start_scan_ranges(tk.due_ranges(kgs, thresholds(now_ms, watermark_ms)))
+    return lambda: pa.array([k for k, _ in collect()], pa.binary())
+
+
+def due_records(records: pa.Array, now_ms: int, watermark_ms: int | None) -> pa.Array:
+    """The by-time timer records among ``records`` (any store keys) that are due by ``now_ms``
+    (processing) and ``watermark_ms`` (event; none before there is one)."""
+    if not len(records):
+        return records
+    records = records.cast(pa.binary())
+    at_records = records.filter(pc.equal(pc.binary_slice(records, 2, 3), pa.scalar(bytes((tk.TIMER_AT,)), pa.binary())))
+    if not len(at_records):
+        return at_records
+    _, kinds, at, _ = tk.parse_timer_columns(at_records)
+    due = (kinds == tk.KIND_BYTE[tk.PROCESSING]) & (at <= now_ms)
+    if watermark_ms is not None:
+        due |= (kinds == tk.KIND_BYTE[tk.EVENT]) & (at <= watermark_ms)
+    return at_records.filter(pa.array(due))
 
 
 def _ttl_row(raw: bytes) -> tuple[int, Any] | None:
