@@ -843,15 +843,21 @@ class StoreVersion:
             return self._base.items(start, stop)
         return merge_lazy(self._base.items(start, stop), self._cold.items(start, stop))
 
+    def _changes(self, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes | None]]:
+        """This version's changes with ``start <= key < stop`` in key order. An empty change table
+        is not asked: its first ordered read would give it an order index, which every later put
+        of the version then keeps sorted (a batch that scans its due timers before writing)."""
+        return self._overlay.items(start, stop) if len(self._overlay) else iter(())
+
     def scan(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) whose key starts with ``prefix``, this version's changes included, in
         key order. Costs O(log n + matches) (the tables keep an order index once scanned)."""
         self._check_updating("scan")
         prefix = bytes(prefix)
         if self._cold is None:
-            return merge_ordered(self._overlay.scan(prefix), self._base.scan(prefix))
+            return merge_ordered(self._overlay.scan(prefix) if len(self._overlay) else [], self._base.scan(prefix))
         stop = prefix_stop(prefix)
-        return merge_lazy(self._overlay.items(prefix, stop), self._committed(prefix, stop))
+        return merge_lazy(self._changes(prefix, stop), self._committed(prefix, stop))
 
     def items(self) -> Iterator[tuple[bytes, bytes]]:
         return self.scan(b"")
@@ -869,7 +875,7 @@ class StoreVersion:
         stop = None if stop is None else bytes(stop)
         if limit == 0 or (stop is not None and stop <= start):
             return []
-        merged = merge_lazy(self._overlay.items(start, stop), self._committed(start, stop))
+        merged = merge_lazy(self._changes(start, stop), self._committed(start, stop))
         return list(merged if limit is None else itertools.islice(merged, limit))
 
     def __len__(self) -> int:
