@@ -65,8 +65,15 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from statestore_async.client.clients import Client
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups
-from statestore_async.errors import InterfaceError, OwnerConflictError, VersionError, VersionNotFoundError
+from statestore_async.errors import (
+    InterfaceError,
+    OwnerConflictError,
+    StateStoreError,
+    VersionError,
+    VersionNotFoundError,
+)
 from statestore_async.files.manifest import (
     INITIAL_STATE_KEY,
     Manifest,
@@ -81,6 +88,7 @@ from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.rescale import RESCALED_FROM_KEY, Recipe, plan_sources, write_recipe
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name, new_checkpoint_id
 from statestore_async.objectstore import ObjectStore, open_object_store
+from statestore_async.spark import placement
 from statestore_async.spark.coordinator import Coordinator
 from statestore_async.spark.eventtime import (
     MAX_EVENT_TIME_KEY,
@@ -124,6 +132,9 @@ T = TypeVar("T")
 Sink = Callable[["DataFrame", int], object]  # the user's sink: sink(output_df, batch_id)
 LAYOUT = "statestore_async.spark/1"
 FENCE_FAST_SECONDS = 3.0  # the fence checks for the batch's files every <= 50 ms this long, then every <= 0.5 s
+# a task of a batch whose tasks all run at once waits this long at most, after handing over its output,
+# for its daemon to make its delta durable (then the fence polls as it would have)
+TASK_DURABLE_WAIT_SECONDS = 5.0
 MATERIALIZE = ("auto", "checkpoint", "cache", "none")  # how the output waits for the sink (see StatefulOperator)
 # the local property Spark sets on the thread that runs a streaming query's batch: the query's id
 # (``query.id``), kept in its checkpoint location, so the same across restarts of the query
@@ -285,6 +296,9 @@ class BatchProgress:
     max_event_time_ms: int | None = None
     late_rows: int = 0
     locations: dict = field(default_factory=dict)  # partition -> where its task ran (coordinator on)
+    # partition -> seconds its task waited, after handing over its output, for its delta to be durable
+    # (only when every task has a slot of its own: see ``_run_tasks``); the job's part of commit-to-durable
+    durable_waits: dict = field(default_factory=dict)
 
 
 class StatefulOperator:
@@ -720,8 +734,9 @@ class StatefulOperator:
         for run in range(self.daemon_retries + 1):
             prog.reruns = run
             prog.tasks, prog.locations = {}, {}
-            out, acc, _ = self._run_tasks(plan, spark)
+            out, acc, finished = self._run_tasks(plan, spark)
             output = self._materialize(out, spark, plan.batch_id) if keep else run_unkept(out)
+            prog.durable_waits = {p: w for p, w in finished.value if w is not None}
             prog.compute = time.perf_counter() - t0
             try:
                 reports: list[TaskReport] = acc.value
@@ -753,14 +768,14 @@ class StatefulOperator:
         Spark to replay it (the sink is called again for the batch), instead of running the stage
         again here. ``prog.compute`` includes the sink, and ``prog.sink`` is its part of it."""
         prog.tasks, prog.locations = {}, {}
-        out, acc, finished = self._run_tasks(plan, spark, track=True)
-        assert finished is not None
+        out, acc, finished = self._run_tasks(plan, spark)
         with _timed(prog, "sink"):
             sink(out, plan.batch_id)
         if not finished.value and not acc.value:
             run_unkept(out)
         prog.compute = time.perf_counter() - t0
-        ran = sorted(finished.value)
+        prog.durable_waits = {p: w for p, w in finished.value if w is not None}
+        ran = sorted(p for p, _ in finished.value)
         if ran != list(range(self.num_partitions)):
             twice = sorted({p for p in ran if ran.count(p) > 1})
             missing = sorted(set(range(self.num_partitions)) - set(ran))
@@ -777,26 +792,34 @@ class StatefulOperator:
             self._fence(refs, assembled=plan.base if plan.spec.rescaled else None)
         return reports, refs
 
-    def _run_tasks(self, plan: BatchPlan, spark: SparkSession, track: bool = False,
-                   ) -> tuple[DataFrame, Accumulator, Accumulator | None]:
+    def _run_tasks(self, plan: BatchPlan, spark: SparkSession) -> tuple[DataFrame, Accumulator, Accumulator]:
         """Step 2: the stateful stage, lazily: one ``mapInArrow`` task per state partition
         (``runtime.run_partition``), the accumulator that collects the ``TaskReport`` of every task
-        that committed, and (``track``) the one where each task adds its partition once it has handed
-        over its last output row. Nothing runs until the output is materialized."""
+        that committed, and the one where each task adds its partition once it has handed over its
+        last output row. Nothing runs until the output is materialized. When every task has a slot
+        of its own (N <= Spark's default parallelism), a task that committed waits, after its
+        output, until its daemon made its delta durable (``_DurableWait``): the job then ends when
+        the deltas are in the object store, and the fence's first look finds them, instead of
+        polling for them after the job."""
         acc = spark.sparkContext.accumulator([], _reports_param())
-        finished = spark.sparkContext.accumulator([], _reports_param()) if track else None
-        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished), self.output_schema)
+        finished = spark.sparkContext.accumulator([], _reports_param())
+        one_wave = self.num_partitions <= spark.sparkContext.defaultParallelism
+        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished, await_durable=one_wave),
+                                     self.output_schema)
         if plan.initial is not None:  # handle_initial_state's rows join batch 0's output
             out = out.union(plan.initial.result)
         return out, acc, finished
 
     def _task_fn(self, spec: TaskSpec, acc: Accumulator, run: Callable[..., pa.Table] = run_partition,
-                 finished: Accumulator | None = None,
+                 finished: Accumulator | None = None, await_durable: bool = False,
                  ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
         """The function ``mapInArrow`` runs on an executor: ``run`` (``run_partition``, or
         ``run_initial_state``) on the task's partition (Spark's partition id is the state
         partition), its report added to ``acc``, and its partition to ``finished`` (when given)
-        after its last output row."""
+        after its last output row (with the seconds it waited then for its delta to be durable,
+        or None); with ``await_durable``, after waiting (while the output is
+        handed over, and at most ``TASK_DURABLE_WAIT_SECONDS``) for its daemon to make the
+        committed delta durable. Only a hint for the fence, which checks every delta itself."""
         processor = self.processor
 
         def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -805,10 +828,23 @@ class StatefulOperator:
             ctx = TaskContext.get()
             assert ctx is not None  # set in every task
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
-            out = run(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
+            committed: list[TaskReport] = []
+
+            def report(r: TaskReport) -> None:
+                committed.append(r)
+                acc.add([r])
+
+            out = run(processor, spec, part, attempt, list(batches), report)
+            wait = (_DurableWait(spec.socket_path, StoreId(spec.root, spec.operator_id, part), committed[0].ref)
+                    if await_durable and committed else None)
             yield from out.to_batches(max_chunksize=65536)
+            waited = None
+            if wait is not None:
+                t = time.perf_counter()
+                wait.join()
+                waited = time.perf_counter() - t
             if finished is not None:
-                finished.add([part])
+                finished.add([(part, waited)])
 
         return task
 
@@ -969,6 +1005,33 @@ class StatefulOperator:
 
     def __getstate__(self) -> NoReturn:
         raise InterfaceError("StatefulOperator lives on the driver; tasks get a TaskSpec")
+
+
+class _DurableWait:
+    """In a task, once its store committed: a thread that asks the node's daemon (a connection of
+    its own) to answer when the delta is durable (AWAIT_DURABLE), while the task hands over its
+    output; ``join()`` waits for the answer. Best effort: an error or a timeout only means the
+    driver's fence polls for the file, as it does for every delta anyway."""
+
+    def __init__(self, socket_path: str | None, store_id: StoreId, ref: CheckpointRef,
+                 timeout: float = TASK_DURABLE_WAIT_SECONDS) -> None:
+        self.durable = False
+        self._timeout = timeout
+        self._thread = threading.Thread(target=self._wait, args=(placement.socket_path_for(socket_path), store_id, ref),
+                                        name="statestore-await-durable", daemon=True)
+        self._thread.start()
+
+    def _wait(self, path: str, store_id: StoreId, ref: CheckpointRef) -> None:
+        try:
+            with Client(path, timeout=self._timeout + 5, name="statestore_async.fence") as client:
+                self.durable = client.await_durable(store_id, ref, self._timeout)
+        except (StateStoreError, OSError) as exc:
+            log.debug("waiting for %s of %s to be durable: %s (the driver's fence polls for it)", ref, store_id, exc)
+
+    def join(self) -> bool:
+        """True once the daemon said the delta is durable (False: not within the timeout, or an error)."""
+        self._thread.join(self._timeout + 10)
+        return self.durable
 
 
 class _DriverIO:
