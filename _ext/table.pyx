@@ -401,6 +401,7 @@ cdef size_t MAX_ARENA = (<size_t>0xFFFFFFFE) << 2
 cdef uint64_t REF_MASK = 0xFFFFFFFF
 cdef size_t MIN_GARBAGE = 1024
 cdef int CHUNK_OVERHEAD = 11
+DEF APPLY_CHUNK = 32  # records per prefetched chunk of ``apply``
 _CHANGED = "Table changed during iteration"
 _RELEASED = "the table view was released"
 
@@ -1500,7 +1501,11 @@ def remove_keys(Table table not None, keys, Py_ssize_t min_key):
 
 cdef inline int _get2(Table ov, Table base, const uint8_t* k, uint32_t kl, Found* f) noexcept:
     """The entry for key k: overlay's if it has it, else base's; 0 when neither has it."""
-    cdef uint64_t h = ssa_hash(k, kl)
+    return _get2h(ov, base, k, kl, ssa_hash(k, kl), f)
+
+
+cdef inline int _get2h(Table ov, Table base, const uint8_t* k, uint32_t kl, uint64_t h, Found* f) noexcept:
+    """``_get2`` with the key's hash h."""
     if ov is not None and ov.count and ov._lookup(k, kl, h, f):
         return 1
     return base._lookup(k, kl, h, f)
@@ -1546,17 +1551,40 @@ def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned lo
     cdef size_t total = 4
     cdef bytes out
     cdef uint8_t* o
+    # in chunks of APPLY_CHUNK keys: hashes first with the base's slots prefetched, then the
+    # records the slots name, then the lookups (as ``apply`` does)
+    cdef Py_ssize_t poss[APPLY_CHUNK]
+    cdef uint64_t hs[APPLY_CHUNK]
+    cdef uint32_t c, j, m
+    cdef size_t cap = base.cap
+    cdef uint64_t s
     try:
         pos = first
-        for i in range(n):
-            kl = _rd32(b + pos)
-            if not _get2(ov, base, b + pos + 4, kl, &found[i]):
-                found[i].none = True
-            if found[i].none:
-                total += 4
-            else:
-                total += 4 + found[i].vl
-            pos += 4 + kl
+        i = 0
+        while i < n:
+            m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
+            for j in range(m):
+                kl = _rd32(b + pos)
+                poss[j] = pos
+                hs[j] = ssa_hash(b + pos + 4, kl)
+                if cap:
+                    ssa_prefetch(base.slots + (((hs[j] >> 32) * cap) >> 32))
+                pos += 4 + kl
+            if cap:
+                for j in range(m):
+                    s = base.slots[((hs[j] >> 32) * cap) >> 32]
+                    if s:
+                        ssa_prefetch(base.arena + (((s & REF_MASK) - 1) << 2))
+            for j in range(m):
+                c = i + j
+                kl = _rd32(b + poss[j])
+                if not _get2h(ov, base, b + poss[j] + 4, kl, hs[j], &found[c]):
+                    found[c].none = True
+                if found[c].none:
+                    total += 4
+                else:
+                    total += 4 + found[c].vl
+            i += m
         out = PyBytes_FromStringAndSize(NULL, total)
         o = <uint8_t*>PyBytes_AS_STRING(out)
         _wr32(o, n)
@@ -1595,50 +1623,69 @@ cdef Table _copy_live(Table src, size_t upto):
 
 
 def apply(Table base not None, Table changes not None):
-    """See ``statestore_async._ref.table.apply``."""
+    """See ``statestore_async._ref.table.apply``.
+
+    The changes are applied in chunks of ``APPLY_CHUNK`` records: their hashes first, with the
+    base's slot of each prefetched, then the record each slot names, then the chunk's work; a big
+    base then costs about one memory latency per chunk rather than two per record."""
     if base is changes:
         raise InterfaceError("apply: the changes are the base table itself")
     cdef Table undo = Table()
     cdef Table applied = None
     undo._reserve_index(changes.count)
-    cdef size_t off = 0, size
+    cdef size_t off = 0, size, cap
     cdef const uint8_t* p
     cdef const uint8_t* k
     cdef const uint8_t* bp
     cdef const uint8_t* bk
     cdef uint32_t kl, vl, bkl, bvl
-    cdef uint64_t h
+    cdef uint64_t h, s
     cdef Py_ssize_t pos
     cdef bint tomb
+    cdef size_t offs[APPLY_CHUNK]
+    cdef uint64_t hs[APPLY_CHUNK]
+    cdef int n, j
     while off < changes.used:
-        p = changes.arena + off
-        k = ssa_rec(p, &kl, &vl)
-        size = (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
-        if p[0] & SSA_DEAD:
-            off += size
-            continue
-        tomb = p[0] & SSA_TOMB
-        h = ssa_hash(k, kl)
-        pos = base._find(k, kl, h)
-        if pos < 0:
-            if tomb:  # removing what is not there changes nothing
-                if applied is None:
-                    applied = _copy_live(changes, off)
-                off += size
-                continue
-            undo._add(k, kl, h, NULL, 0, True)
-            base._add(k, kl, h, k + kl, vl, False)
-        else:
-            bp = base.arena + (((base.slots[pos] & REF_MASK) - 1) << 2)
-            bk = ssa_rec(bp, &bkl, &bvl)
-            undo._add(k, kl, h, bk + bkl, bvl, bp[0] & SSA_TOMB)  # before the base changes
-            if tomb:
-                base._delete_at(pos)
+        n = 0
+        cap = base.cap
+        while off < changes.used and n < APPLY_CHUNK:
+            p = changes.arena + off
+            k = ssa_rec(p, &kl, &vl)
+            if not (p[0] & SSA_DEAD):
+                offs[n] = off
+                hs[n] = ssa_hash(k, kl)
+                if cap:
+                    ssa_prefetch(base.slots + (((hs[n] >> 32) * cap) >> 32))
+                n += 1
+            off += (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
+        if cap:
+            for j in range(n):
+                s = base.slots[((hs[j] >> 32) * cap) >> 32]
+                if s:
+                    ssa_prefetch(base.arena + (((s & REF_MASK) - 1) << 2))
+        for j in range(n):
+            p = changes.arena + offs[j]
+            k = ssa_rec(p, &kl, &vl)
+            h = hs[j]
+            tomb = p[0] & SSA_TOMB
+            pos = base._find(k, kl, h)
+            if pos < 0:
+                if tomb:  # removing what is not there changes nothing
+                    if applied is None:
+                        applied = _copy_live(changes, offs[j])
+                    continue
+                undo._add(k, kl, h, NULL, 0, True)
+                base._add(k, kl, h, k + kl, vl, False)
             else:
-                base._replace(pos, k, kl, k + kl, vl, False)
-        if applied is not None:
-            applied._add(k, kl, h, k + kl, vl, tomb)
-        off += size
+                bp = base.arena + (((base.slots[pos] & REF_MASK) - 1) << 2)
+                bk = ssa_rec(bp, &bkl, &bvl)
+                undo._add(k, kl, h, bk + bkl, bvl, bp[0] & SSA_TOMB)  # before the base changes
+                if tomb:
+                    base._delete_at(pos)
+                else:
+                    base._replace(pos, k, kl, k + kl, vl, False)
+            if applied is not None:
+                applied._add(k, kl, h, k + kl, vl, tomb)
     base.version += 1
     base._tidy()
     return (applied if applied is not None else changes), undo

@@ -529,6 +529,12 @@ def test_twins_agree_on_any_bytes(data, offset, max_count, start, min_key):
 @SETTINGS
 @given(base=base_models, changes=models)
 def test_apply_and_roll_back(tb, base, changes):
+    _check_apply(tb, base, changes)
+
+
+def _check_apply(tb, base, changes):
+    """``apply`` of ``changes`` over ``base`` gives the model's table, the effective changes and their
+    pre-images; applying the pre-images gives ``base`` back."""
     b, c = _table(tb, base), _table(tb, changes)
     applied, undo = tb.apply(b, c)
     effective = {k: v for k, v in changes.items() if v is not None or k in base}
@@ -547,6 +553,20 @@ def test_apply_and_roll_back(tb, base, changes):
     assert _contents(redo) == _contents(applied)
     assert again is undo  # every pre-image changes something
     _check(c, changes)  # the changes are left as they were
+
+
+@SETTINGS
+@given(n_base=st.integers(0, 300), n_changes=st.integers(0, 200), seed=st.integers(0, 2**16))
+def test_apply_over_several_chunks(tb, n_base, n_changes, seed):
+    """``apply`` works in chunks of 32 records: changes spanning several chunks, a removal of a
+    missing key in any of them (the applied changes are then a copy without it)."""
+    rng = random.Random(seed)
+    base = {b"b%05d" % i: rng.randbytes(rng.randrange(0, 20)) for i in range(n_base)}
+    changes: dict[bytes, bytes | None] = {}
+    for _ in range(n_changes):
+        k = b"b%05d" % rng.randrange(0, n_base + 50)
+        changes[k] = None if rng.random() < 0.2 else rng.randbytes(rng.randrange(0, 20))
+    _check_apply(tb, base, changes)
 
 
 def test_apply_needs_two_tables(tb):
