@@ -1408,14 +1408,32 @@ def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
     if short_key >= 0:
         raise _key_error(short_key, min_key)
     cdef const uint8_t* k
+    if table.count == 0 and n:  # a version's first batch: its room at once, not by doubling
+        table._reserve_index(n)
+        table._reserve_arena(<size_t>(pos - first))  # a record takes no more room than its pair
+    # in chunks of APPLY_CHUNK pairs: hashes first with the slots prefetched (as ``apply`` does)
+    cdef Py_ssize_t kpos[APPLY_CHUNK]
+    cdef uint64_t hs[APPLY_CHUNK]
+    cdef uint32_t j, m
+    cdef size_t cap
     pos = first
-    for i in range(n):
-        kl = _rd32(base + pos)
-        k = base + pos + 4
-        pos += 4 + kl
-        vl = _rd32(base + pos)
-        table._set(k, kl, ssa_hash(k, kl), base + pos + 4, vl, False)
-        pos += 4 + vl
+    i = 0
+    while i < n:
+        m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
+        cap = table.cap
+        for j in range(m):
+            kl = _rd32(base + pos)
+            kpos[j] = pos
+            hs[j] = ssa_hash(base + pos + 4, kl)
+            if cap:
+                ssa_prefetch(table.slots + (((hs[j] >> 32) * cap) >> 32))
+            pos += 8 + kl + _rd32(base + pos + 4 + kl)
+        for j in range(m):
+            kl = _rd32(base + kpos[j])
+            k = base + kpos[j] + 4
+            vl = _rd32(k + kl)
+            table._set(k, kl, hs[j], k + kl + 4, vl, False)
+        i += m
     table.version += 1
     table._tidy()
     return n

@@ -392,6 +392,23 @@ def test_put_packed_and_put_items_set_in_order(tb, start, items):
 
 
 @SETTINGS
+@given(empty=st.booleans(), n=st.integers(0, 300), seed=st.integers(0, 2**16))
+def test_put_packed_over_several_chunks(tb, empty, n, seed):
+    """PUT_MANY works in chunks of 32 pairs (and sizes an empty table for the whole batch at once):
+    a batch of several chunks, with keys repeated in it (the later pair wins), into an empty table
+    or over one that holds some of its keys."""
+    rng = random.Random(seed)
+    start = {} if empty else {b"p%04d" % i: b"old" for i in range(0, 400, 7)}
+    items = [(b"p%04d" % rng.randrange(400) + b"x" * rng.randrange(0, 14), rng.randbytes(rng.randrange(0, 24)))
+             for _ in range(n)]
+    t = _table(tb, start)
+    assert tb.put_packed(t, FR.encode_pairs(items), 0, 2) == n
+    want = dict(start)
+    want.update(items)
+    _check(t, want)
+
+
+@SETTINGS
 @given(start=models, ks=st.lists(st.binary(min_size=2, max_size=4), max_size=20))
 def test_removes_put_tombstones(tb, start, ks):
     want = {**start, **dict.fromkeys(ks)}
