@@ -1454,12 +1454,29 @@ def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_k
         raise _key_error(short_key, min_key)
     cdef uint32_t i, kl
     cdef const uint8_t* k
+    # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
+    table._reserve_index(table.count + n)
+    # in chunks of APPLY_CHUNK keys: hashes first with the slots prefetched (as ``apply`` does)
+    cdef Py_ssize_t kpos[APPLY_CHUNK]
+    cdef uint64_t hs[APPLY_CHUNK]
+    cdef uint32_t j, m
+    cdef size_t cap
     pos = first
-    for i in range(n):
-        kl = _rd32(base + pos)
-        k = base + pos + 4
-        table._set(k, kl, ssa_hash(k, kl), NULL, 0, True)
-        pos += 4 + kl
+    i = 0
+    while i < n:
+        m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
+        cap = table.cap
+        for j in range(m):
+            kl = _rd32(base + pos)
+            kpos[j] = pos
+            hs[j] = ssa_hash(base + pos + 4, kl)
+            if cap:
+                ssa_prefetch(table.slots + (((hs[j] >> 32) * cap) >> 32))
+            pos += 4 + kl
+        for j in range(m):
+            kl = _rd32(base + kpos[j])
+            table._set(base + kpos[j] + 4, kl, hs[j], NULL, 0, True)
+        i += m
     table.version += 1
     table._tidy()
     return n

@@ -394,9 +394,9 @@ def test_put_packed_and_put_items_set_in_order(tb, start, items):
 @SETTINGS
 @given(empty=st.booleans(), n=st.integers(0, 300), seed=st.integers(0, 2**16))
 def test_put_packed_over_several_chunks(tb, empty, n, seed):
-    """PUT_MANY works in chunks of 32 pairs (and sizes an empty table for the whole batch at once):
-    a batch of several chunks, with keys repeated in it (the later pair wins), into an empty table
-    or over one that holds some of its keys."""
+    """PUT_MANY and REMOVE_MANY work in chunks of 32 (PUT_MANY sizes an empty table for the whole
+    batch at once): batches of several chunks, with keys repeated in them (the later pair wins),
+    into an empty table or over one that holds some of their keys."""
     rng = random.Random(seed)
     start = {} if empty else {b"p%04d" % i: b"old" for i in range(0, 400, 7)}
     items = [(b"p%04d" % rng.randrange(400) + b"x" * rng.randrange(0, 14), rng.randbytes(rng.randrange(0, 24)))
@@ -405,6 +405,10 @@ def test_put_packed_over_several_chunks(tb, empty, n, seed):
     assert tb.put_packed(t, FR.encode_pairs(items), 0, 2) == n
     want = dict(start)
     want.update(items)
+    _check(t, want)
+    gone = [b"p%04d" % rng.randrange(500) for _ in range(rng.randrange(0, 2 * n + 1))]  # removals too
+    assert tb.remove_packed(t, FR.encode_list(gone), 0, 2) == len(gone)
+    want.update(dict.fromkeys(gone))
     _check(t, want)
 
 
