@@ -32,9 +32,8 @@ With a floor peer beside ours, each of our measured batches is printed split: th
 (``triggerExecution``), Spark's streaming bookkeeping around ``foreachBatch`` (the batch less
 ``addBatch``: offsets, WAL, commit log — P1 pays it too), and ours over the floor (``addBatch`` less
 the floor: our own time per batch — planning, the tasks' state work and commit, fence, manifest,
-the sink's job), beside ``foreachBatch``'s phases. Our commit/fence column is the batch's wait for
-its deltas to be durable: the fence, plus the tasks' wait for it after their output when each task
-has a slot of its own (the job's part; ``BatchProgress.durable_waits``).
+the sink's job), beside ``foreachBatch``'s phases (with ``materialize="none"`` the sink's job is in
+``compute``, and ``sink`` is its part of it).
 ``floor-jvm``: the same harness with Spark's own ``groupBy(key).agg(count, sum)`` in place of our
 routing — Spark aggregates each input task's rows before one shuffle by its hash of the key, as
 P1 does; our routing by key group has to shuffle every row first. ``floor-jvm`` over ``floor-pre``
@@ -174,17 +173,13 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None, mater
                          lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
         fig = figure(prog)
         hist = op.history[1:] or op.history
-        # the batch's wait for its deltas to be durable: at the fence, and in the tasks after their output
-        # (they wait there when each has a slot of its own: StatefulOperator._run_tasks)
-        fig["commit_ms"] = statistics.median((p.fence + max(p.durable_waits.values(), default=0)) * 1000
-                                             for p in hist) if hist else None
+        fig["commit_ms"] = statistics.median(p.fence * 1000 for p in hist) if hist else None
         fig["phases"] = {ph: round(statistics.median(getattr(p, ph) for p in hist) * 1000) for ph in
                          ("plan", "compute", "fence", "manifest", "sink", "total")} if hist else {}
         # per measured batch: the foreachBatch call's phases (ms), for the split against the floor
         fig["per_batch"] = [{**{ph: round(getattr(p, ph) * 1000) for ph in ("plan", "compute", "fence", "manifest",
                                                                             "sink", "total")},
-                             "trigger": pr["durationMs"]["triggerExecution"], "add": pr["durationMs"]["addBatch"],
-                             "wait": round(max(p.durable_waits.values(), default=0) * 1000)}
+                             "trigger": pr["durationMs"]["triggerExecution"], "add": pr["durationMs"]["addBatch"]}
                             for p, pr in zip(hist, prog[-len(hist):])]
         tasks = [t for p in hist for t in p.tasks.values()]
         fig["task_ms"] = {k: round(statistics.median(t.get(k, 0) for t in tasks) * 1000) for k in
@@ -500,10 +495,10 @@ def main() -> int:
                   f"{floor:,.0f} ms; bookkeeping = Spark's streaming bookkeeping around foreachBatch, the batch less "
                   "addBatch, paid by P1 too; ours over floor = addBatch less the floor: our own time per batch)")
             print("| batch | batch (trigger) | bookkeeping | addBatch | ours over floor | foreachBatch | plan "
-                  "| compute (job) | tasks' durable wait | fence | manifest | sink |")
-            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+                  "| compute (job) | fence | manifest | sink |")
+            print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             rows = [[b["trigger"], b["trigger"] - b["add"], b["add"], b["add"] - floor, b["total"], b["plan"],
-                     b["compute"], b.get("wait", 0), b["fence"], b["manifest"], b["sink"]] for b in o["per_batch"]]
+                     b["compute"], b["fence"], b["manifest"], b["sink"]] for b in o["per_batch"]]
             for i, row in enumerate(rows, 1):
                 print(f"| {i} | " + " | ".join(f"{v:,.0f}" for v in row) + " |")
             print("| median | " + " | ".join(f"{statistics.median(col):,.0f}" for col in zip(*rows)) + " |")

@@ -28,6 +28,15 @@ def location_of(socket_path: str) -> str:
     return f"{socket.gethostname()}:{socket_path}"
 
 
+def local_socket(location: str | None) -> str | None:
+    """The socket path of a daemon at ``location`` (``location_of``) when it is on this host (this
+    process can reach it), else None."""
+    if location is None:
+        return None
+    host, sep, path = location.partition(":")
+    return path if sep and path and host == socket.gethostname() else None
+
+
 class Coordinator:
     """Partition owners and per-location holdings, from the reports of committed tasks."""
 

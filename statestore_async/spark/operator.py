@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from statestore_async.client.clients import Client
+from statestore_async.client.clients import AsyncClient
 from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS, check_num_key_groups
 from statestore_async.errors import (
     InterfaceError,
@@ -88,8 +88,7 @@ from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.rescale import RESCALED_FROM_KEY, Recipe, plan_sources, write_recipe
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name, new_checkpoint_id
 from statestore_async.objectstore import ObjectStore, open_object_store
-from statestore_async.spark import placement
-from statestore_async.spark.coordinator import Coordinator
+from statestore_async.spark.coordinator import Coordinator, local_socket
 from statestore_async.spark.eventtime import (
     MAX_EVENT_TIME_KEY,
     WATERMARK_KEY,
@@ -132,9 +131,6 @@ T = TypeVar("T")
 Sink = Callable[["DataFrame", int], object]  # the user's sink: sink(output_df, batch_id)
 LAYOUT = "statestore_async.spark/1"
 FENCE_FAST_SECONDS = 3.0  # the fence checks for the batch's files every <= 50 ms this long, then every <= 0.5 s
-# a task of a batch whose tasks all run at once waits this long at most, after handing over its output,
-# for its daemon to make its delta durable (then the fence polls as it would have)
-TASK_DURABLE_WAIT_SECONDS = 5.0
 MATERIALIZE = ("auto", "checkpoint", "cache", "none")  # how the output waits for the sink (see StatefulOperator)
 # the local property Spark sets on the thread that runs a streaming query's batch: the query's id
 # (``query.id``), kept in its checkpoint location, so the same across restarts of the query
@@ -296,9 +292,6 @@ class BatchProgress:
     max_event_time_ms: int | None = None
     late_rows: int = 0
     locations: dict = field(default_factory=dict)  # partition -> where its task ran (coordinator on)
-    # partition -> seconds its task waited, after handing over its output, for its delta to be durable
-    # (only when every task has a slot of its own: see ``_run_tasks``); the job's part of commit-to-durable
-    durable_waits: dict = field(default_factory=dict)
 
 
 class StatefulOperator:
@@ -636,8 +629,9 @@ class StatefulOperator:
         output = self._materialize(routed.mapInArrow(self._task_fn(spec, acc, run_initial_state), self.output_schema),
                                    df.sparkSession, batch_id)
         try:
-            refs = self._collect_reports(acc.value, BatchProgress())
-            self._fence(refs)
+            prog = BatchProgress()
+            refs = self._collect_reports(acc.value, prog)
+            self._fence(refs, locations=prog.locations)
         except BaseException:
             output.release()
             raise
@@ -734,16 +728,15 @@ class StatefulOperator:
         for run in range(self.daemon_retries + 1):
             prog.reruns = run
             prog.tasks, prog.locations = {}, {}
-            out, acc, finished = self._run_tasks(plan, spark)
+            out, acc, _ = self._run_tasks(plan, spark)
             output = self._materialize(out, spark, plan.batch_id) if keep else run_unkept(out)
-            prog.durable_waits = {p: w for p, w in finished.value if w is not None}
             prog.compute = time.perf_counter() - t0
             try:
                 reports: list[TaskReport] = acc.value
                 refs = self._collect_reports(reports, prog)
                 fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
                 with _timed(prog, "fence"):
-                    self._fence(refs, assembled=plan.base if plan.spec.rescaled else None)
+                    self._fence(refs, assembled=plan.base if plan.spec.rescaled else None, locations=prog.locations)
             except FenceTimeoutError as exc:
                 output.release()
                 if run == self.daemon_retries:
@@ -774,8 +767,7 @@ class StatefulOperator:
         if not finished.value and not acc.value:
             run_unkept(out)
         prog.compute = time.perf_counter() - t0
-        prog.durable_waits = {p: w for p, w in finished.value if w is not None}
-        ran = sorted(p for p, _ in finished.value)
+        ran = sorted(finished.value)
         if ran != list(range(self.num_partitions)):
             twice = sorted({p for p in ran if ran.count(p) > 1})
             missing = sorted(set(range(self.num_partitions)) - set(ran))
@@ -789,37 +781,28 @@ class StatefulOperator:
         refs = self._collect_reports(reports, prog)
         fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
         with _timed(prog, "fence"):
-            self._fence(refs, assembled=plan.base if plan.spec.rescaled else None)
+            self._fence(refs, assembled=plan.base if plan.spec.rescaled else None, locations=prog.locations)
         return reports, refs
 
     def _run_tasks(self, plan: BatchPlan, spark: SparkSession) -> tuple[DataFrame, Accumulator, Accumulator]:
         """Step 2: the stateful stage, lazily: one ``mapInArrow`` task per state partition
         (``runtime.run_partition``), the accumulator that collects the ``TaskReport`` of every task
         that committed, and the one where each task adds its partition once it has handed over its
-        last output row. Nothing runs until the output is materialized. When every task has a slot
-        of its own (N <= Spark's default parallelism), a task that committed waits, after its
-        output, until its daemon made its delta durable (``_DurableWait``): the job then ends when
-        the deltas are in the object store, and the fence's first look finds them, instead of
-        polling for them after the job."""
+        last output row. Nothing runs until the output is materialized."""
         acc = spark.sparkContext.accumulator([], _reports_param())
         finished = spark.sparkContext.accumulator([], _reports_param())
-        one_wave = self.num_partitions <= spark.sparkContext.defaultParallelism
-        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished, await_durable=one_wave),
-                                     self.output_schema)
+        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished), self.output_schema)
         if plan.initial is not None:  # handle_initial_state's rows join batch 0's output
             out = out.union(plan.initial.result)
         return out, acc, finished
 
     def _task_fn(self, spec: TaskSpec, acc: Accumulator, run: Callable[..., pa.Table] = run_partition,
-                 finished: Accumulator | None = None, await_durable: bool = False,
+                 finished: Accumulator | None = None,
                  ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
         """The function ``mapInArrow`` runs on an executor: ``run`` (``run_partition``, or
         ``run_initial_state``) on the task's partition (Spark's partition id is the state
         partition), its report added to ``acc``, and its partition to ``finished`` (when given)
-        after its last output row (with the seconds it waited then for its delta to be durable,
-        or None); with ``await_durable``, after waiting (while the output is
-        handed over, and at most ``TASK_DURABLE_WAIT_SECONDS``) for its daemon to make the
-        committed delta durable. Only a hint for the fence, which checks every delta itself."""
+        after its last output row."""
         processor = self.processor
 
         def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -828,23 +811,10 @@ class StatefulOperator:
             ctx = TaskContext.get()
             assert ctx is not None  # set in every task
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
-            committed: list[TaskReport] = []
-
-            def report(r: TaskReport) -> None:
-                committed.append(r)
-                acc.add([r])
-
-            out = run(processor, spec, part, attempt, list(batches), report)
-            wait = (_DurableWait(spec.socket_path, StoreId(spec.root, spec.operator_id, part), committed[0].ref)
-                    if await_durable and committed else None)
+            out = run(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
             yield from out.to_batches(max_chunksize=65536)
-            waited = None
-            if wait is not None:
-                t = time.perf_counter()
-                wait.join()
-                waited = time.perf_counter() - t
             if finished is not None:
-                finished.add([(part, waited)])
+                finished.add([part])
 
         return task
 
@@ -889,12 +859,16 @@ class StatefulOperator:
             refs[p] = r.ref
         return refs
 
-    def _fence(self, refs: dict[int, CheckpointRef], assembled: Manifest | None = None) -> None:
+    def _fence(self, refs: dict[int, CheckpointRef], assembled: Manifest | None = None,
+               locations: Mapping[int, str] | None = None) -> None:
         """Step 5: wait until every reported delta exists in the object store (HEAD, not the report),
         and after a rescale (``assembled``: the rescaled manifest the batch started from) every
         assembled state's snapshot, polling every <= 50 ms for ``FENCE_FAST_SECONDS`` then every <= 0.5 s;
         ``FenceTimeoutError`` after ``fence_timeout`` seconds (the batch is then not committed, and
-        Spark replays it)."""
+        Spark replays it). A partition whose task ran on this host (``locations``: where each task
+        ran, from the coordinator) also has its daemon asked to answer once its delta is durable
+        (AWAIT_DURABLE, ``_durable_answers``): each answer wakes the fence for a HEAD at once, instead
+        of at its next poll. The HEADs decide, never the answers."""
         keys = {file_key(StoreId(self.root, self.operator_id, p), ref, DELTA) for p, ref in refs.items()}
         if assembled is not None:
             keys |= {file_key(StoreId(self.root, self.operator_id, p), assembled.ref(p), SNAPSHOT)
@@ -902,26 +876,42 @@ class StatefulOperator:
         if not keys:
             return
         timeout = self.fence_timeout
+        asks: dict[str, list[tuple[StoreId, CheckpointRef]]] = {}
+        for p, ref in refs.items():
+            sock = local_socket((locations or {}).get(p))
+            if sock is not None:
+                asks.setdefault(sock, []).append((StoreId(self.root, self.operator_id, p), ref))
 
         async def fence(store: ObjectStore) -> None:
             pending = set(keys)
             started = time.monotonic()
             deadline = started + timeout
             pause = 0.01
-            while True:
-                found = await asyncio.gather(*(store.exists(k) for k in sorted(pending)))
-                pending -= {k for k, ok in zip(sorted(pending), found) if ok}
-                if not pending:
-                    return
-                if time.monotonic() > deadline:
-                    raise FenceTimeoutError(
-                        f"{len(pending)} checkpoint file(s) of operator {self.operator_id!r} not in {self.root} after "
-                        f"{timeout}s (e.g. {sorted(pending)[0]}): the daemon that committed them may have died "
-                        "before uploading; the batch is not committed and will be replayed")
-                await asyncio.sleep(pause)
-                # a delta usually lands within a few hundred ms of the job's end: look every 50 ms
-                # at most for the first seconds (the batch waits on this), then back off to 0.5 s
-                pause = min(pause * 2, 0.05 if time.monotonic() - started < FENCE_FAST_SECONDS else 0.5)
+            answers = [asyncio.ensure_future(_durable_answers(sock, wanted, timeout)) for sock, wanted in asks.items()]
+            try:
+                while True:
+                    found = await asyncio.gather(*(store.exists(k) for k in sorted(pending)))
+                    pending -= {k for k, ok in zip(sorted(pending), found) if ok}
+                    if not pending:
+                        return
+                    if time.monotonic() > deadline:
+                        raise FenceTimeoutError(
+                            f"{len(pending)} checkpoint file(s) of operator {self.operator_id!r} not in {self.root} "
+                            f"after {timeout}s (e.g. {sorted(pending)[0]}): the daemon that committed them may have "
+                            "died before uploading; the batch is not committed and will be replayed")
+                    # a delta usually lands within a few hundred ms of the job's end: look every 50 ms
+                    # at most for the first seconds (the batch waits on this), then back off to 0.5 s;
+                    # a local daemon's answer wakes the fence before that
+                    waiting = [a for a in answers if not a.done()]
+                    if waiting:
+                        await asyncio.wait(waiting, timeout=pause, return_when=asyncio.FIRST_COMPLETED)
+                    else:
+                        await asyncio.sleep(pause)
+                    pause = min(pause * 2, 0.05 if time.monotonic() - started < FENCE_FAST_SECONDS else 0.5)
+            finally:
+                for a in answers:
+                    a.cancel()
+                await asyncio.gather(*answers, return_exceptions=True)
 
         self._run(fence)
 
@@ -1007,31 +997,15 @@ class StatefulOperator:
         raise InterfaceError("StatefulOperator lives on the driver; tasks get a TaskSpec")
 
 
-class _DurableWait:
-    """In a task, once its store committed: a thread that asks the node's daemon (a connection of
-    its own) to answer when the delta is durable (AWAIT_DURABLE), while the task hands over its
-    output; ``join()`` waits for the answer. Best effort: an error or a timeout only means the
-    driver's fence polls for the file, as it does for every delta anyway."""
-
-    def __init__(self, socket_path: str | None, store_id: StoreId, ref: CheckpointRef,
-                 timeout: float = TASK_DURABLE_WAIT_SECONDS) -> None:
-        self.durable = False
-        self._timeout = timeout
-        self._thread = threading.Thread(target=self._wait, args=(placement.socket_path_for(socket_path), store_id, ref),
-                                        name="statestore-await-durable", daemon=True)
-        self._thread.start()
-
-    def _wait(self, path: str, store_id: StoreId, ref: CheckpointRef) -> None:
-        try:
-            with Client(path, timeout=self._timeout + 5, name="statestore_async.fence") as client:
-                self.durable = client.await_durable(store_id, ref, self._timeout)
-        except (StateStoreError, OSError) as exc:
-            log.debug("waiting for %s of %s to be durable: %s (the driver's fence polls for it)", ref, store_id, exc)
-
-    def join(self) -> bool:
-        """True once the daemon said the delta is durable (False: not within the timeout, or an error)."""
-        self._thread.join(self._timeout + 10)
-        return self.durable
+async def _durable_answers(socket_path: str, wanted: Sequence[tuple[StoreId, CheckpointRef]], timeout: float) -> None:
+    """Returns once the daemon at ``socket_path`` (on the driver's host) has answered AWAIT_DURABLE
+    for every one of ``wanted`` (pipelined on one connection): the fence's wake-up for a HEAD of
+    those files. Best effort: an error only leaves the fence to its polling."""
+    try:
+        async with AsyncClient(socket_path, timeout=timeout + 5, name="statestore_async.fence") as client:
+            await asyncio.gather(*(client.await_durable(sid, ref, timeout) for sid, ref in wanted))
+    except (StateStoreError, OSError) as exc:
+        log.debug("fence: no durability answers from the daemon at %s (%s); polling only", socket_path, exc)
 
 
 class _DriverIO:
