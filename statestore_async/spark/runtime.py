@@ -323,17 +323,19 @@ class _RowKeys:
         return f" of key {_short(self.keys[k])}" if k < len(self.keys) else ""
 
 
-def _check_rows(out: list[Any], schema: pa.Schema, key_of: _RowKeys) -> None:
+def _check_rows(out: list[Any], schema: pa.Schema, key_of: _RowKeys, row_base: int = 0) -> None:
     """``OutputRowError`` unless every row is a tuple, list or Row with one value per column (a Row
     or namedtuple whose field names are the columns' in another order is refused too: rows are
-    matched by position). A Python loop: run when the cheap checks of ``_output_table`` fail."""
+    matched by position). A Python loop: run when the cheap checks of ``_output_table`` fail.
+    ``row_base``: the task's number of the first row of ``out`` (messages count the task's rows)."""
     width, names = len(schema), schema.names
     for i, row in enumerate(out):
         if not isinstance(row, _PLAIN_ROWS):
             hint = (" (did handle_rows return one row instead of an iterable of rows? yield each row)"
                     if not isinstance(row, dict) else
                     f" (a dict is not accepted: yield a tuple in the columns' order, e.g. tuple(row[c] for c in {names}))")
-            raise OutputRowError(f"output row {i}{key_of(i)} is a {type(row).__name__}, not a tuple: {_short(row)}{hint}")
+            raise OutputRowError(f"output row {row_base + i}{key_of(i)} is a {type(row).__name__}, not a tuple: "
+                                 f"{_short(row)}{hint}")
         if len(row) != width:
             raise OutputRowError(
                 f"output rows have {len(row)} values, the output schema has {width} columns {names}: "
@@ -358,21 +360,32 @@ def _column_error(out: list[Sequence[Any]], j: int, field: pa.Field, key_of: _Ro
 
 
 def _output_table(out: list[Any], schema: pa.Schema, keys: Sequence[tuple] | None = None,
-                  ends: Sequence[int] | None = None, *, per_key: Sequence[Sequence[Any]] | None = None) -> pa.Table:
+                  ends: Sequence[int] | None = None, *, per_key: Sequence[Sequence[Any]] | None = None,
+                  key_arrays: Sequence[pa.Array | pa.ChunkedArray] = (), row_base: int = 0) -> pa.Table:
     """The per-key processor's output rows as a table of ``schema``; ``OutputRowError`` naming the
     column, the grouping key (``keys[k]`` produced rows ``ends[k-1]:ends[k]``, or ``per_key[k]``)
-    and the value for a row that does not fit."""
+    and the value for a row that does not fit.
+
+    ``key_arrays``: the Arrow columns the values of ``keys`` came from (``key_arrays[c]``'s values
+    are ``keys[k][c]``). When output column ``c`` holds, row for row, the very objects ``keys[k][c]``
+    (one row per key that starts with its key, as ``(*key, ...)`` gives) and has that column's type,
+    the column is that array: no conversion of the values back to Arrow."""
     if not out:
         return schema.empty_table()
     key_of = _RowKeys(keys, ends, per_key)
     if any(t not in _PLAIN_ROWS for t in set(map(type, out))):  # one pass of C
-        _check_rows(out, schema, key_of)  # dicts, scalars, Rows naming the columns out of order
+        _check_rows(out, schema, key_of, row_base)  # dicts, scalars, Rows naming the columns out of order
     width = len(schema)
     if set(map(len, out)) != {width}:  # a short or long row (one pass of C)
-        _check_rows(out, schema, key_of)
-    arrays = []
+        _check_rows(out, schema, key_of, row_base)
+    same_rows = keys is not None and len(out) == len(keys)
+    arrays: list[pa.Array | pa.ChunkedArray] = []
     for j, field in enumerate(schema):
         values = list(map(operator.itemgetter(j), out))  # one column, one pass of C
+        if (same_rows and j < len(key_arrays) and key_arrays[j].type == field.type
+                and all(map(operator.is_, values, map(operator.itemgetter(j), keys)))):  # type: ignore[arg-type]
+            arrays.append(key_arrays[j])  # the key column itself (identity: the same values)
+            continue
         try:
             arrays.append(_column(values, field.type))
         except _CONVERSION_ERRORS as exc:
@@ -673,13 +686,25 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     t = time.perf_counter()
     timers = h.timers if h is not None and h.timers.enabled else None
     fn = processor.handle_initial_state if initial else processor.handle_rows
-    results = _call_per_key(processor, variables, keys, rows, offsets.tolist(), timers, fn)
+    schema = spec.output_schema
+    key_arrays = [c.combine_chunks() for c in keys_table.columns]
+    tables: list[pa.Table] = []
+    row_base = [0]
+
+    def emit(first: int, results: list[Sequence[Any]]) -> None:
+        """The output of keys ``first..`` as a table (their Python rows are freed as it returns)."""
+        out = list(itertools.chain.from_iterable(results))
+        tables.append(_output_table(out, schema, keys[first:first + len(results)], per_key=results,
+                                    key_arrays=[a.slice(first, len(results)) for a in key_arrays],
+                                    row_base=row_base[0]))
+        row_base[0] += len(out)
+
+    _call_per_key(processor, variables, keys, rows, offsets.tolist(), timers, fn, emit)
     del rows
-    msg_keys = keys
     if tt is not None and timers is not None and not initial:
         fired_results, fired_keys = _fire_timers(processor, variables, keys, tt, timers)
-        msg_keys = keys[:len(results)] + fired_keys
-        results += fired_results
+        fired = list(itertools.chain.from_iterable(fired_results))
+        tables.append(_output_table(fired, schema, fired_keys, per_key=fired_results, row_base=row_base[0]))
         timings["timers_fired"] = len(fired_results)
     close = getattr(processor, "close", None)
     if close is not None:
@@ -710,8 +735,8 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
         if extra_removes:
             removes.append(pa.array(extra_removes, pa.binary()))
     puts = (_concat(put_keys), _concat(put_values))
-    out = list(itertools.chain.from_iterable(results))
-    table = _output_table(out, spec.output_schema, msg_keys, per_key=results)
+    table = (tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks() if tables
+             else schema.empty_table())
     timings["process"] = time.perf_counter() - t
     return table, puts, _concat(removes)
 
@@ -768,34 +793,52 @@ def _concat(arrays: list[pa.Array]) -> pa.Array:
     return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
 
 
+# keys per chunk of the per-key loop: their output rows become Arrow columns (and are freed) after
+# each chunk, so the Python objects of the output never pile up over the whole partition
+PER_KEY_CHUNK = 2048
+
+
 def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys: list[tuple], rows: list[tuple],
-                  off: list[int], timers: Any = None, fn: Callable[..., Any] | None = None) -> list[Sequence[Any]]:
+                  off: list[int], timers: Any = None, fn: Callable[..., Any] | None = None,
+                  emit: Callable[[int, list[Sequence[Any]]], object] | None = None,
+                  chunk: int = PER_KEY_CHUNK) -> list[Sequence[Any]]:
     """``handle_rows`` (or ``fn``) of every key (key i: ``rows[off[i]:off[i+1]]``) with the state
     variables bound to it; the rows each call gave, a tuple or list per key. A generator is drained
-    while its key is bound (it may read and write the key's state)."""
+    while its key is bound (it may read and write the key's state). With ``emit``, the rows go to
+    ``emit(first key's index, rows of keys first..)`` after every ``chunk`` keys instead (the list
+    returned is empty)."""
     if fn is None:
         fn = processor.handle_rows
     name = getattr(fn, "__name__", "handle_rows")
     state = KeyState({v.name: v for v in variables}, timers)
     results: list[Sequence[Any]] = []
-    add = results.append
+    n = min(len(keys), len(off) - 1)  # keys after the last of ``off`` (due timers' keys) are not called
+    step = chunk if emit is not None else max(n, 1)
+    keys_it, starts, ends = iter(keys), iter(off), itertools.islice(off, 1, None)
     for v in variables:
         v._bind()
     if timers is not None:  # the timers follow the key too: one more binding per key
         variables = [*variables, timers]
     try:
-        if len(variables) == 1:
-            v0 = variables[0]
-            for i, key, a, b in zip(itertools.count(), keys, off, itertools.islice(off, 1, None)):
-                v0._i = i
-                res = fn(key, rows[a:b], state)
-                add(res if type(res) is tuple else _rows_of(res, processor, key, name))
-        else:
-            for i, key, a, b in zip(itertools.count(), keys, off, itertools.islice(off, 1, None)):
-                for v in variables:
-                    v._i = i
-                res = fn(key, rows[a:b], state)
-                add(res if type(res) is tuple else _rows_of(res, processor, key, name))
+        for first in range(0, n, step):
+            add = results.append
+            # zip stops at the end of the range, before taking anything from the iterators after it
+            span = zip(range(first, min(n, first + step)), keys_it, starts, ends)
+            if len(variables) == 1:
+                v0 = variables[0]
+                for i, key, a, b in span:
+                    v0._i = i
+                    res = fn(key, rows[a:b], state)
+                    add(res if type(res) is tuple else _rows_of(res, processor, key, name))
+            else:
+                for i, key, a, b in span:
+                    for v in variables:
+                        v._i = i
+                    res = fn(key, rows[a:b], state)
+                    add(res if type(res) is tuple else _rows_of(res, processor, key, name))
+            if emit is not None:
+                emit(first, results)
+                results = []
     finally:
         for v in variables:
             if v is timers:
