@@ -34,6 +34,11 @@ With a floor peer beside ours, each of our measured batches is printed split: th
 the floor: our own time per batch — planning, the tasks' state work and commit, fence, manifest,
 the sink's job), beside ``foreachBatch``'s phases (with ``materialize="none"`` the sink's job is in
 ``compute``, and ``sink`` is its part of it).
+``--split`` measures that figure without the streaming query's noise: each batch's files go, back
+to back in a shuffled order, through ``floor-pre`` and through ours with ``pre_aggregate`` called
+directly (``process_batch`` on the same static DataFrame, noop sink; ``materialize`` "checkpoint"
+and "none"), and each of ours is taken less that batch's floor; it prints those per batch, their
+medians and our phases (no P1: it has no static form).
 ``floor-jvm``: the same harness with Spark's own ``groupBy(key).agg(count, sum)`` in place of our
 routing — Spark aggregates each input task's rows before one shuffle by its hash of the key, as
 P1 does; our routing by key group has to shuffle every row first. ``floor-jvm`` over ``floor-pre``
@@ -279,6 +284,77 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
             "batch_times": [t * 1000 for t in measured]}
 
 
+def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
+    """``--split``: per batch, the pre-aggregated floor and ours (``process_batch`` on the same static
+    batch, noop sink) for each materialize mode, back to back in a shuffled order; prints ours less
+    the floor per batch and the medians (see the module docstring)."""
+    import random
+
+    from pyspark.sql import functions as F
+
+    from statestore_async.spark import StatefulOperator, placement
+    from statestore_async.spark.examples import PreAggregatedCountSum
+    from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
+
+    files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
+    aggs = lambda: [F.count("*").alias("n"), F.sum("value").alias("s")]
+    read = lambda i: spark.read.schema("key string, value bigint").parquet(*files[2 * i:2 * i + 2])
+    sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
+
+    def count(parts):
+        yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in parts)]})
+
+    def floor(i: int) -> tuple[float, None]:
+        t = time.perf_counter()
+        routed = with_routing(read(i), ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs())
+        routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
+        return (time.perf_counter() - t) * 1000, None
+
+    sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
+    sock = os.path.join(sockdir, "d.sock")
+    placement.start_daemon(sock, args=["--log-level", "warning", *DAEMON_ARGS])
+    try:
+        ops = {mode: StatefulOperator("file://" + os.path.join(work, f"state-{mode}"), "w", ["key"],
+                                      PreAggregatedCountSum(), OUT, 2, 4096, socket_path=sock, fence_timeout=120,
+                                      pre_aggregate=aggs(), materialize=mode) for mode in ("checkpoint", "none")}
+
+        def ours(op, i: int):
+            t = time.perf_counter()
+            prog = op.process_batch(read(i), i, sink)
+            return (time.perf_counter() - t) * 1000, prog
+
+        runs = {"floor": floor, **{m: (lambda i, op=op: ours(op, i)) for m, op in ops.items()}}
+        rng = random.Random(seed)
+        got: dict[str, list] = {k: [] for k in runs}
+        for i in range(batches):
+            order = list(runs)
+            rng.shuffle(order)
+            row = {k: runs[k](i) for k in order}
+            if i == 0:  # the first batch of each (a cold state, the plans' first run) is not measured
+                continue
+            for k, v in row.items():
+                got[k].append(v)
+    finally:
+        placement.stop_daemon(sock)
+        shutil.rmtree(sockdir, ignore_errors=True)
+    fl = [ms for ms, _ in got["floor"]]
+    print(f"\n--split: ours (pre_aggregate, process_batch on static batches, noop sink) less the pre-aggregated floor "
+          f"on the same batch, ms; {len(fl)} batches, floor median {statistics.median(fl):,.0f} ms, load average "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("| materialize | ours over floor (median) | min | max | batch | plan | compute (job) | fence | manifest "
+          "| sink | slower task: total / read / write |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for mode in ops:
+        over = [ms - f for (ms, _), f in zip(got[mode], fl)]
+        progs = [p for _, p in got[mode]]
+        ph = {k: statistics.median(getattr(p, k) * 1000 for p in progs)
+              for k in ("total", "plan", "compute", "fence", "manifest", "sink")}
+        slow = [max(p.tasks.values(), key=lambda t: t.get("total", 0)) for p in progs]
+        tk = "/".join(f"{statistics.median(t.get(k, 0) * 1000 for t in slow):.0f}" for k in ("total", "read", "write"))
+        print(f"| {mode} | {statistics.median(over):,.0f} | {min(over):,.0f} | {max(over):,.0f} | "
+              + " | ".join(f"{ph[k]:,.0f}" for k in ph) + f" | {tk} |")
+
+
 def p4(spark, src, work, oracle, timeout):
     from redis_peer import RedisServer
 
@@ -349,6 +425,9 @@ def main() -> int:
     ap.add_argument("--memory-budget", default=None, metavar="SIZE",
                     help="our daemon's memory budget (e.g. 64MiB: state larger than memory); prints its peak RSS, "
                          "spills and the raw state size after each of our runs")
+    ap.add_argument("--split", action="store_true",
+                    help="instead of the peers: ours with pre_aggregate less the pre-aggregated floor, batch by batch, "
+                         "interleaved (see the module docstring); --keys takes the first K, --batches the batches")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra Spark setting for the session every peer shares (repeatable)")
     charts.add_chart_args(ap, "bench_spark")
@@ -452,6 +531,15 @@ def main() -> int:
         shutil.rmtree(src_p2, ignore_errors=True)
         return out
 
+    if a.split:
+        try:
+            src = os.path.join(work, "in-split")
+            gen(src, keys[0], rows, measured + 1)
+            split(spark, src, os.path.join(work, "split"), measured + 1)
+        finally:
+            spark.stop()
+            shutil.rmtree(work, ignore_errors=True)
+        return 0
     results = []
     try:
         for w in range(a.warmup_rounds):  # figures discarded: see the module docstring

@@ -1001,11 +1001,14 @@ async def _durable_answers(socket_path: str, wanted: Sequence[tuple[StoreId, Che
     """Returns once the daemon at ``socket_path`` (on the driver's host) has answered AWAIT_DURABLE
     for every one of ``wanted`` (pipelined on one connection): the fence's wake-up for a HEAD of
     those files. Best effort: an error only leaves the fence to its polling."""
+    client = AsyncClient(socket_path, timeout=timeout + 5, name="statestore_async.fence")
     try:
-        async with AsyncClient(socket_path, timeout=timeout + 5, name="statestore_async.fence") as client:
+        async with client:
             await asyncio.gather(*(client.await_durable(sid, ref, timeout) for sid, ref in wanted))
     except (StateStoreError, OSError) as exc:
         log.debug("fence: no durability answers from the daemon at %s (%s); polling only", socket_path, exc)
+    finally:  # also when the fence cancels this while the client connects (its reader task is started)
+        await client.close()
 
 
 class _DriverIO:
