@@ -27,6 +27,9 @@ the plain-Python batch computation (``sessions_of``): every peer's sink is one a
 no peer pays for moving its output to the driver; "correct" means the run's count and hash sum are
 those of the expected sessions (a session lost, doubled or changed shows).
 
+``ours-none`` / ``ours-vec-none``: the same with ``materialize="none"`` (the sink's one action runs
+the stateful stage: one Spark job per batch instead of the stage's and the sink's; see docs/SPARK.md).
+
 ``--peers ...,floor`` adds Spark's part of our batch alone (``spark_floor``: the same stream routed
 and shuffled as ours, into a ``mapInArrow`` that only counts rows, noop sink; no state): its
 rows/s over a peer's is the most any version of ours can be ahead of that peer.
@@ -51,7 +54,9 @@ import charts
 
 from statestore_async.testing import sessions as S
 
-PEERS = {"ours": "ours per-key", "ours-vec": "ours vectorized", "aipws": "AIPWS applyInPandasWithState",
+PEERS = {"ours": "ours per-key", "ours-vec": "ours vectorized",
+         "ours-none": "ours per-key, materialize='none'", "ours-vec-none": "ours vectorized, materialize='none'",
+         "aipws": "AIPWS applyInPandasWithState",
          "tws": "TWS transformWithStateInPandas", "floor": "Spark floor (routing + no-op mapInArrow)"}
 
 
@@ -84,7 +89,8 @@ def checked(out: list[tuple[int, int]], expected: tuple[int, int]) -> bool | str
     return got == expected or f"{got[0]} sessions, expected {expected[0]} (or another hash sum)"
 
 
-def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vectorized: bool = False) -> dict:
+def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vectorized: bool = False,
+         materialize: str = "auto") -> dict:
     from statestore_async.spark import placement
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
@@ -92,7 +98,8 @@ def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vect
     placement.start_daemon(sock, args=["--log-level", "warning"])
     try:
         op = S.session_operator("file://" + os.path.join(work, "state"), "sessions", stream.gap_ms, stream.delay_ms,
-                                socket_path=sock, fence_timeout=120, vectorized=vectorized)
+                                socket_path=sock, fence_timeout=120, vectorized=vectorized,
+                                materialize=materialize)
         out: list = []
         prog = run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), op.foreach_batch(S.checksum_into(out)),
                          timeout)
@@ -221,6 +228,8 @@ def main() -> int:
         runs = {
             "ours": lambda d: ours(spark, src, d, stream, a.timeout),
             "ours-vec": lambda d: ours(spark, src, d, stream, a.timeout, vectorized=True),
+            "ours-none": lambda d: ours(spark, src, d, stream, a.timeout, materialize="none"),
+            "ours-vec-none": lambda d: ours(spark, src, d, stream, a.timeout, vectorized=True, materialize="none"),
             "aipws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.apply_in_pandas_with_state),
             "tws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.transform_with_state_in_pandas),
             "floor": lambda d: spark_floor(spark, src, d, a.timeout),
