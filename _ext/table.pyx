@@ -163,9 +163,16 @@ cdef extern from *:
     }
 
     /* n bytes from s to d; keys and values are mostly short, where a call to memcpy costs more
-       than the copy: two overlapping loads and stores (both loads first: s and d may overlap) */
+       than the copy: up to 32 bytes by two or four overlapping loads, then the stores (all loads
+       first: s and d may overlap) */
     static inline void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) {
-        if (n >= 8 && n <= 16) {
+        if (n > 16 && n <= 32) {
+            uint64_t a = ssa_rd64(s), b = ssa_rd64(s + 8), c = ssa_rd64(s + n - 16), e = ssa_rd64(s + n - 8);
+            memcpy(d, &a, 8);
+            memcpy(d + 8, &b, 8);
+            memcpy(d + n - 16, &c, 8);
+            memcpy(d + n - 8, &e, 8);
+        } else if (n >= 8 && n <= 16) {
             uint64_t x = ssa_rd64(s), y = ssa_rd64(s + n - 8);
             memcpy(d, &x, 8);
             memcpy(d + n - 8, &y, 8);
@@ -185,6 +192,9 @@ cdef extern from *:
         if (n >= 8) {
             if (n <= 16)
                 return ssa_rd64(a) == ssa_rd64(b) && ssa_rd64(a + n - 8) == ssa_rd64(b + n - 8);
+            if (n <= 32)
+                return ((ssa_rd64(a) ^ ssa_rd64(b)) | (ssa_rd64(a + 8) ^ ssa_rd64(b + 8))
+                        | (ssa_rd64(a + n - 16) ^ ssa_rd64(b + n - 16)) | (ssa_rd64(a + n - 8) ^ ssa_rd64(b + n - 8))) == 0;
             return memcmp(a, b, n) == 0;
         }
         if (n >= 4)
