@@ -18,6 +18,7 @@ from statestore_async.spark.operator import (
     DuplicateReportError,
     FenceTimeoutError,
     OperatorConfigError,
+    OutputReadError,
     StatefulOperator,
 )
 from statestore_async.spark.placement import (
@@ -58,6 +59,7 @@ __all__ = [
     "ListState",
     "MapState",
     "OperatorConfigError",
+    "OutputReadError",
     "RoutingError",
     "StateHandle",
     "StatefulOperator",
