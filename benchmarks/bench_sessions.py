@@ -30,6 +30,10 @@ those of the expected sessions (a session lost, doubled or changed shows).
 ``ours-none`` / ``ours-vec-none``: the same with ``materialize="none"`` (the sink's one action runs
 the stateful stage: one Spark job per batch instead of the stage's and the sink's; see docs/SPARK.md).
 
+Before the measured runs, each of our peers and the floor runs once on a smaller stream
+(``--warmup-users``, figures discarded): Spark's JIT compiler warms up over several batches, and
+without it whichever peer ran first would pay for it. AIPWS and TWS run long enough to run warm.
+
 ``--peers ...,floor`` adds Spark's part of our batch alone (``spark_floor``: the same stream routed
 and shuffled as ours, into a ``mapInArrow`` that only counts rows, noop sink; no state): its
 rows/s over a peer's is the most any version of ours can be ahead of that peer.
@@ -191,6 +195,10 @@ def main() -> int:
     ap.add_argument("--peers", default="ours,ours-vec,aipws,tws")
     ap.add_argument("--overhead", action="store_true", help="also measure what event time adds per batch")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--warmup-users", type=int, default=None,
+                    help="users of the warm-up stream each of our peers and the floor first run on, figures discarded "
+                         "(default 20,000; 0: none). Spark's JIT warms up over several batches: without it the "
+                         "first peer pays for it")
     charts.add_chart_args(ap, "bench_sessions")
     a = ap.parse_args()
     users = a.users or (10_000 if a.quick else 100_000)
@@ -234,6 +242,23 @@ def main() -> int:
             "tws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.transform_with_state_in_pandas),
             "floor": lambda d: spark_floor(spark, src, d, a.timeout),
         }
+        warm_users = a.warmup_users if a.warmup_users is not None else (0 if a.quick else 20_000)
+        warm = [p for p in dict.fromkeys(peers) if p not in ("aipws", "tws")]  # those two run long, on a warm JVM
+        if warm_users and warm:
+            t = time.perf_counter()
+            wstream = S.generate(users=warm_users, batches=3, seed=2)
+            wsrc = os.path.join(work, "warm-in")
+            S.write_batches(wstream, wsrc)
+            for short in warm:
+                d = os.path.join(work, f"warm-{short}")
+                os.makedirs(d)
+                {"ours": lambda: ours(spark, wsrc, d, wstream, a.timeout),
+                 "ours-vec": lambda: ours(spark, wsrc, d, wstream, a.timeout, vectorized=True),
+                 "ours-none": lambda: ours(spark, wsrc, d, wstream, a.timeout, materialize="none"),
+                 "ours-vec-none": lambda: ours(spark, wsrc, d, wstream, a.timeout, vectorized=True, materialize="none"),
+                 "floor": lambda: spark_floor(spark, wsrc, d, a.timeout)}[short]()
+                shutil.rmtree(d, ignore_errors=True)
+            print(f"# warm-up ({warm_users:,} users, {', '.join(warm)}): {time.perf_counter() - t:.0f}s", flush=True)
         for r in range(a.repeat):
             for short in peers:
                 d = os.path.join(work, f"{short}-{r}")
