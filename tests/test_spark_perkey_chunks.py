@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from spark_cluster import Daemon
@@ -17,7 +18,15 @@ from statestore_async.spark import StatefulProcessor
 from statestore_async.spark.examples import CountSum
 from statestore_async.spark.processor import StateHandle
 from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.runtime import PER_KEY_CHUNK, TaskSpec, _call_per_key, _output_table, run_partition
+from statestore_async.spark.runtime import (
+    PER_KEY_CHUNK,
+    TaskSpec,
+    _call_per_key,
+    _output_table,
+    _py_values,
+    _RowColumns,
+    run_partition,
+)
 
 G = 8
 OUT = pa.schema([("key", pa.string()), ("count", pa.int64()), ("sum", pa.int64())])
@@ -60,6 +69,50 @@ def test_emit_gets_each_chunk_of_keys_with_the_state_bound_per_key():
     assert _call_per_key(p, variables, keys, rows, off) == [((f"k{i}", i % 3),) for i in range(8)]
     with pytest.raises(errors.InterfaceError, match="outside handle_rows"):
         p.n.get()
+
+
+class _Echo(StatefulProcessor):
+    """Emits each key's rows as it gets them (and counts them in its state)."""
+
+    def init(self, handle):
+        self.n = handle.value_state("n")
+
+    def handle_rows(self, key, rows, state):
+        self.n.update(len(rows))
+        return (key, list(rows))
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 100])
+def test_rows_given_as_columns_are_the_same_tuples_chunk_by_chunk(chunk):
+    """``_RowColumns`` (values per column, tuples made per chunk of keys) hands every key the rows a
+    list of tuples would, keys without rows included."""
+    cols = pa.table({"x": pa.array([1, 2, None, 4, 5, 6, 7], pa.int64()), "y": pa.array([1.5, 2.5, 3.5, 4.5, -0.0,
+                                                                                         float("inf"), 7.5]),
+                     "s": ["a", "b", "c", None, "e", "f", "g"]})
+    tuples = list(zip(*[c.to_pylist() for c in cols.columns]))
+    keys = [(f"k{i}",) for i in range(5)]
+    off = [0, 2, 2, 5, 6, 7]
+    p = _Echo()
+    h = StateHandle()
+    p.init(h)
+    variables = list(h.variables.values())
+    got = []
+    for rows in (tuples, _RowColumns([_py_values(c) for c in cols.columns])):
+        variables[0]._begin(pa.array([None] * 5, pa.binary()), 0)
+        emitted: list = []
+        _call_per_key(p, variables, keys, rows, np.array(off), emit=lambda first, res: emitted.extend(res), chunk=chunk)
+        got.append(emitted)
+    assert got[0] == got[1] == [(keys[i], tuples[off[i]:off[i + 1]]) for i in range(5)]
+    assert [type(v) for v in got[1][0][1][0]] == [int, float, str]
+
+
+def test_py_values_are_to_pylist():
+    for arr in (pa.array([1, -2, 2**62], pa.int64()), pa.array([3, 4], pa.uint8()), pa.array([0.5, float("nan")]),
+                pa.array([1.25], pa.float32()), pa.array([1, None]), pa.array([True, False]), pa.array(["a"])):
+        for col in (arr, pa.chunked_array([arr, arr])):
+            got, want = _py_values(col), col.to_pylist()
+            assert [type(v) for v in got] == [type(v) for v in want]
+            assert repr(got) == repr(want)
 
 
 def test_a_key_column_repeated_unchanged_is_the_key_array_itself():
