@@ -1403,6 +1403,25 @@ cdef int _trailing(Py_ssize_t pos, Py_ssize_t end, str what) except -1:
     return 0
 
 
+cdef inline Py_ssize_t _hash_ahead(Table table, const uint8_t* buf, Py_ssize_t pos, uint32_t m, bint pairs,
+                                   Py_ssize_t* kpos, uint64_t* hs) noexcept:
+    """The next ``m`` entries of a checked list payload (``pairs``: of a pairs payload) from ``pos``:
+    each key's position and hash, its slot in ``table`` prefetched (the keys of a chunk first, the
+    work after: about one memory latency per chunk rather than one per key); the position after."""
+    cdef size_t cap = table.cap
+    cdef uint32_t j, kl
+    for j in range(m):
+        kl = _rd32(buf + pos)
+        kpos[j] = pos
+        hs[j] = ssa_hash(buf + pos + 4, kl)
+        if cap:
+            ssa_prefetch(table.slots + (((hs[j] >> 32) * cap) >> 32))
+        pos += 4 + kl
+        if pairs:
+            pos += 4 + _rd32(buf + pos)
+    return pos
+
+
 def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
                unsigned long long max_count=0xFFFFFFFF):
     """See ``statestore_async._ref.table.put_packed``."""
@@ -1421,23 +1440,15 @@ def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
     if table.count == 0 and n:  # a version's first batch: its room at once, not by doubling
         table._reserve_index(n)
         table._reserve_arena(<size_t>(pos - first))  # a record takes no more room than its pair
-    # in chunks of APPLY_CHUNK pairs: hashes first with the slots prefetched (as ``apply`` does)
+    # in chunks of APPLY_CHUNK pairs (``_hash_ahead``)
     cdef Py_ssize_t kpos[APPLY_CHUNK]
     cdef uint64_t hs[APPLY_CHUNK]
     cdef uint32_t j, m
-    cdef size_t cap
     pos = first
     i = 0
     while i < n:
         m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
-        cap = table.cap
-        for j in range(m):
-            kl = _rd32(base + pos)
-            kpos[j] = pos
-            hs[j] = ssa_hash(base + pos + 4, kl)
-            if cap:
-                ssa_prefetch(table.slots + (((hs[j] >> 32) * cap) >> 32))
-            pos += 8 + kl + _rd32(base + pos + 4 + kl)
+        pos = _hash_ahead(table, base, pos, m, True, kpos, hs)
         for j in range(m):
             kl = _rd32(base + kpos[j])
             k = base + kpos[j] + 4
@@ -1466,23 +1477,15 @@ def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_k
     cdef const uint8_t* k
     # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
     table._reserve_index(table.count + n)
-    # in chunks of APPLY_CHUNK keys: hashes first with the slots prefetched (as ``apply`` does)
+    # in chunks of APPLY_CHUNK keys (``_hash_ahead``)
     cdef Py_ssize_t kpos[APPLY_CHUNK]
     cdef uint64_t hs[APPLY_CHUNK]
     cdef uint32_t j, m
-    cdef size_t cap
     pos = first
     i = 0
     while i < n:
         m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
-        cap = table.cap
-        for j in range(m):
-            kl = _rd32(base + pos)
-            kpos[j] = pos
-            hs[j] = ssa_hash(base + pos + 4, kl)
-            if cap:
-                ssa_prefetch(table.slots + (((hs[j] >> 32) * cap) >> 32))
-            pos += 4 + kl
+        pos = _hash_ahead(table, base, pos, m, False, kpos, hs)
         for j in range(m):
             kl = _rd32(base + kpos[j])
             table._set(base + kpos[j] + 4, kl, hs[j], NULL, 0, True)
@@ -1596,8 +1599,8 @@ def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned lo
     cdef size_t total = 4
     cdef bytes out
     cdef uint8_t* o
-    # in chunks of APPLY_CHUNK keys: hashes first with the base's slots prefetched, then the
-    # records the slots name, then the lookups (as ``apply`` does)
+    # in chunks of APPLY_CHUNK keys: hashes first with the base's slots prefetched (``_hash_ahead``),
+    # then the records the slots name, then the lookups (as ``apply`` does)
     cdef Py_ssize_t poss[APPLY_CHUNK]
     cdef uint64_t hs[APPLY_CHUNK]
     cdef uint32_t c, j, m
@@ -1608,13 +1611,7 @@ def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned lo
         i = 0
         while i < n:
             m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
-            for j in range(m):
-                kl = _rd32(b + pos)
-                poss[j] = pos
-                hs[j] = ssa_hash(b + pos + 4, kl)
-                if cap:
-                    ssa_prefetch(base.slots + (((hs[j] >> 32) * cap) >> 32))
-                pos += 4 + kl
+            pos = _hash_ahead(base, b, pos, m, False, poss, hs)
             if cap:
                 for j in range(m):
                     s = base.slots[((hs[j] >> 32) * cap) >> 32]
