@@ -53,6 +53,7 @@ from statestore_async.errors import CorruptBlockError, CorruptFileError
 from statestore_async.files.checkpoint import (
     HEADER_FIXED,
     TRAILER_SIZE,
+    BlockIndexEntry,
     FileHeader,
     Footer,
     header_length,
@@ -260,15 +261,22 @@ class ColdRun:
                 pass
 
     # --- blocks ----------------------------------------------------------------------------------
-    def _read_block(self, i: int) -> list[tuple[bytes, bytes | None]]:
+    def _pread(self, i: int) -> tuple[BlockIndexEntry, bytes]:
+        """Block ``i``'s index entry and its bytes as stored (a closed run or a short read:
+        ``CorruptFileError``)."""
         fd = self._fd
         if fd is None:
             raise CorruptFileError(self.path, "the cold run was closed", None)
         e = self._blocks[i]
         data = os.pread(fd, e.length, e.offset)
+        if len(data) != e.length:
+            raise CorruptFileError(self.path, f"block {i} at {e.offset}: truncated: {len(data)} of {e.length} bytes",
+                                   e.offset)
+        return e, data
+
+    def _read_block(self, i: int) -> list[tuple[bytes, bytes | None]]:
+        e, data = self._pread(i)
         try:
-            if len(data) != e.length:
-                raise CorruptBlockError(f"truncated: {len(data)} of {e.length} bytes")
             records, end = blockcodec.decode_block(data, 0)
             if end != e.length or len(records) != e.count:
                 raise CorruptBlockError(f"the block holds {len(records)} records in {end} bytes, the index "
@@ -373,14 +381,8 @@ class ColdRun:
 
     def _raw_block(self, i: int) -> bytes:
         """Block ``i`` as stored, its lengths and checksum checked (not decoded)."""
-        fd = self._fd
-        if fd is None:
-            raise CorruptFileError(self.path, "the cold run was closed", None)
-        e = self._blocks[i]
-        data = os.pread(fd, e.length, e.offset)
+        e, data = self._pread(i)
         try:
-            if len(data) != e.length:
-                raise CorruptBlockError(f"truncated: {len(data)} of {e.length} bytes")
             _codec, count, _raw_len, _stored, total = blockcodec.read_block_header(data, 0)
             if total != e.length or count != e.count:
                 raise CorruptBlockError(f"the block holds {count} records in {total} bytes, the index says "
