@@ -1422,6 +1422,27 @@ cdef inline Py_ssize_t _hash_ahead(Table table, const uint8_t* buf, Py_ssize_t p
     return pos
 
 
+cdef int _set_entries(Table table, const uint8_t* buf, Py_ssize_t pos, uint32_t n, bint pairs) except -1:
+    """Set the ``n`` keys of a checked payload from ``pos``: to their values (``pairs``) or to
+    tombstones, ``APPLY_CHUNK`` at a time (``_hash_ahead``)."""
+    cdef Py_ssize_t kpos[APPLY_CHUNK]
+    cdef uint64_t hs[APPLY_CHUNK]
+    cdef uint32_t i = 0, j, m, kl
+    cdef const uint8_t* k
+    while i < n:
+        m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
+        pos = _hash_ahead(table, buf, pos, m, pairs, kpos, hs)
+        for j in range(m):
+            kl = _rd32(buf + kpos[j])
+            k = buf + kpos[j] + 4
+            if pairs:
+                table._set(k, kl, hs[j], k + kl + 4, _rd32(k + kl), False)
+            else:
+                table._set(k, kl, hs[j], NULL, 0, True)
+        i += m
+    return 0
+
+
 def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
                unsigned long long max_count=0xFFFFFFFF):
     """See ``statestore_async._ref.table.put_packed``."""
@@ -1431,30 +1452,14 @@ def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
     cdef const uint8_t* base = &mv[0]
     cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
     cdef Py_ssize_t first = pos + 4, short_key = -1
-    cdef uint32_t i, kl, vl
     pos = walk_pairs(base, first, end, n, min_key, &short_key)
     _trailing(pos, end, "pairs")
     if short_key >= 0:
         raise _key_error(short_key, min_key)
-    cdef const uint8_t* k
     if table.count == 0 and n:  # a version's first batch: its room at once, not by doubling
         table._reserve_index(n)
         table._reserve_arena(<size_t>(pos - first))  # a record takes no more room than its pair
-    # in chunks of APPLY_CHUNK pairs (``_hash_ahead``)
-    cdef Py_ssize_t kpos[APPLY_CHUNK]
-    cdef uint64_t hs[APPLY_CHUNK]
-    cdef uint32_t j, m
-    pos = first
-    i = 0
-    while i < n:
-        m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
-        pos = _hash_ahead(table, base, pos, m, True, kpos, hs)
-        for j in range(m):
-            kl = _rd32(base + kpos[j])
-            k = base + kpos[j] + 4
-            vl = _rd32(k + kl)
-            table._set(k, kl, hs[j], k + kl + 4, vl, False)
-        i += m
+    _set_entries(table, base, first, n, True)
     table.version += 1
     table._tidy()
     return n
@@ -1473,23 +1478,9 @@ def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_k
     _trailing(pos, end, "list")
     if short_key >= 0:
         raise _key_error(short_key, min_key)
-    cdef uint32_t i, kl
-    cdef const uint8_t* k
     # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
     table._reserve_index(table.count + n)
-    # in chunks of APPLY_CHUNK keys (``_hash_ahead``)
-    cdef Py_ssize_t kpos[APPLY_CHUNK]
-    cdef uint64_t hs[APPLY_CHUNK]
-    cdef uint32_t j, m
-    pos = first
-    i = 0
-    while i < n:
-        m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
-        pos = _hash_ahead(table, base, pos, m, False, kpos, hs)
-        for j in range(m):
-            kl = _rd32(base + kpos[j])
-            table._set(base + kpos[j] + 4, kl, hs[j], NULL, 0, True)
-        i += m
+    _set_entries(table, base, first, n, False)
     table.version += 1
     table._tidy()
     return n
