@@ -16,8 +16,9 @@ steps, one method each:
    files, see ``files.rescale``); route in the JVM (``routing.with_routing``): key group
    ``pmod(xxhash64(keys), G)``, task ``i`` gets exactly state partition ``i``; build the ``TaskSpec``;
    with ``time_mode="event"`` the batch's watermark comes from manifest ``b``'s metadata (``eventtime``:
-   Spark's rule), the input is observed for its max event time and late rows, and late rows are
-   dropped before the routing (``late_rows="drop"``); the heartbeat's rows (``with_heartbeat``) go first;
+   Spark's rule), the tasks count the max event time and late rows of the rows they get and drop
+   the late ones (``late_rows="drop"``) before grouping (with ``pre_aggregate``: observed and dropped
+   in the JVM before the routing); the heartbeat's rows (``with_heartbeat``) go first;
 2. run (``_run_tasks``, lazy): one ``mapInArrow`` task per partition (``runtime.run_partition``)
    opens its store at the state the manifest names, applies the processor, commits, and reports a
    ``TaskReport`` through an accumulator (the tasks run in a single result stage: Spark merges the
@@ -95,8 +96,10 @@ from statestore_async.spark.eventtime import (
     TimeSettings,
     batch_watermark,
     drop_heartbeat,
+    event_time_kind,
     observe_event_time,
     observed_event_time,
+    tasks_event_time,
     time_settings,
     with_heartbeat,
 )
@@ -203,10 +206,13 @@ class BatchPlan:
     spec: TaskSpec        # what every task gets
     query_id: str | None = None      # the streaming query running the batch (None: outside one)
     owner: OwnerRecord | None = None  # its claim on the state (None: outside a query, the state unowned)
-    # event time: the max event time (ms) of batches < batch_id, and the Observation of this batch's max
-    # event time and late rows (None outside time_mode "event"); the watermark is ``spec.watermark_ms``
+    # event time: the max event time (ms) of batches < batch_id, and where this batch's max event time
+    # and late rows come from: the tasks' accumulator of their ``(partition, max, late)`` (``split_late``),
+    # or with pre_aggregate the Observation of the JVM's input (None outside time_mode "event"); the
+    # watermark is ``spec.watermark_ms``
     max_event_time_ms: int | None = None
     observation: Observation | None = None
+    event_times: Accumulator | None = None
     # batch 0 of an operator with ``initial_state``: handle_initial_state's output, computed and kept
     # (it joins the batch's output); released with the batch's
     initial: Materialized | None = None
@@ -558,10 +564,15 @@ class StatefulOperator:
         if base.version == 0 and self.initial_state is not None:
             base, initial = self._load_initial_state(base, batch_id)
         watermark, seen = batch_watermark(self.time, base.metadata)
-        observation = None
-        if self.time.event:
+        observation = event_times = None
+        # the tasks count (and drop) late rows, unless the JVM aggregates the rows before any task sees them
+        in_tasks = self.time.event_time_column if self.time.event and not self.pre_aggregate else None
+        if in_tasks is not None:
+            event_time_kind(df, in_tasks)  # InterfaceError: missing, or not a time
+            event_times = df.sparkSession.sparkContext.accumulator([], _reports_param())
+        elif self.time.event:  # observed and filtered in the JVM, before its pre-aggregation
             df, observation = observe_event_time(df, self.time, watermark)
-        routed, values = self.routed(df)
+        routed, values = self.routed(df, in_tasks)
         spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
                         output_schema=self.arrow_schema, num_partitions=self.num_partitions,
                         num_key_groups=self.num_key_groups, batch_id=batch_id,
@@ -571,11 +582,13 @@ class StatefulOperator:
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
                         daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark,
-                        rescaled=rescaled, key_schema=_key_schema(df, self.key_columns))
+                        rescaled=rescaled, key_schema=_key_schema(df, self.key_columns),
+                        event_time_column=in_tasks,
+                        drop_late=self.time.late_rows == "drop")
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields if f.name in self.key_columns}
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
                          key_types=types if len(types) == len(self.key_columns) else None,
-                         max_event_time_ms=seen, observation=observation, initial=initial)
+                         max_event_time_ms=seen, observation=observation, event_times=event_times, initial=initial)
 
     def _rescale(self, base: Manifest) -> tuple[Manifest, tuple[int, int]]:
         """The state of manifest ``base`` (written with another number of partitions) at this
@@ -703,9 +716,11 @@ class StatefulOperator:
 
         return self._run(read)
 
-    def routed(self, df: DataFrame) -> tuple[DataFrame, tuple[str, ...]]:
+    def routed(self, df: DataFrame, event_time_column: str | None = None) -> tuple[DataFrame, tuple[str, ...]]:
         """``(routed, value_columns)``: the batch shuffled so task i holds state partition i's rows (and,
-        with ``pre_aggregate``, one row per key of those rows' aggregates)."""
+        with ``pre_aggregate``, one row per key of those rows' aggregates); ``event_time_column`` (the
+        tasks count late rows) is routed too when it is neither a key nor a value column (the
+        processor does not get it)."""
         if self.pre_aggregate:
             # the JVM combines each key's rows of the batch right after the routing shuffle: grouped by
             # (route, key group, keys), the aggregate is satisfied by the shuffle's partitioning, so it
@@ -714,8 +729,9 @@ class StatefulOperator:
             routed = routed.groupBy(ROUTE_COLUMN, KG_COLUMN, *self.key_columns).agg(*self.pre_aggregate)
             return routed, tuple(c for c in routed.columns if c not in (ROUTE_COLUMN, KG_COLUMN, *self.key_columns))
         values = self.value_columns or tuple(c for c in df.columns if c not in self.key_columns)
+        extra = [event_time_column] if event_time_column not in (None, *self.key_columns, *values) else []
         return with_routing(df, list(self.key_columns), self.num_partitions, self.num_key_groups,
-                            columns=[*self.key_columns, *values]), values
+                            columns=[*self.key_columns, *values, *extra]), values
 
     def _compute(self, plan: BatchPlan, spark: SparkSession, prog: BatchProgress, t0: float,
                  keep: bool = True) -> tuple[Materialized, list[TaskReport], dict[int, CheckpointRef]]:
@@ -791,18 +807,20 @@ class StatefulOperator:
         last output row. Nothing runs until the output is materialized."""
         acc = spark.sparkContext.accumulator([], _reports_param())
         finished = spark.sparkContext.accumulator([], _reports_param())
-        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished), self.output_schema)
+        out = plan.routed.mapInArrow(self._task_fn(plan.spec, acc, finished=finished, event_times=plan.event_times),
+                                     self.output_schema)
         if plan.initial is not None:  # handle_initial_state's rows join batch 0's output
             out = out.union(plan.initial.result)
         return out, acc, finished
 
     def _task_fn(self, spec: TaskSpec, acc: Accumulator, run: Callable[..., pa.Table] = run_partition,
-                 finished: Accumulator | None = None,
+                 finished: Accumulator | None = None, event_times: Accumulator | None = None,
                  ) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
         """The function ``mapInArrow`` runs on an executor: ``run`` (``run_partition``, or
         ``run_initial_state``) on the task's partition (Spark's partition id is the state
-        partition), its report added to ``acc``, and its partition to ``finished`` (when given)
-        after its last output row."""
+        partition), its report added to ``acc``, its ``(partition, max event time, late rows)`` to
+        ``event_times`` (when given: the tasks count late rows), and its partition to ``finished``
+        (when given) after its last output row."""
         processor = self.processor
 
         def task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -811,7 +829,8 @@ class StatefulOperator:
             ctx = TaskContext.get()
             assert ctx is not None  # set in every task
             part, attempt = ctx.partitionId(), ctx.attemptNumber()
-            out = run(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]))
+            kw = {} if event_times is None else {"event_time": lambda top, late: event_times.add([(part, top, late)])}
+            out = run(processor, spec, part, attempt, list(batches), lambda r: acc.add([r]), **kw)
             yield from out.to_batches(max_chunksize=65536)
             if finished is not None:
                 finished.add([part])
@@ -922,7 +941,10 @@ class StatefulOperator:
         batches up to it. {} outside time_mode "event"."""
         if not self.time.event:
             return {}
-        top, late = observed_event_time(plan.observation)
+        if plan.event_times is not None:
+            top, late = tasks_event_time(plan.event_times.value)
+        else:
+            top, late = observed_event_time(plan.observation)
         prog.watermark_ms, prog.max_event_time_ms, prog.late_rows = plan.spec.watermark_ms, top, late
         before = plan.max_event_time_ms
         seen = before if top is None else top if before is None else max(top, before)

@@ -38,6 +38,7 @@ from statestore_async.errors import (
 from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.spark import placement
 from statestore_async.spark.coordinator import location_of
+from statestore_async.spark.eventtime import split_late
 from statestore_async.spark.processor import (
     ExpiredTimer,
     KeyState,
@@ -180,6 +181,11 @@ class TaskSpec:
     # version of the refs' assembled states)``. Every task opens its partition (loading it assembles its
     # state and writes its snapshot) and asks its daemon to drop copies of the old layout's partitions
     rescaled: tuple[int, int] | None = None
+    # time_mode "event" without pre_aggregate: the event-time column in the routed rows, whose max and
+    # late rows (``<= watermark_ms``) each task counts (``eventtime.split_late``) and, with ``drop_late``,
+    # drops before grouping. None: the driver observed and filtered them in the JVM (or no event time)
+    event_time_column: str | None = None
+    drop_late: bool = True
 
 
 @dataclass(frozen=True)
@@ -429,8 +435,13 @@ def _table_of(batches: list[pa.RecordBatch]) -> pa.Table | None:
 
 
 def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, partition: int, attempt: int,
-                  batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None = None) -> pa.Table:
+                  batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None = None,
+                  event_time: Callable[[int | None, int], object] | None = None) -> pa.Table:
     """Apply ``processor`` to one state partition's rows of a batch; returns the output table.
+
+    With ``spec.event_time_column`` the rows' max event time and late rows are counted first and
+    given to ``event_time(max_ms, late)`` (a partition with rows, before anything else), and the
+    late rows are dropped (``spec.drop_late``): the processor never sees them.
 
     Opens the store at ``spec.refs[partition]``, commits, calls ``report(TaskReport(...))`` after
     the commit (``timings``: seconds spent grouping, in the store, in the processor; ``node``: where
@@ -440,7 +451,7 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     only when that changed something. A daemon lost on the way (``DAEMON_LOST``) makes the task try
     again (``_commit_partition``); only the commit it reports counts.
     """
-    return _run(processor, spec, partition, attempt, batches, report, initial=False)
+    return _run(processor, spec, partition, attempt, batches, report, initial=False, event_time=event_time)
 
 
 def run_initial_state(processor: StatefulProcessor, spec: TaskSpec, partition: int, attempt: int,
@@ -463,11 +474,18 @@ def run_initial_state(processor: StatefulProcessor, spec: TaskSpec, partition: i
 
 
 def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, partition: int, attempt: int,
-         batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None, initial: bool) -> pa.Table:
+         batches: list[pa.RecordBatch], report: Callable[[TaskReport], object] | None, initial: bool,
+         event_time: Callable[[int | None, int], object] | None = None) -> pa.Table:
     t0 = time.perf_counter()
     if spec.time_mode not in TIME_MODES:
         raise InterfaceError(f"time_mode is one of {TIME_MODES}, got {spec.time_mode!r}")
     table = _table_of([b for b in batches if b.num_rows])
+    if table is not None and spec.event_time_column is not None and not initial:
+        table, top, late = split_late(table, spec.event_time_column, spec.watermark_ms, spec.drop_late)
+        if event_time is not None:
+            event_time(top, late)
+        if not table.num_rows:
+            table = None
     idle = table is None
     if table is None:
         if spec.rescaled is not None and not initial and not _has_time_work(processor):
