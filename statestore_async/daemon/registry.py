@@ -25,6 +25,14 @@ budget, and a later load of the store waits for its uploads) leave memory:
   from its files when opened again. A spilled store that holds less than ``spill_min_bytes``
   stays (evicting it would free little and cost a reload).
 
+Over budget with every idle store spilled or gone, the open versions with the largest changes
+*flush* them (``StoreVersion.flush``: the write buffer): the changes go in key order to a file in
+the scratch folder (``checkpoint.write_flushed``; the file is unlinked once opened, so a crash
+leaves nothing behind), read back as a run by the version and, after its commit, by the store's
+cold level. A version can flush once its store is spilled (an empty store spills onto an empty
+snapshot file of its own) and its hot part is empty (its durable deltas are stacked first). When
+the commit's delta file is durable and local, it replaces the flushed runs (``_stack_deltas``).
+
 A load offers the loader the local copies of a store's files (``_cold_opener``, ``_delta_opener``):
 a store whose snapshot is on local disk comes back spilled onto it, with the deltas after it opened
 as runs (up to ``MAX_RUNS``), reading none of their records into memory.
@@ -35,25 +43,31 @@ knows another node now owns them).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
+import tempfile
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from statestore_async.daemon.objectstores import ObjectStores
 from statestore_async.daemon.uploader import Uploader, UploadState
-from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
+from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, FlushedRun, StoreVersion, VersionedStore
+from statestore_async.engine.table import Table
 from statestore_async.errors import StateStoreError, VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader
+from statestore_async.files.checkpoint import CheckpointWriter, write_flushed
 from statestore_async.files.coldrun import BlockCache, ColdRun, ColdStack
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
-from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
+from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
 
 # a store whose committed map takes less is evicted whole rather than spilled (its reload is cheap)
 SPILL_MIN_BYTES = 1 << 20
 # runs a spilled store's cold level may have (deltas over its snapshot) before the next spill goes
 # onto a new snapshot instead: every run is one more place a read may have to look
 MAX_RUNS = 16
+# an open version's changes smaller than this stay in memory (a flush costs a file and a run)
+FLUSH_MIN_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +77,7 @@ class StoreRegistry:
 
     def __init__(self, objstores: ObjectStores, uploader: Uploader, *, memory_budget: int = 2 << 30,
                  history: int = DEFAULT_HISTORY, block_cache_bytes: int | None = None,
-                 spill_min_bytes: int = SPILL_MIN_BYTES) -> None:
+                 spill_min_bytes: int = SPILL_MIN_BYTES, scratch_dir: str | None = None) -> None:
         self._objstores = objstores
         self._uploader = uploader
         self.memory_budget = memory_budget
@@ -71,6 +85,9 @@ class StoreRegistry:
         # decoded blocks of the spilled stores' cold levels (a quarter of the budget by default)
         self.block_cache = BlockCache(memory_budget // 4 if block_cache_bytes is None else block_cache_bytes)
         self.spill_min_bytes = spill_min_bytes
+        # where flushed changes are written (None: a temporary folder, made when first needed)
+        self._scratch = scratch_dir
+        self._scratch_ids = itertools.count(1)
         # set by maintenance: snapshot a store's head now, then call ``spill_at`` (None: no spilling
         # of stores without a snapshot at their head)
         self.request_spill: Callable[[StoreId], None] | None = None
@@ -81,7 +98,8 @@ class StoreRegistry:
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
                          "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
                          "cold_loads": 0, "deltas_stacked": 0, "delta_runs_loaded": 0, "deltas_downloaded": 0,
-                         "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0}
+                         "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0,
+                         "flushes": 0, "flushed_bytes": 0, "flush_errors": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -241,6 +259,10 @@ class StoreRegistry:
         The budget covers the stores, the block cache and the deltas waiting for upload
         (``Uploader.queued_bytes``): a delta older than its store's history is held by the upload
         queue alone."""
+        for store in self._stores.values():
+            cold = store.cold
+            if isinstance(cold, ColdStack) and cold.runs[0].flushed and store.store_id not in self._loading:
+                self._stack_deltas(store)  # the runs a version flushed give way to its durable delta file
         total = self.memory_bytes + self._uploader.queued_bytes
         if total <= self.memory_budget:
             return 0
@@ -272,7 +294,103 @@ class StoreRegistry:
             evicted += 1
             log.info("evicted %s at %s (memory %d > budget %d)", store_id, store.head, total, self.memory_budget)
         self.counters["evictions"] += evicted
+        if total > self.memory_budget:
+            self._flush_open_versions(total)
         return evicted
+
+    # --- the write buffer: open versions' changes to local disk ---------------------------------
+    def _flush_open_versions(self, total: int) -> int:
+        """Flush the largest open versions' changes (see the module doc) until memory is within
+        the budget; the bytes freed. A flush that fails (a full disk) leaves the changes in memory."""
+        freed = 0
+        writers = [(s, s.writer) for s in self._stores.values() if s.writer is not None]
+        writers.sort(key=lambda sw: sw[1].overlay_bytes, reverse=True)
+        for store, w in writers:
+            if total - freed <= self.memory_budget or w.overlay_bytes < FLUSH_MIN_BYTES:
+                break
+            if not w.flushable and not self._make_flushable(store, w):
+                continue
+            try:
+                freed += w.flush(self._flush_writer(store), _stack_runs)
+            except (OSError, StateStoreError) as exc:
+                self.counters["flush_errors"] += 1
+                log.warning("cannot flush the changes of %s at version %d to %s (they stay in memory): %s: %s",
+                            store.store_id, w.version, self._scratch, type(exc).__name__, exc)
+        return freed
+
+    def _make_flushable(self, store: VersionedStore, w: StoreVersion) -> bool:
+        """Make ``store``'s open version ``w`` able to flush: an empty store spills onto an empty
+        snapshot file; a spilled store stacks its durable deltas to empty its hot part."""
+        if store.cold is None:
+            if store.hot_records:
+                return False  # its committed map is in memory: it spills once it has a snapshot
+            try:
+                store.spill(self._empty_snapshot(store))
+            except (OSError, StateStoreError) as exc:
+                self.counters["flush_errors"] += 1
+                log.warning("cannot spill the empty store %s onto a file in %s: %s: %s", store.store_id,
+                            self._scratch, type(exc).__name__, exc)
+                return False
+        elif store.hot_records:
+            self._stack_deltas(store)
+        return w.flushable
+
+    def _scratch_path(self, suffix: str) -> str:
+        if self._scratch is None:
+            self._scratch = tempfile.mkdtemp(prefix="statestore-flush-")
+        os.makedirs(self._scratch, exist_ok=True)
+        return os.path.join(self._scratch, f"{os.getpid()}-{next(self._scratch_ids)}{suffix}")
+
+    def _scratch_run(self, path: str, store_id: StoreId, ref: CheckpointRef, kind: str) -> ColdRun:
+        """Open the scratch file just written at ``path`` as a run, and remove it from its folder
+        (the run's handle keeps it readable; nothing is left behind once it is closed)."""
+        try:
+            return ColdRun.open(path, store_id, ref, self.block_cache, kind=kind)
+        finally:
+            os.unlink(path)
+
+    def _flush_writer(self, store: VersionedStore) -> Callable[[Table], FlushedRun]:
+        store_id = store.store_id
+
+        def write(changes: Table) -> FlushedRun:
+            ref = CheckpointRef(store.head.version + 1, new_checkpoint_id())
+            path = self._scratch_path(".flush")
+            view = changes.freeze()
+            try:
+                size = write_flushed(path, store_id, ref, view)
+            except BaseException:
+                if os.path.exists(path):
+                    os.unlink(path)
+                raise
+            finally:
+                view.release()
+            run = self._scratch_run(path, store_id, ref, DELTA)
+            run.flushed = True
+            self.counters["flushes"] += 1
+            self.counters["flushed_bytes"] += size
+            log.info("flushed %d changes of %s at version %d to local disk (%d bytes)", len(changes), store_id,
+                     store.head.version, size)
+            return run
+
+        return write
+
+    def _empty_snapshot(self, store: VersionedStore) -> ColdRun:
+        """A snapshot run of ``store``'s head (an empty state) holding no record, over a file in
+        the scratch folder. The file names a state of its own (version 0, the empty state, has
+        none); the run holds the head's."""
+        path = self._scratch_path(".empty")
+        own = CheckpointRef(store.head.version + 1, new_checkpoint_id())
+        w = CheckpointWriter(SNAPSHOT, store.store_id, own, ())
+        try:
+            with open(path, "wb") as f:
+                f.writelines(w.finish_parts())
+        except BaseException:
+            if os.path.exists(path):
+                os.unlink(path)
+            raise
+        run = self._scratch_run(path, store.store_id, own, SNAPSHOT)
+        run.ref = store.head
+        return run
 
     def _cold_opener(self, store_id: StoreId) -> Callable[[CheckpointRef], ColdRun | None]:
         """For the loader: a cold level over the local copy of a snapshot of ``store_id``, when there
@@ -353,11 +471,16 @@ class StoreRegistry:
         spilled, a delta not local, the lineage not leading to the cold state, the stack at
         ``MAX_RUNS``); None when it can once a delta still uploading is durable."""
         cold, store_id, head = store.cold, store.store_id, store.head
-        if not isinstance(cold, (ColdRun, ColdStack)) or head == cold.ref:
+        if not isinstance(cold, (ColdRun, ColdStack)):
             return 0
-        chain: list[CheckpointRef] = []  # the states since the cold one, newest first
+        # runs a version flushed give way to its commit's delta file: the chain starts below them
+        below = cold.below_flushed() if isinstance(cold, ColdStack) else None
+        base = cold if below is None else below
+        if head == base.ref:
+            return 0
+        chain: list[CheckpointRef] = []  # the states since the base one, newest first
         for r in (head, *store.lineage):
-            if r == cold.ref:
+            if r == base.ref:
                 break
             chain.append(r)
         else:
@@ -367,7 +490,7 @@ class StoreRegistry:
                 and not self._uploader.pending_ref(store_id, r)]
         if not refs:
             return None if self._uploader.will_settle(store_id, head) else 0
-        depth = len(cold.runs) if isinstance(cold, ColdStack) else 1
+        depth = len(base.runs) if isinstance(base, ColdStack) else 1
         if depth + len(refs) > MAX_RUNS:
             return 0
         objstore = self._objstores(store_id.root)
@@ -379,13 +502,18 @@ class StoreRegistry:
                     return 0
                 runs.append(ColdRun.open(path, store_id, r, self.block_cache, kind=DELTA))
             before = store.memory_bytes
-            store.spill(ColdStack.over(runs, cold))
+            store.spill(ColdStack.over(runs, base))
         except (OSError, StateStoreError) as exc:
-            log.warning("cannot stack the deltas of %s since %s: %s: %s", store_id, cold.ref, type(exc).__name__, exc)
+            log.warning("cannot stack the deltas of %s since %s: %s: %s", store_id, base.ref, type(exc).__name__, exc)
             return 0
         finally:
             if store.cold is cold:  # not stacked: let go of the runs opened
                 for run in runs:
+                    run.close()
+        if below is not None and not store._views:  # a view being written reads on from them (closed when collected)
+            assert isinstance(cold, ColdStack)
+            for run in cold.runs:
+                if run.flushed:
                     run.close()
         self.counters["spills"] += 1
         self.counters["deltas_stacked"] += len(refs)
@@ -447,3 +575,9 @@ class StoreRegistry:
                 "memory_budget": self.memory_budget, "loading": len(self._loading),
                 "spilled": sum(1 for s in self._stores.values() if s.cold is not None),
                 "block_cache_bytes": self.block_cache.nbytes, **self.counters}
+
+
+def _stack_runs(runs: Sequence[FlushedRun], cold: ColdLevel, ref: CheckpointRef) -> ColdLevel:
+    """A flushed version's commit: its runs (``ColdRun``s) over its store's cold level, holding ``ref``."""
+    assert isinstance(cold, (ColdRun, ColdStack)) and all(isinstance(r, ColdRun) for r in runs)
+    return ColdStack.over([r for r in runs if isinstance(r, ColdRun)], cold, ref)

@@ -323,9 +323,11 @@ class _Connection(asyncio.Protocol):
             elif cls is PutMany:
                 self._writer(ev.handle, "put to").put_many(ev.items)
                 self._write(proto.send_count(rid, Op.PUT_MANY, len(ev.items)))
+                d.check_budget_soon()  # an open version's changes count too (the registry flushes them)
             elif cls is RemoveMany:
                 self._writer(ev.handle, "remove from").remove_many(ev.keys)
                 self._write(proto.send_count(rid, Op.REMOVE_MANY, len(ev.keys)))
+                d.check_budget_soon()
             elif cls is Commit:
                 self._commit(ev)
             elif cls is Abort:
@@ -594,7 +596,8 @@ class Daemon:
                                  queue_bytes=min(cfg.upload_queue_bytes, cfg.memory_budget))
         self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget,
                                       block_cache_bytes=cfg.block_cache_bytes or None,
-                                      spill_min_bytes=cfg.spill_min_bytes)
+                                      spill_min_bytes=cfg.spill_min_bytes,
+                                      scratch_dir=os.path.join(cfg.cache_dir, "flushed") if cfg.cache_dir else None)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
             # the worker opens the same object stores from the same settings (a custom factory,

@@ -314,6 +314,10 @@ class Uploader:
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
             self._fail(up, exc)
             return
+        finally:
+            close_runs = getattr(delta, "close_runs", None)
+            if close_runs is not None:  # a flushed version's runs: read once, into ``data``
+                close_runs()
         root = up.store_id.root
         while True:
             up.attempts += 1

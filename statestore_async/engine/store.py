@@ -25,14 +25,26 @@ tombstone entry hides a key the cold level still has. Reads look at the overlay,
 table, then the cold level; ordered reads merge the three. A spilled store's commits are blind
 writes (only a removal asks the cold level whether its key exists) and keep no undo/redo history:
 a retry of an earlier version loads it from files. The engine does no IO: the cold level does.
+
+**The write buffer.** An open version's changes are its overlay, in memory. When the daemon is
+over its memory budget, ``StoreVersion.flush(write_run, stack)`` hands the overlay of a version of
+a spilled store whose hot part is empty to ``write_run`` (the daemon writes it in key order to a
+file on local disk, tombstones included: a ``FlushedRun``) and starts a new, empty overlay; the
+version then reads overlay, flushed runs (newest first), cold level. Its commit does not bring the
+runs back into memory: ``stack`` puts them over the cold level as the newest runs, only the
+changes made after the last flush go to the hot part, and the ``Delta`` names the runs
+(``Delta.runs``; ``Delta.entries`` merges them with the rest in key order for the delta file).
+Such a commit keeps no undo and no complete redo: a retry of an earlier version, or a spill onto a
+snapshot older than it, goes through files.
 """
 from __future__ import annotations
 
 import enum
+import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import Protocol, TypeAlias, cast
 
 from statestore_async.codecs import blockcodec, framing
 from statestore_async.codecs.keylayout import KEY_GROUP_BYTES, key_group_or_zero
@@ -53,6 +65,10 @@ DEFAULT_HISTORY = 4
 SPILLED_HISTORY = 2
 # Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
 MAX_LINEAGE = 1000
+
+# a FlushedRun's ``lookup_many`` (and a cold level's): the run has no entry for the key (a
+# tombstone gives None)
+MISSING = object()
 
 # key -> value, or None for a removed key (a tombstone): what a caller may pass as changes
 Changes: TypeAlias = Mapping[bytes, bytes | None]
@@ -77,6 +93,37 @@ class ColdLevel(Protocol):
 
     def close(self) -> None:
         """Let go of what it holds (its store replaced it; no view of it is left)."""
+
+
+class FlushedRun(Protocol):
+    """Changes of an open version written out in key order by a write-buffer flush (see the module
+    doc), tombstones kept: in the daemon a ``files.coldrun.ColdRun`` of a delta file on local
+    disk. ``nbytes`` is what it holds in memory (its index)."""
+
+    ref: CheckpointRef
+    nbytes: int
+
+    def __len__(self) -> int: ...
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
+        """Per key: its value, None for a tombstone, ``MISSING`` when the run has no entry."""
+        ...
+
+    def entries(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, value | None) with ``start <= key < stop`` in key order, tombstones included."""
+        ...
+
+    def reopen(self) -> FlushedRun:
+        """The same run read through a handle of its own (closing either leaves the other open)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# write_run(overlay) -> the flushed run of it; stack(runs newest first, cold level, state) -> the
+# cold level holding ``state``: the runs over the cold level (see StoreVersion.flush)
+WriteRun: TypeAlias = Callable[[Table], FlushedRun]
+StackRuns: TypeAlias = Callable[[Sequence[FlushedRun], ColdLevel, CheckpointRef], ColdLevel]
 
 
 class State(enum.Enum):
@@ -140,6 +187,9 @@ class Delta:
     # commit, counted from the changes before they were applied: an upper bound)
     nbytes: int = 0
     _store: VersionedStore | None = field(default=None, repr=False)
+    # a commit of a version that flushed: its runs (newest first, handles of the delta's own), which
+    # hold the changes made before the last flush; ``_records`` holds those made after it
+    runs: tuple[FlushedRun, ...] = ()
 
     @property
     def records(self) -> Records:
@@ -147,11 +197,31 @@ class Delta:
 
     @property
     def table(self) -> Table:
-        """The records as the engine's table (read only)."""
+        """The records as the engine's table (read only). A delta with ``runs`` has no such table
+        (its records are mostly on disk): read ``entries()``."""
+        if self.runs:
+            raise InterfaceError(f"the delta of {self.store_id} at {self.ref} has {len(self.runs)} flushed runs: "
+                                 "read its records with entries()")
+        return self._table()
+
+    def _table(self) -> Table:
         self.apply()
         records = self._records
         assert records is not None  # apply() set them
         return records
+
+    def entries(self) -> Iterator[tuple[bytes, bytes | None]]:
+        """Every (key, value | None) of the delta in key order, its flushed runs merged in (the
+        newest entry of a key wins)."""
+        table = self._table()
+        if not self.runs:
+            return table.items()
+        return merge_entries([table.items(), *(run.entries() for run in self.runs)])
+
+    def close_runs(self) -> None:
+        """Let go of the runs' handles (the delta file is written). Idempotent."""
+        for run in self.runs:
+            run.close()
 
     @property
     def applied(self) -> bool:
@@ -187,6 +257,7 @@ class _Commit:
     # both None until the commit's changes are applied (a deferred commit: VersionedStore.apply_pending)
     undo: Table | None  # key -> value before the commit (None: absent), for each key of ``redo``
     redo: Table | None  # key -> value after the commit (None: removed)
+    flushed: bool = False  # the version flushed: ``redo`` lacks the changes its runs hold
 
     @property
     def nbytes(self) -> int:
@@ -429,7 +500,7 @@ class VersionedStore:
         if self._cold is not None:
             total += self._cold.nbytes
         if self._writer is not None:
-            total += self._writer._overlay.nbytes
+            total += self._writer.memory_bytes
         return total
 
     # --- the cold level ---------------------------------------------------------------------------
@@ -457,6 +528,12 @@ class VersionedStore:
         return self._cold
 
     @property
+    def hot_records(self) -> int:
+        """Entries of the committed map in memory (once spilled: of its hot part, tombstones included)."""
+        self.apply_pending()
+        return len(self._data)
+
+    @property
     def hot_bytes(self) -> int:
         """Memory the committed map takes (the hot part, once spilled)."""
         self.apply_pending()
@@ -479,12 +556,15 @@ class VersionedStore:
             assert c.redo is not None  # applied: apply_pending ran
             for k, v in c.redo.items():
                 hot.put(k, v)
+        writer = self._writer
+        if writer is not None and writer._runs and len(hot):
+            raise InterfaceError(f"store {self.store_id}: the open version flushed runs over an empty hot part; "
+                                 f"a spill onto {cold.ref} would put older changes above them")
         freed = self._data.nbytes + sum(c.nbytes for c in self._history) - hot.nbytes
         self._data = hot
         self._history = []
         self._pinned = None
         self._cold = cold
-        writer = self._writer
         if writer is not None:
             writer._base, writer._cold = hot, cold
         return freed
@@ -503,7 +583,7 @@ class VersionedStore:
         at = self._head
         while at != ref:
             c = by_child.get(at)
-            if c is None:
+            if c is None or c.flushed:  # flushed: its redo lacks what its runs hold
                 return None
             out.append(c)
             at = c.parent
@@ -706,12 +786,22 @@ class VersionedStore:
             raise InterfaceError(f"checkpoint {child} was committed already")
         return child
 
-    def _commit(self, overlay: Table, ckptid: str | None, defer: bool = False, bound: int = 0) -> Delta:
+    def _commit(self, overlay: Table, ckptid: str | None, defer: bool = False, bound: int = 0,
+                runs: Sequence[FlushedRun] = (), stack: StackRuns | None = None, run_bytes: int = 0) -> Delta:
         self.apply_pending()
         parent = self._head
         child = self._child(ckptid)
         lineage = (parent,) + self._lineage_tail()
-        commit = _Commit(parent, child, lineage, None, None)
+        commit = _Commit(parent, child, lineage, None, None, flushed=bool(runs))
+        delta_runs: tuple[FlushedRun, ...] = ()
+        if runs:
+            # the runs go over the cold level as they are (StoreVersion.flush made sure the hot
+            # part is empty, so nothing older sits above them); the delta reads them through
+            # handles of its own, which a later spill closing the cold level leaves open
+            cold = self._cold
+            assert stack is not None and cold is not None and not len(self._data)
+            delta_runs = tuple(run.reopen() for run in runs)
+            self._cold = stack(runs, cold, child)
         self._history.append(commit)
         # spilled, the history only serves a spill onto a snapshot behind the head:
         # a pinned state (a snapshot being written for a spill) keeps every commit since
@@ -726,11 +816,11 @@ class VersionedStore:
             del self._history[: len(self._history) - limit]
         self._head, self._lineage = child, lineage
         if defer:
-            delta = Delta(self.store_id, child, lineage, None, bound, self)
+            delta = Delta(self.store_id, child, lineage, None, bound, self, delta_runs)
             self._pending = (overlay, commit, delta)
             return delta
         records = self._apply(overlay, commit)
-        return Delta(self.store_id, child, lineage, records, _upload_bytes(records))
+        return Delta(self.store_id, child, lineage, records, _upload_bytes(records) + run_bytes, runs=delta_runs)
 
     def _apply(self, overlay: Table, commit: _Commit) -> Table:
         # a tombstone for a key that did not exist changes nothing: apply leaves it out
@@ -764,7 +854,8 @@ def _upload_bytes(records: Table) -> int:
 class StoreVersion:
     """One writer's open version: reads see the overlay first, then the committed map."""
 
-    __slots__ = ("_base", "_cold", "_overlay", "_result", "_store", "parent", "state", "store_id")
+    __slots__ = ("_base", "_cold", "_overlay", "_result", "_run_bytes", "_runs", "_stack", "_store", "parent",
+                 "state", "store_id")
 
     def __init__(self, store: VersionedStore):
         # None and empty once the version is committed or aborted: a finished version someone
@@ -774,6 +865,9 @@ class StoreVersion:
         self._cold: ColdLevel | None = store._cold
         self.store_id = store.store_id
         self._overlay = Table()
+        self._runs: list[FlushedRun] = []  # flushed changes, newest first (see flush)
+        self._run_bytes = 0  # the upload bytes (keys, values, + 8 each) of the flushed changes
+        self._stack: StackRuns | None = None
         self.state = State.UPDATING
         self.parent = store.head
         self._result: Delta | None = None
@@ -785,7 +879,50 @@ class StoreVersion:
 
     @property
     def num_changes(self) -> int:
-        return len(self._overlay)
+        """Entries of the changes: the overlay's and the flushed runs' (a key changed again after
+        a flush counts twice)."""
+        return len(self._overlay) + sum(len(run) for run in self._runs)
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the version holds in memory: its overlay and its runs' indexes."""
+        return self._overlay.nbytes + sum(run.nbytes for run in self._runs)
+
+    @property
+    def overlay_bytes(self) -> int:
+        """What a flush would move out of memory."""
+        return self._overlay.nbytes
+
+    @property
+    def flushed_runs(self) -> int:
+        return len(self._runs)
+
+    @property
+    def flushable(self) -> bool:
+        """Whether ``flush`` may run: the store is spilled and its hot part is empty (a flushed run
+        sits between the overlay and the committed state: nothing committed may be above it)."""
+        return self.state is State.UPDATING and self._cold is not None and not len(self._base)
+
+    def flush(self, write_run: WriteRun, stack: StackRuns) -> int:
+        """Move the overlay out of memory: ``write_run(overlay)`` writes it (key order, tombstones
+        kept) and returns the run reading it; the version starts a new overlay and reads the runs
+        between it and the committed state. ``stack`` is what the commit will use to put the runs
+        over the cold level (see the module doc). Only when ``flushable``
+        (``InterfaceError`` otherwise). Returns the bytes freed (0: nothing to flush)."""
+        self._check_updating("flush")
+        if not self.flushable:
+            raise InterfaceError(f"store {self.store_id} version {self.version}: only a version of a spilled store "
+                                 "whose hot part is empty can flush its changes")
+        overlay = self._overlay
+        if not len(overlay):
+            return 0
+        before = overlay.nbytes
+        run = write_run(overlay)
+        self._runs.insert(0, run)
+        self._run_bytes += _upload_bytes(overlay)
+        self._stack = stack
+        self._overlay = Table()
+        return max(0, before - run.nbytes)
 
     def _check_updating(self, op: str) -> VersionedStore:
         store = self._store
@@ -802,12 +939,18 @@ class StoreVersion:
         self._overlay = self._base = _EMPTY
         self._cold = None
         self._store = None
+        runs, self._runs = self._runs, []
+        if state is State.ABORTED:
+            for run in runs:  # committed, they belong to the store's cold level
+                run.close()
         if store is not None:
             store._writer = None
 
     # --- reads --------------------------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
         self._check_updating("get from")
+        if self._runs:
+            return self.get_many((key,))[0]
         if key in self._overlay:
             return self._overlay.get(key)
         if self._cold is None or key in self._base:
@@ -820,9 +963,28 @@ class StoreVersion:
         if cold is None:
             return _table.get_list(self._overlay, self._base, keys)
         keys = [bytes(k) for k in keys]
-        out = _table.get_list(self._overlay, self._base, keys)
         overlay, hot = self._overlay, self._base
-        cold_at = [i for i, k in enumerate(keys) if out[i] is None and k not in overlay and k not in hot]
+        if not self._runs:
+            out = _table.get_list(overlay, hot, keys)
+            cold_at = [i for i, k in enumerate(keys) if out[i] is None and k not in overlay and k not in hot]
+        else:  # overlay, then the flushed runs newest first; the hot part is empty (see flush)
+            out = [None] * len(keys)
+            cold_at = []
+            for i, k in enumerate(keys):
+                if k in overlay:
+                    out[i] = overlay.get(k)
+                else:
+                    cold_at.append(i)
+            for run in self._runs:
+                if not cold_at:
+                    break
+                left = []
+                for i, v in zip(cold_at, run.lookup_many([keys[i] for i in cold_at])):
+                    if v is MISSING:
+                        left.append(i)
+                    else:
+                        out[i] = cast("bytes | None", v)
+                cold_at = left
         if cold_at:
             for i, v in zip(cold_at, cold.get_many([keys[i] for i in cold_at])):
                 out[i] = v
@@ -847,7 +1009,10 @@ class StoreVersion:
         """This version's changes with ``start <= key < stop`` in key order. An empty change table
         is not asked: its first ordered read would give it an order index, which every later put
         of the version then keeps sorted (a batch that scans its due timers before writing)."""
-        return self._overlay.items(start, stop) if len(self._overlay) else iter(())
+        changes = self._overlay.items(start, stop) if len(self._overlay) else iter(())
+        if not self._runs:
+            return changes
+        return merge_entries([changes, *(run.entries(start, stop) for run in self._runs)])
 
     def scan(self, prefix: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
         """Every (key, value) whose key starts with ``prefix``, this version's changes included, in
@@ -929,7 +1094,7 @@ class StoreVersion:
     def upload_bound(self) -> int:
         """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count:
         the changes' keys and values + 8 each (a removal of a missing key is counted, then dropped)."""
-        return _upload_bytes(self._overlay) + 256
+        return _upload_bytes(self._overlay) + self._run_bytes + 256
 
     def commit(self, ckptid: str | None = None, *, defer: bool = False) -> Delta:
         """Make the changes version ``version + 1`` (checkpoint ``ckptid``, fresh when None).
@@ -940,7 +1105,8 @@ class StoreVersion:
         store or of the delta's records before that — so the commit itself costs O(1).
         """
         store = self._check_updating("commit")
-        delta = store._commit(self._overlay, ckptid, defer, _upload_bytes(self._overlay) if defer else 0)
+        bound = _upload_bytes(self._overlay) + self._run_bytes if defer else 0
+        delta = store._commit(self._overlay, ckptid, defer, bound, self._runs, self._stack, self._run_bytes)
         self._result = delta
         self._finished(State.COMMITTED)
         return delta
@@ -989,6 +1155,20 @@ def merge_lazy(changes: Iterator[tuple[bytes, bytes | None]],
         if b[1] is not None:
             yield b[0], b[1]
         b = next(base, None)
+
+
+def merge_entries(streams: Sequence[Iterator[tuple[bytes, bytes | None]]]) -> Iterator[tuple[bytes, bytes | None]]:
+    """Key-ordered iterators of (key, value | None), newest first, merged in key order: for each
+    key the newest stream's entry, tombstones kept."""
+    def aged(age: int, stream: Iterator[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, int, bytes | None]]:
+        for k, v in stream:
+            yield k, age, v  # on equal keys the newer stream (lower age) comes first
+
+    last = None
+    for k, _age, v in heapq.merge(*(aged(age, s) for age, s in enumerate(streams))):
+        if k != last:
+            last = k
+            yield k, v
 
 
 def merge_ordered(changes: list[tuple[bytes, bytes | None]],

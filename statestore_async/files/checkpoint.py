@@ -74,6 +74,8 @@ HEADER_FIXED = _HEAD.size
 TRAILER_SIZE = _TRAIL.size
 MAX_JSON = 64 << 20
 DEFAULT_BLOCK_BYTES = 1 << 20
+# a write-buffer flush's blocks (``write_flushed``): small, as the version's reads look keys up in them
+FLUSH_BLOCK_BYTES = 16 << 10
 # blocks per file that ``block_bytes_for`` aims at, and its bounds: a rescale reads the blocks of
 # the key groups it needs, and at each edge of a range at most one block holds records of both
 # sides, so with ~64 blocks per file the bytes read beyond the records needed stay a few percent
@@ -244,6 +246,22 @@ class CheckpointWriter:
             start = nxt
             yield
 
+    def add_entries(self, entries: Iterable[Record]) -> None:
+        """Encode key-ordered (key, value|None) pairs as they come, about a block's worth at a
+        time (an iterator merging runs on disk is never held whole)."""
+        limit = self._payload_limit() - 64
+        chunk: list[Record] = []
+        size = 0
+        for k, v in entries:
+            chunk.append((k, v))
+            size += len(k) + (len(v) if v is not None else 0) + 11
+            if size >= limit:
+                for _ in self.add_records(chunk):
+                    pass
+                chunk, size = [], 0
+        for _ in self.add_records(chunk):
+            pass
+
     def add_block(self, block: bytes, count: int, first_kg: int, last_kg: int, first_key: bytes) -> None:
         """Append an encoded block of ``count`` records whose key groups span ``first_kg..last_kg``
         and whose first key is ``first_key``."""
@@ -369,12 +387,28 @@ def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_byt
     if block_bytes is None:
         block_bytes = block_bytes_for(delta.nbytes)
     w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
+    if delta.runs:  # a version that flushed: its runs on disk merged with the rest, a block at a time
+        w.add_entries(delta.entries())
+        return w.finish()
     view = delta.table.freeze()
     try:
         w.add_packed(view, threads=threads)
     finally:
         view.release()
     return w.finish()
+
+
+def write_flushed(path: str, store_id: StoreId, ref: CheckpointRef, changes: PackedRecords, *,
+                  block_bytes: int = FLUSH_BLOCK_BYTES) -> int:
+    """Write ``changes`` (a frozen table of an open version's changes, tombstones kept) to ``path``
+    as a delta file of ``ref`` with no lineage, blocks uncompressed: a write-buffer flush, read back
+    by ``coldrun.ColdRun`` and never uploaded. Returns the file's size."""
+    w = CheckpointWriter(DELTA, store_id, ref, (), codec="none", block_bytes=block_bytes)
+    w.add_packed(changes, threads=False)
+    parts = w.finish_parts()
+    with open(path, "wb") as f:
+        f.writelines(parts)
+    return sum(len(p) for p in parts)
 
 
 def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int | None = None,

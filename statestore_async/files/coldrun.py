@@ -48,6 +48,7 @@ import zstandard
 
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
+from statestore_async.engine.store import MISSING  # ``lookup_many``: no entry (a tombstone gives None)
 from statestore_async.engine.table import Table, load_records, put_items, remove_keys
 from statestore_async.errors import CorruptBlockError, CorruptFileError
 from statestore_async.files.checkpoint import (
@@ -65,7 +66,6 @@ from statestore_async.files.names import DELTA, SNAPSHOT
 from statestore_async.ids import CheckpointRef, StoreId
 
 _ids = itertools.count(1)
-MISSING = object()  # ``lookup_many``: the run has no entry for the key (a tombstone gives None)
 
 # what ``merged_blocks`` yields: (data, records, first key group, last key group, first key, encoded);
 # ``data`` is a block as stored when ``encoded``, else a records payload still to be compressed
@@ -200,8 +200,26 @@ class ColdRun:
         self._cache = cache
         self.id = next(_ids)
         self.blocks_read = 0
+        # a write-buffer flush of an open version (``engine.store.StoreVersion.flush``): a file of
+        # the daemon's own, removed from its folder once opened, gone when its last handle closes
+        self.flushed = False
         # what the run holds in memory: its index (the first keys and the block entries)
         self.nbytes = sum(len(k) + 33 for k in first_keys) + 120 * len(footer.blocks) + 200
+
+    def reopen(self) -> ColdRun:
+        """The same run through a file handle of its own (``os.dup``): closing either leaves the
+        other readable. It reads past the block cache (the delta file of a flushed version's
+        commit reads its runs once)."""
+        if self._fd is None:
+            raise CorruptFileError(self.path, "the run is closed")
+        fd = os.dup(self._fd)
+        twin = ColdRun.__new__(ColdRun)
+        twin.__dict__.update(self.__dict__)
+        twin._fd = fd
+        twin._cache = BlockCache(0)
+        twin.id = next(_ids)
+        twin.blocks_read = 0
+        return twin
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], store_id: StoreId, ref: CheckpointRef, cache: BlockCache,
@@ -501,17 +519,31 @@ class ColdStack:
     the newest run with an entry for a key decides (a tombstone: absent). ``ref`` is the newest
     run's state."""
 
-    def __init__(self, runs: Sequence[ColdRun]) -> None:
+    def __init__(self, runs: Sequence[ColdRun], ref: CheckpointRef | None = None) -> None:
         if not runs or runs[-1].kind != SNAPSHOT or any(r.kind != DELTA for r in runs[:-1]):
             raise ValueError("a cold stack is delta runs, newest first, over one snapshot run")
         self.runs = list(runs)
-        self.ref = runs[0].ref
+        # the state it holds: the newest run's, or (its newest runs flushed by a version) the
+        # state that version's commit made
+        self.ref = runs[0].ref if ref is None else ref
         self.nbytes = sum(r.nbytes for r in runs)
 
     @classmethod
-    def over(cls, deltas: Sequence[ColdRun], base: ColdRun | ColdStack) -> ColdStack:
-        """``deltas`` (newest first) over ``base``."""
-        return cls(list(deltas) + (base.runs if isinstance(base, ColdStack) else [base]))
+    def over(cls, deltas: Sequence[ColdRun], base: ColdRun | ColdStack, ref: CheckpointRef | None = None) -> ColdStack:
+        """``deltas`` (newest first) over ``base``; ``ref`` the state it holds (default: the newest
+        delta's)."""
+        return cls(list(deltas) + (base.runs if isinstance(base, ColdStack) else [base]), ref)
+
+    def below_flushed(self) -> ColdRun | ColdStack | None:
+        """The stack without its newest runs that a version flushed (None: there are none): the
+        state the committed delta files rebuild when stacked over it."""
+        n = 0
+        while self.runs[n].flushed:
+            n += 1
+        if n == 0:
+            return None
+        rest = self.runs[n:]
+        return rest[0] if len(rest) == 1 else ColdStack(rest)
 
     def __len__(self) -> int:
         return len(self.runs[-1])  # the snapshot's records: an estimate (the deltas add and remove)
