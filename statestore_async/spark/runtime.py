@@ -514,10 +514,11 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
         puts: Puts
         removes: Removes
         with client.open(StoreId(spec.root, spec.operator_id, partition), base.version, base.ckptid or None) as handle:
+            writes: list[tuple[Puts, Removes]]
             if isinstance(processor, VectorizedProcessor):
-                out, puts, removes, states = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs,
-                                                             handle, timings, partition)
-                if idle and not len(puts[0]) and (removes is None or not len(removes)) and not out.num_rows:
+                out, writes, states = _run_vectorized(processor, spec, keys_table, rows_table, offsets, kgs,
+                                                      handle, timings, partition)
+                if idle and not any(len(p[0]) or (r is not None and len(r)) for p, r in writes) and not out.num_rows:
                     handle.abort()  # nothing was due: the manifest keeps the partition's state
                     return out, None, states
             else:
@@ -526,8 +527,10 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
                 if idle and not len(puts[0]) and (removes is None or not len(removes)):
                     handle.abort()  # nothing was due: the manifest keeps the partition's state
                     return out, None, states
+                writes = [(puts, removes)]
             t = time.perf_counter()
-            write_all(handle, puts, removes)
+            for puts, removes in writes:  # in order: a later change of a key wins
+                write_all(handle, puts, removes)
             fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path, retry)
             ref = handle.commit()
             timings["write"] = time.perf_counter() - t
@@ -906,7 +909,7 @@ def _rows_of(res: Any, processor: StatefulProcessor, key: tuple, method: str = "
 def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: pa.Table, rows: pa.Table,
                     offsets: np.ndarray, kgs: np.ndarray, handle: StoreHandle,
                     timings: dict[str, float], partition: int = 0,
-                    ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, dict[str, dict[str, Any]]]:
+                    ) -> tuple[pa.Table, list[tuple[Puts, Removes]], dict[str, dict[str, Any]]]:
     """Keys, state and changes stay Arrow columns end to end (``arrowcodec``): no Python object per key.
 
     With timers (``handle_expired_timers``): the range scan of the due timers the store holds is
@@ -914,9 +917,10 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
     The timers that fire are those stored due ones ``process`` did not delete, and those it
     registered at a due time; their keys' state is the one ``process`` left (read from the store for
     keys without rows); ``handle_expired_timers`` runs once. Nothing is written before: the changes
-    of ``process``, of the call and the fired timers' removal (but for those the call registered
-    again) are returned together, the later change of a store key winning, for one write and the
-    commit. A batch without rows runs only the timers' part."""
+    of ``process``, then those of the call and the fired timers' removal (but for those the call
+    registered again) are returned as two (puts, removals) pairs, each touching a key once at most,
+    to be written in that order before the commit (so a later change of a store key wins without a
+    search for the keys both change). A batch without rows runs only the timers' part."""
     schema = processor.state_schema
     if not isinstance(schema, pa.Schema):
         raise InterfaceError(f"{type(processor).__name__}.state_schema must be a pyarrow.Schema")
@@ -947,7 +951,7 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
             raise
         outputs.append(out)
     if not timers.enabled:
-        return _vectorized_result(outputs, spec, [puts[0]], [puts[1]], [gone] if gone is not None else [], states)
+        return _vectorized_output_of(outputs, spec), [(puts, gone)], states
     t = time.perf_counter()
     if not scan:
         start_scan()
@@ -957,6 +961,7 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
     timings["timers_fired"] = len(due)
     put_keys, put_values = pa.concat_arrays([puts[0], tp]), pa.concat_arrays([puts[1], _empties(len(tp))])
     removes = pa.concat_arrays([gone, tr]) if gone is not None else tr
+    writes: list[tuple[Puts, Removes]] = [((put_keys, put_values), removes)]
     if len(due):
         timers._load = _overlay_loader(handle, spec.num_key_groups, tp, tr)
         out, puts2, gone2, fired = _fire_vectorized(processor, schema, spec, keys_table, due, timers, handle, timings,
@@ -966,21 +971,18 @@ def _run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: 
         # a fired timer is deleted before its call: one its call registers again stays
         if len(tp2):
             fired = fired.filter(pc.invert(pc.is_in(fired, value_set=tp2)))
+        # the call's changes (state puts and removals, timers registered and deleted, the fired
+        # timers' records) touch no key twice; written after process's, they win over them
         later_keys, later_values = pa.concat_arrays([puts2[0], tp2]), pa.concat_arrays([puts2[1], _empties(len(tp2))])
         later_removes = pa.concat_arrays([r for r in (gone2, tr2, fired) if r is not None])
-        put_keys, put_values, removes = _later_wins(put_keys, put_values, removes, later_keys, later_removes)
-        put_keys, put_values = pa.concat_arrays([put_keys, later_keys]), pa.concat_arrays([put_values, later_values])
-        removes = pa.concat_arrays([removes, later_removes])
+        writes.append(((later_keys, later_values), later_removes))
     timers._unbind()
-    return _vectorized_result(outputs, spec, [put_keys], [put_values], [removes], states)
+    return _vectorized_output_of(outputs, spec), writes, states
 
 
-def _vectorized_result(outputs: list[pa.Table], spec: TaskSpec, put_keys: list[pa.Array], put_values: list[pa.Array],
-                       removes: list[pa.Array], states: dict[str, dict[str, Any]],
-                       ) -> tuple[pa.Table, tuple[pa.Array, pa.Array], pa.Array | None, dict[str, dict[str, Any]]]:
-    output = pa.concat_tables(outputs) if len(outputs) > 1 else (outputs[0] if outputs else
-                                                                spec.output_schema.empty_table())
-    return output, (_concat(put_keys), _concat(put_values)), _concat(removes) if removes else None, states
+def _vectorized_output_of(outputs: list[pa.Table], spec: TaskSpec) -> pa.Table:
+    return pa.concat_tables(outputs) if len(outputs) > 1 else (outputs[0] if outputs else
+                                                              spec.output_schema.empty_table())
 
 
 def _drain(scan: list[Callable[[], pa.Array]]) -> None:
@@ -1007,26 +1009,13 @@ def _due_timers(stored: pa.Array, registered: pa.Array, deleted: pa.Array, now_m
     return merged.take(pc.sort_indices(merged))
 
 
-def _later_wins(put_keys: pa.Array, put_values: pa.Array, removes: pa.Array, later_puts: pa.Array,
-                later_removes: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
-    """The earlier puts and removals without the keys a later put or removal changes again (so
-    that, all written at once, every key ends as its last change left it)."""
-    later = pa.concat_arrays([later_puts, later_removes])
-    if len(later) and len(put_keys):
-        keep = pc.invert(pc.is_in(put_keys, value_set=later))
-        put_keys, put_values = put_keys.filter(keep), put_values.filter(keep)
-    if len(later_puts) and len(removes):
-        removes = removes.filter(pc.invert(pc.is_in(removes, value_set=later_puts)))
-    return put_keys, put_values, removes
-
-
 def _empties(n: int) -> pa.Array:
     return pa.array([b""] * n, pa.binary())
 
 
 def _timer_loader(handle: StoreHandle, num_key_groups: int) -> Callable[[pa.Array, np.ndarray],
                                                                           list[tuple[int, str, int]]]:
-    prefixes = keylayout.prefixes(num_key_groups)
+    prefixes = _kg_prefixes(num_key_groups)
     return lambda enc, kgs: stored_timers(handle, prefixes, enc.to_pylist(), kgs.tolist())
 
 
