@@ -443,6 +443,24 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
         return pa.Array.from_buffers(pa.binary(), nkeys, [valid.buffers()[1], pa.py_buffer(off), pa.py_buffer(data)],
                                      null_count=int(nkeys - np.count_nonzero(counts)))
 
+    def by_key_then_start(kidx: np.ndarray, s: np.ndarray) -> np.ndarray:
+        """``np.lexsort((s, kidx))``: one stable argsort of both packed in an int64 when they fit
+        (the input is mostly runs already sorted by key: ~15x faster than lexsort at ~80k)."""
+        if not len(kidx):
+            return np.zeros(0, np.int64)
+        lo = int(s.min())
+        if int(kidx.max()) < (1 << 22) and int(s.max()) - lo < int(big):
+            return np.argsort((kidx << 40) | (s - lo), kind="stable")
+        return np.lexsort((s, kidx))
+
+    def contained(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+        """``np.isin(values, sorted_set)`` for a sorted ``sorted_set`` (a binary search each)."""
+        if not len(sorted_set):
+            return np.zeros(len(values), bool)
+        pos = np.searchsorted(sorted_set, values)
+        pos[pos == len(sorted_set)] = 0
+        return sorted_set[pos] == values
+
     def timer_ids(k: np.ndarray, close: np.ndarray, t0: int) -> np.ndarray:
         return (k.astype(np.int64) << 42) | (close - t0)  # close - t0 < 2**42 ms (139 years)
 
@@ -471,7 +489,7 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
                 ee.append(times)
                 nn.append(np.ones(len(times), np.int64))
             kidx, s, e, n = (np.concatenate(x).astype(np.int64) for x in (ki, ss, ee, nn))
-            order = np.lexsort((s, kidx))
+            order = by_key_then_start(kidx, s)
             kidx, s, e, n = merge(kidx[order], s[order], e[order], n[order])
             due = (e + gap_ms <= wm) if wm is not None and wm > 0 else np.zeros(len(e), bool)
             closed = (kidx[due], s[due], e[due], n[due])
@@ -481,7 +499,7 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
             if len(old_k) and len(kidx):
                 t0 = int(min(old_close.min(), new_close.min()))
                 old_ids, new_ids = timer_ids(old_k, old_close, t0), timer_ids(kidx, new_close, t0)
-                gone, added = ~np.isin(old_ids, new_ids), ~np.isin(new_ids, old_ids)
+                gone, added = ~contained(old_ids, np.sort(new_ids)), ~contained(new_ids, np.sort(old_ids))
                 self.timers.delete(old_k[gone], old_close[gone])
                 self.timers.register(kidx[added], new_close[added])
             else:
