@@ -135,7 +135,8 @@ def daemon_report(sock: str) -> str:
         peak = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
     return (f"daemon peak RSS {peak / 2**20:.0f} MiB, budget {reg['memory_budget'] / 2**20:.0f} MiB, counted "
             f"{reg['memory_bytes'] / 2**20:.0f} MiB; spills {reg['spills']}, spilled stores {reg['spilled']}, "
-            f"evictions {reg['evictions']}, loads {reg['loads']} (over local files {reg['cold_loads']})")
+            f"evictions {reg['evictions']}, loads {reg['loads']} (over local files {reg['cold_loads']}); "
+            f"flushes of open versions {reg.get('flushes', 0)} ({reg.get('flushed_bytes', 0) / 2**20:.0f} MiB)")
 
 
 def raw_state_bytes(root: str, operator_id: str) -> int:

@@ -299,6 +299,13 @@ class StoreRegistry:
         return evicted
 
     # --- the write buffer: open versions' changes to local disk ---------------------------------
+    def note_changes(self, w: StoreVersion) -> None:
+        """``w`` took changes (PUT_MANY, REMOVE_MANY): once they pass an eighth of the budget,
+        check the budget now rather than after the burst (a pipelined batch of hundreds of MB
+        arrives well within the delayed check), so that a flush keeps them near the budget."""
+        if w.overlay_bytes >= max(FLUSH_MIN_BYTES, self.memory_budget // 8):
+            self.enforce_budget()
+
     def _flush_open_versions(self, total: int) -> int:
         """Flush the largest open versions' changes (see the module doc) until memory is within
         the budget; the bytes freed. A flush that fails (a full disk) leaves the changes in memory."""

@@ -321,13 +321,15 @@ class _Connection(asyncio.Protocol):
                 else:
                     self._write(proto.send_values(rid, self._writer(ev.handle, "get from").get_many(keys)))
             elif cls is PutMany:
-                self._writer(ev.handle, "put to").put_many(ev.items)
+                w = self._writer(ev.handle, "put to")
+                w.put_many(ev.items)
                 self._write(proto.send_count(rid, Op.PUT_MANY, len(ev.items)))
-                d.check_budget_soon()  # an open version's changes count too (the registry flushes them)
+                d.note_changes(w)  # an open version's changes count too (the registry flushes them)
             elif cls is RemoveMany:
-                self._writer(ev.handle, "remove from").remove_many(ev.keys)
+                w = self._writer(ev.handle, "remove from")
+                w.remove_many(ev.keys)
                 self._write(proto.send_count(rid, Op.REMOVE_MANY, len(ev.keys)))
-                d.check_budget_soon()
+                d.note_changes(w)
             elif cls is Commit:
                 self._commit(ev)
             elif cls is Abort:
@@ -338,9 +340,9 @@ class _Connection(asyncio.Protocol):
                     raise ShuttingDownError("the daemon is stopping; open the store elsewhere or later")
                 registry = d.registry
                 assert registry is not None  # set by start(), before any connection
-                w = registry.try_open(ev.store_id, ev.version, ev.ckptid)
-                if w is not None:
-                    self._opened(rid, w)
+                opened = registry.try_open(ev.store_id, ev.version, ev.ckptid)
+                if opened is not None:
+                    self._opened(rid, opened)
                 else:
                     self._spawn(self._open_async(ev))
             elif cls is Scan:
@@ -661,6 +663,13 @@ class Daemon:
             self.counters["versions_expired"] += conn.expire_idle(now, limit)
         self._idle_sweep = asyncio.get_running_loop().call_later(min(limit / 4, IDLE_SWEEP_MAX),
                                                                  self._sweep_idle_versions)
+
+    def note_changes(self, w: StoreVersion) -> None:
+        """An open version took changes: large ones are checked against the budget now, any
+        others shortly (``check_budget_soon``)."""
+        if self.registry is not None:
+            self.registry.note_changes(w)
+        self.check_budget_soon()
 
     def check_budget_soon(self) -> None:
         """Evict idle stores over the memory budget shortly (``BUDGET_CHECK_DELAY``), once per burst."""

@@ -1094,7 +1094,13 @@ class StoreVersion:
     def upload_bound(self) -> int:
         """An upper bound of the upload queue bytes (``Delta.nbytes`` + 256) its commit will count:
         the changes' keys and values + 8 each (a removal of a missing key is counted, then dropped)."""
-        return _upload_bytes(self._overlay) + self._run_bytes + 256
+        return _upload_bytes(self._overlay) + self._queued_run_bytes + 256
+
+    @property
+    def _queued_run_bytes(self) -> int:
+        # what the upload queue holds of the flushed changes: not the changes (they are on disk)
+        # but the delta file encoded from them, compressed (counted as a quarter of their bytes)
+        return self._run_bytes // 4
 
     def commit(self, ckptid: str | None = None, *, defer: bool = False) -> Delta:
         """Make the changes version ``version + 1`` (checkpoint ``ckptid``, fresh when None).
@@ -1105,8 +1111,8 @@ class StoreVersion:
         store or of the delta's records before that — so the commit itself costs O(1).
         """
         store = self._check_updating("commit")
-        bound = _upload_bytes(self._overlay) + self._run_bytes if defer else 0
-        delta = store._commit(self._overlay, ckptid, defer, bound, self._runs, self._stack, self._run_bytes)
+        bound = _upload_bytes(self._overlay) + self._queued_run_bytes if defer else 0
+        delta = store._commit(self._overlay, ckptid, defer, bound, self._runs, self._stack, self._queued_run_bytes)
         self._result = delta
         self._finished(State.COMMITTED)
         return delta

@@ -361,6 +361,12 @@ class CheckpointWriter:
         """The whole file."""
         return b"".join(self.finish_parts())
 
+    def take_parts(self) -> list[bytes]:
+        """The parts written so far, handed over (a writer streaming to a file): ``finish_parts``
+        then gives only what follows them."""
+        parts, self._parts = self._parts, []
+        return parts
+
     def finish_parts(self) -> list[bytes]:
         """The whole file, as a list of parts in order."""
         body = json.dumps(
@@ -404,11 +410,14 @@ def write_flushed(path: str, store_id: StoreId, ref: CheckpointRef, changes: Pac
     as a delta file of ``ref`` with no lineage, blocks uncompressed: a write-buffer flush, read back
     by ``coldrun.ColdRun`` and never uploaded. Returns the file's size."""
     w = CheckpointWriter(DELTA, store_id, ref, (), codec="none", block_bytes=block_bytes)
-    w.add_packed(changes, threads=False)
-    parts = w.finish_parts()
+    size = 0
     with open(path, "wb") as f:
-        f.writelines(parts)
-    return sum(len(p) for p in parts)
+        for _ in w.add_packed_steps(changes):  # a block at a time: the file is never whole in memory
+            for part in w.take_parts():
+                size += f.write(part)
+        for part in w.finish_parts():
+            size += f.write(part)
+    return size
 
 
 def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int | None = None,
