@@ -678,7 +678,8 @@ class VectorizedTimers:
 
     def _changes(self) -> tuple[pa.Array, pa.Array]:
         """(records to put, records to remove) of every register/delete so far (the later call on a
-        timer wins), both indexes; forgets them. The running call's operations are told apart by
+        timer wins), both indexes (each array: the timers' by-time records, then their by-key records
+        in the same order); forgets them. The running call's operations are told apart by
         numbers (key index, kind, time); only those of earlier calls by their records."""
         if not self._earlier:
             return self._call_changes()

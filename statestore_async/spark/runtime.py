@@ -997,9 +997,16 @@ def _due_timers(stored: pa.Array, registered: pa.Array, deleted: pa.Array, now_m
                 watermark_ms: int | None) -> pa.Array:
     """The by-time records of the timers due in this batch, in store order: the ``stored`` due ones
     not ``deleted`` this batch and those ``registered`` this batch at a due time (``registered`` and
-    ``deleted``: timer records of both indexes, as ``VectorizedTimers._changes`` gives them)."""
+    ``deleted``: timer records of both indexes, as ``VectorizedTimers._changes`` gives them: the
+    by-time records first, then the by-key ones, as many)."""
     if len(stored) and len(deleted):
-        stored = stored.filter(pc.invert(pc.is_in(stored, value_set=deleted.cast(pa.binary()))))
+        # which stored due ones a by-time record of ``deleted`` names (a hash of the few stored, not
+        # of every deletion)
+        named = pc.index_in(deleted.slice(0, len(deleted) // 2).cast(pa.binary()), value_set=stored)
+        keep = np.ones(len(stored), bool)
+        keep[named.drop_null().to_numpy()] = False
+        if not keep.all():
+            stored = stored.filter(pa.array(keep))
     new = due_records(registered, now_ms, watermark_ms)
     if not len(new):
         return stored
@@ -1010,7 +1017,8 @@ def _due_timers(stored: pa.Array, registered: pa.Array, deleted: pa.Array, now_m
 
 
 def _empties(n: int) -> pa.Array:
-    return pa.array([b""] * n, pa.binary())
+    """``n`` empty binary values (from buffers: no Python object each)."""
+    return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(np.zeros(n + 1, np.int32)), pa.py_buffer(b"")])
 
 
 def _timer_loader(handle: StoreHandle, num_key_groups: int) -> Callable[[pa.Array, np.ndarray],
