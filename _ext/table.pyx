@@ -1732,7 +1732,7 @@ cdef list _checked_records(list seq):
     return out
 
 
-def load_records(Table table not None, records):
+def load_records(Table table not None, records, bint keep_tombstones=False):
     """See ``statestore_async._ref.table.load_records``."""
     cdef list seq = records if type(records) is list else list(records)
     cdef Py_ssize_t i, n = len(seq)
@@ -1747,6 +1747,9 @@ def load_records(Table table not None, records):
         if type(k) is not bytes or <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
             break
         if v is None:
+            if keep_tombstones:
+                est += ssa_rsize(<uint32_t>PyBytes_GET_SIZE(k), 0, True)
+                puts += 1
             continue
         if type(v) is not bytes or <size_t>PyBytes_GET_SIZE(v) > MAX_LEN:
             break
@@ -1764,6 +1767,9 @@ def load_records(Table table not None, records):
                 est += ssa_rsize(<uint32_t>PyBytes_GET_SIZE(<object>PyTuple_GET_ITEM(item, 0)),
                                  <uint32_t>PyBytes_GET_SIZE(v), False)
                 puts += 1
+            elif keep_tombstones:
+                est += ssa_rsize(<uint32_t>PyBytes_GET_SIZE(<object>PyTuple_GET_ITEM(item, 0)), 0, True)
+                puts += 1
     if table.count == 0:  # a fresh table (a snapshot's records): size it once
         table._reserve_index(puts)
         table._reserve_arena(est)
@@ -1777,12 +1783,14 @@ def load_records(Table table not None, records):
         v = <object>PyTuple_GET_ITEM(item, 1)
         kl = <uint32_t>PyBytes_GET_SIZE(kb)
         h = ssa_hash(_bp(kb), kl)
-        if v is None:
+        if v is not None:
+            table._set(_bp(kb), kl, h, _bp(<bytes>v), <uint32_t>PyBytes_GET_SIZE(v), False)
+        elif keep_tombstones:
+            table._set(_bp(kb), kl, h, NULL, 0, True)
+        else:
             pos = table._find(_bp(kb), kl, h)
             if pos >= 0:
                 table._delete_at(pos)
-        else:
-            table._set(_bp(kb), kl, h, _bp(<bytes>v), <uint32_t>PyBytes_GET_SIZE(v), False)
     table.version += 1
     table._trim_arena()
     table._tidy()

@@ -442,14 +442,16 @@ def apply(base: Table, changes: Table) -> tuple[Table, Table]:
     return applied, undo
 
 
-def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | None]]) -> None:
-    """Put every (key, value) of ``records`` in order; a None value removes the key."""
+def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | None]],
+                 keep_tombstones: bool = False) -> None:
+    """Put every (key, value) of ``records`` in order; a None value removes the key, or with
+    ``keep_tombstones`` sets a tombstone entry (a delta file's records)."""
     checked = []
     for item in list(records):
         k, v = _pair(item)
         checked.append((_length(_check_key(k, 0)), _value(v)))
     for k, v in checked:
-        if v is None:
+        if v is None and not keep_tombstones:
             table._del(k)
         else:
             table._set(k, v)

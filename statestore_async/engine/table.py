@@ -70,9 +70,10 @@ arena and writes answers straight from it, with no Python object per record):
     nothing was dropped — callers must not change either afterwards. ``undo`` holds, for each key
     of ``applied``, the value ``base`` had before (None: it was absent), so ``apply(base, undo)``
     rolls the change back. Costs O(len(changes)). ``base`` and ``changes`` must be two tables.
-``load_records(table, records) -> None``
+``load_records(table, records, keep_tombstones=False) -> None``
     Bulk put of (key, value | None) pairs in order, where None deletes the key (not a tombstone):
-    rebuilding a state from checkpoint files. All are checked before any is set.
+    rebuilding a state from checkpoint files. With ``keep_tombstones`` a None sets a tombstone
+    entry instead (a delta file's block read as a run). All are checked before any is set.
 
 Compiled from ``_ext/table.pyx`` when built, else ``statestore_async._ref.table``; both give the
 same results, bytes and errors (``nbytes`` aside).

@@ -309,11 +309,8 @@ class ColdRun:
         block = self._cache.get(key)
         if block is None:
             block = Table()
-            if self.kind == SNAPSHOT:
-                load_records(block, self._read_block(i))
-            else:  # a delta's tombstones stay entries: they hide older runs' values
-                for k, v in self._read_block(i):
-                    block.put(k, v)
+            # a delta's tombstones stay entries: they hide older runs' values
+            load_records(block, self._read_block(i), self.kind != SNAPSHOT)
             self._cache.put(key, block)
         return block
 
