@@ -83,6 +83,10 @@ class DaemonConfig:
         "help": "an idle store whose map takes this much or more spills to its snapshot file on local disk "
                 "(s3:// roots need cache_dir) when memory is over budget; a smaller one is evicted whole",
         "parse": parse_size})
+    flush_min_bytes: int = field(default=1 << 20, metadata={
+        "help": "over budget, an open version whose changes take this much or more writes them to local disk "
+                "(the write buffer; in cache_dir/flushed, else a temporary folder)",
+        "parse": parse_size})
     max_frame_bytes: int = field(default=64 << 20, metadata={"help": "largest protocol frame accepted", "parse": parse_size})
     max_batch: int = field(default=100_000, metadata={"help": "most keys in one batched request", "parse": int})
     max_inflight: int = field(default=64, metadata={"help": "pipelined requests in flight per connection", "parse": int})

@@ -19,6 +19,9 @@ from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId
 
 DEADLINE = 90.0
 KEYS = 40_000
+# these tests follow the committed map's way to disk (snapshot, stacked deltas, reload); the write
+# buffer (a large version flushing its changes, tests/test_write_buffer.py) is kept out of them
+NO_FLUSH = 1 << 30
 
 
 def key(i: int) -> bytes:
@@ -72,6 +75,7 @@ async def test_a_store_over_the_budget_spills_to_its_snapshot_file_and_reads_bac
     memory would — after its later deltas are stacked over the snapshot, and after it spills
     again onto a newer snapshot."""
     d = await daemon_factory(memory_budget=3 << 20, spill_min_bytes=256 << 10, block_cache_bytes=256 << 10,
+                             flush_min_bytes=NO_FLUSH,
                              snapshot_interval=1000)
     sid = StoreId(f"file://{tmp_path}/root", "spill", 0)
     rnd = random.Random(1)
@@ -108,7 +112,7 @@ def s3_daemon(daemon_process, seaweedfs, aws_env):
     def start(cache: str, *args: str):
         return daemon_process("--s3-endpoint-url", seaweedfs.endpoint_url, "--s3-region", "us-east-1",
                               "--s3-addressing-style", "path", "--cache-dir", cache, "--memory-budget", "3MiB",
-                              "--spill-min-bytes", "256KiB", "--block-cache-bytes", "256KiB",
+                              "--spill-min-bytes", "256KiB", "--block-cache-bytes", "256KiB", "--flush-min-bytes", "1GiB",
                               "--snapshot-interval", "1000", *args)
     return start
 
@@ -155,6 +159,7 @@ async def test_a_reload_opens_the_deltas_after_the_snapshot_as_runs(daemon_facto
     exactly — then commits on over the stack."""
     root = f"file://{tmp_path}/root"
     settings = {"memory_budget": 3 << 20, "spill_min_bytes": 256 << 10, "block_cache_bytes": 256 << 10,
+                "flush_min_bytes": NO_FLUSH,
                 "snapshot_interval": 1000}
     d = await daemon_factory(**settings)
     sid = StoreId(root, "spill", 0)

@@ -382,3 +382,38 @@ async def test_a_daemon_killed_with_flushed_changes_loses_only_the_open_version(
         await h.abort()
     leftovers = [p for p in cache.rglob("*") if p.is_file() and p.suffix in (".flush", ".empty")]
     assert leftovers == []
+
+
+def test_a_version_flushed_whole_at_its_commit_writes_its_delta_from_the_run_blocks(tmp_path):
+    """Every change in one run and none after it (the daemon flushes a large version at its
+    commit): the delta file is the run's block payloads compressed again, with the same records,
+    lineage and key-group ranges as one written from the changes."""
+    disk = Disk(tmp_path)
+    base = {k(i): b"base-%d" % i for i in range(0, 300)}
+    store = spilled_store(disk, base)
+    w = store.open(store.head.version)
+    changes: dict[bytes, bytes | None] = {}
+    for i in range(200, 900):
+        w.put(k(i), b"new-%d" % i)
+        changes[k(i)] = b"new-%d" % i
+    for i in range(0, 40):
+        w.remove(k(i))
+        changes[k(i)] = None
+    w.flush(disk.write_run(w.version), disk.stack)
+    delta = w.commit()
+    assert len(delta.runs) == 1 and delta.entries_in_memory == 0
+    data = checkpoint.encode_delta(delta, block_bytes=1024)
+    f = checkpoint.read_checkpoint(data, "delta", expect=(SID, delta.ref, DELTA))
+    assert f.header.lineage == delta.lineage
+    assert f.records == sorted(changes.items())
+    # a reader by block finds every key (the index's first keys and key groups are right)
+    path = os.path.join(tmp_path, "delta.bin")
+    with open(path, "wb") as fh:
+        fh.write(data)
+    run = ColdRun.open(path, SID, delta.ref, disk.cache, kind=DELTA)
+    keys = sorted(changes)
+    assert run.lookup_many(keys) == [changes[x] for x in keys]
+    assert len(run._blocks) > 1
+    for e in run._blocks:
+        assert e.first_kg <= e.last_kg
+    delta.close_runs()

@@ -66,7 +66,7 @@ SPILL_MIN_BYTES = 1 << 20
 # runs a spilled store's cold level may have (deltas over its snapshot) before the next spill goes
 # onto a new snapshot instead: every run is one more place a read may have to look
 MAX_RUNS = 16
-# an open version's changes smaller than this stay in memory (a flush costs a file and a run)
+# by default, an open version's changes smaller than this stay in memory (a flush costs a file and a run)
 FLUSH_MIN_BYTES = 1 << 20
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,8 @@ class StoreRegistry:
 
     def __init__(self, objstores: ObjectStores, uploader: Uploader, *, memory_budget: int = 2 << 30,
                  history: int = DEFAULT_HISTORY, block_cache_bytes: int | None = None,
-                 spill_min_bytes: int = SPILL_MIN_BYTES, scratch_dir: str | None = None) -> None:
+                 spill_min_bytes: int = SPILL_MIN_BYTES, scratch_dir: str | None = None,
+                 flush_min_bytes: int = FLUSH_MIN_BYTES) -> None:
         self._objstores = objstores
         self._uploader = uploader
         self.memory_budget = memory_budget
@@ -85,6 +86,7 @@ class StoreRegistry:
         # decoded blocks of the spilled stores' cold levels (a quarter of the budget by default)
         self.block_cache = BlockCache(memory_budget // 4 if block_cache_bytes is None else block_cache_bytes)
         self.spill_min_bytes = spill_min_bytes
+        self.flush_min_bytes = flush_min_bytes  # an open version's changes smaller than this stay in memory
         # where flushed changes are written (None: a temporary folder, made when first needed)
         self._scratch = scratch_dir
         self._scratch_ids = itertools.count(1)
@@ -303,8 +305,26 @@ class StoreRegistry:
         """``w`` took changes (PUT_MANY, REMOVE_MANY): once they pass an eighth of the budget,
         check the budget now rather than after the burst (a pipelined batch of hundreds of MB
         arrives well within the delayed check), so that a flush keeps them near the budget."""
-        if w.overlay_bytes >= max(FLUSH_MIN_BYTES, self.memory_budget // 8):
+        if w.overlay_bytes >= max(self.flush_min_bytes, self.memory_budget // 8):
             self.enforce_budget()
+
+    def before_commit(self, w: StoreVersion) -> None:
+        """``w`` is about to commit: when its changes, applied to its store's map (where a commit
+        copies them, while its delta keeps them until uploaded), would take memory over the
+        budget, flush them first (when the store allows it): the commit then only stacks runs."""
+        if w.overlay_bytes < self.flush_min_bytes:
+            return
+        if self.memory_bytes + self._uploader.queued_bytes + w.overlay_bytes <= self.memory_budget:
+            return
+        store = self._stores.get(w.store_id)
+        if store is None or store.writer is not w or (not w.flushable and not self._make_flushable(store, w)):
+            return
+        try:
+            w.flush(self._flush_writer(store), _stack_runs)
+        except (OSError, StateStoreError) as exc:
+            self.counters["flush_errors"] += 1
+            log.warning("cannot flush the changes of %s at version %d to %s (they stay in memory): %s: %s",
+                        store.store_id, w.version, self._scratch, type(exc).__name__, exc)
 
     def _flush_open_versions(self, total: int) -> int:
         """Flush the largest open versions' changes (see the module doc) until memory is within
@@ -313,7 +333,7 @@ class StoreRegistry:
         writers = [(s, s.writer) for s in self._stores.values() if s.writer is not None]
         writers.sort(key=lambda sw: sw[1].overlay_bytes, reverse=True)
         for store, w in writers:
-            if total - freed <= self.memory_budget or w.overlay_bytes < FLUSH_MIN_BYTES:
+            if total - freed <= self.memory_budget or w.overlay_bytes < self.flush_min_bytes:
                 break
             if not w.flushable and not self._make_flushable(store, w):
                 continue
@@ -576,6 +596,13 @@ class StoreRegistry:
         held = sorted(s.partition_id for s in self._stores
                       if s.root == root and s.operator_id == operator_id and s.store_name == store_name)
         return {"released": released, "kept": kept, "held": held}
+
+    @property
+    def releases(self) -> int:
+        """How many times memory was given back so far (stores evicted, spilled or stacked,
+        changes flushed, cached blocks dropped): the daemon trims malloc's heap when it moves."""
+        c = self.counters
+        return c["evictions"] + c["spills"] + c["flushes"] + c["released"] + self.block_cache.evictions
 
     def stats(self) -> dict[str, int]:
         return {"stores": len(self._stores), "memory_bytes": self.memory_bytes,

@@ -442,6 +442,8 @@ class _Connection(asyncio.Protocol):
             # 0.10 ms, p99 1.93 → 0.78 ms. With no other task on this core it returns at once.
             os.sched_yield()
         try:
+            if d.registry is not None:
+                d.registry.before_commit(w)  # large changes over the budget go to disk first
             delta = w.commit(ref.ckptid, defer=answered)
             self._finish(ev.handle, w)
             up = uploader.enqueue(delta)
@@ -557,6 +559,7 @@ class Daemon:
         self._metrics_server: WSGIServer | None = None
         self._budget_check: asyncio.TimerHandle | None = None
         self._last_trim = 0.0
+        self._trimmed_at = 0  # the registry's ``releases`` at the last malloc_trim
         self._idle_sweep: asyncio.TimerHandle | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         #: set when ``exit_when_idle`` seconds passed with no client and no upload: ``serve`` then stops
@@ -599,7 +602,8 @@ class Daemon:
         self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget,
                                       block_cache_bytes=cfg.block_cache_bytes or None,
                                       spill_min_bytes=cfg.spill_min_bytes,
-                                      scratch_dir=os.path.join(cfg.cache_dir, "flushed") if cfg.cache_dir else None)
+                                      scratch_dir=os.path.join(cfg.cache_dir, "flushed") if cfg.cache_dir else None,
+                                      flush_min_bytes=cfg.flush_min_bytes)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
             # the worker opens the same object stores from the same settings (a custom factory,
@@ -678,10 +682,16 @@ class Daemon:
 
     def _check_budget(self) -> None:
         self._budget_check = None
-        if self.registry is not None and self.registry.enforce_budget():
+        registry = self.registry
+        if registry is None:
+            return
+        registry.enforce_budget()
+        # memory given back (stores evicted or spilled, deltas stacked, changes flushed, blocks
+        # dropped) is scattered through malloc's heap: hand its pages back now and then
+        if registry.releases != self._trimmed_at:
             now = time.monotonic()
             if now - self._last_trim >= TRIM_INTERVAL:
-                self._last_trim = now
+                self._last_trim, self._trimmed_at = now, registry.releases
                 give_back_free_pages()
 
     async def await_durable(self, store_id: StoreId, ref: CheckpointRef, timeout: float) -> bool:

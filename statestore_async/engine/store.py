@@ -218,6 +218,11 @@ class Delta:
             return table.items()
         return merge_entries([table.items(), *(run.entries() for run in self.runs)])
 
+    @property
+    def entries_in_memory(self) -> int:
+        """Changes of the delta held in memory (made after its version's last flush)."""
+        return len(self._table())
+
     def close_runs(self) -> None:
         """Let go of the runs' handles (the delta file is written). Idempotent."""
         for run in self.runs:

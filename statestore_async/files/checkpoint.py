@@ -394,7 +394,14 @@ def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_byt
         block_bytes = block_bytes_for(delta.nbytes)
     w = CheckpointWriter(DELTA, delta.store_id, delta.ref, delta.lineage, codec=codec, level=level, block_bytes=block_bytes)
     if delta.runs:  # a version that flushed: its runs on disk merged with the rest, a block at a time
-        w.add_entries(delta.entries())
+        only = delta.runs[0]
+        payloads = getattr(only, "payloads", None)
+        if len(delta.runs) == 1 and payloads is not None and not delta.entries_in_memory:
+            # every change in one run (flushed at its commit): its blocks' payloads are the delta's,
+            # compressed again (gathered to the file's block size), nothing decoded
+            w.add_merged(_gathered(payloads(), w._payload_limit()), threads=threads)
+        else:
+            w.add_entries(delta.entries())
         return w.finish()
     view = delta.table.freeze()
     try:
@@ -402,6 +409,26 @@ def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_byt
     finally:
         view.release()
     return w.finish()
+
+
+def _gathered(payloads: Iterable[tuple[bytes, int, int, int, bytes]], limit: int) -> Iterator[MergedBlock]:
+    """Consecutive records payloads joined up to ``limit`` bytes (a payload is its records back
+    to back), as ``add_merged``'s blocks still to compress."""
+    parts: list[bytes] = []
+    size = count = lo = hi = 0
+    first = b""
+    for payload, n, a, b, k in payloads:
+        if parts and size + len(payload) > limit:
+            yield b"".join(parts), count, lo, hi, first, False
+            parts, size, count = [], 0, 0
+        if not parts:
+            lo, first = a, k
+        parts.append(payload)
+        size += len(payload)
+        count += n
+        hi = b
+    if parts:
+        yield b"".join(parts), count, lo, hi, first, False
 
 
 def write_flushed(path: str, store_id: StoreId, ref: CheckpointRef, changes: PackedRecords, *,

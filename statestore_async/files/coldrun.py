@@ -354,6 +354,12 @@ class ColdRun:
             yield from self._block(i).items(start, stop)
             i += 1
 
+    def payloads(self) -> Iterator[tuple[bytes, int, int, int, bytes]]:
+        """Each block's records payload, decompressed, in order, read past the block cache:
+        ``(payload, records, first key group, last key group, first key)``."""
+        for i, e in enumerate(self._blocks):
+            yield self._payload(i, self._raw_block(i)), e.count, e.first_kg, e.last_kg, self._first[i]
+
     def all_entries(self) -> list[tuple[bytes, bytes | None]]:
         """Every entry in key order, tombstones included, read past the block cache (a compaction
         reads a delta run once)."""
