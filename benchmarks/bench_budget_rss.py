@@ -40,7 +40,7 @@ def status(pid: int, field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def partition(sock: str, root: str, p: int, a: argparse.Namespace, errors: list[BaseException]) -> None:
+def partition(sock: str, root: str, p: int, a: argparse.Namespace, errors: list[BaseException], pid: int) -> None:
     try:
         rnd = np.random.default_rng(p)
         sid = StoreId(root, "w", p)
@@ -59,7 +59,8 @@ def partition(sock: str, root: str, p: int, a: argparse.Namespace, errors: list[
                 if not c.await_durable(sid, ref, timeout=600):
                     raise RuntimeError(f"partition {p} round {r}: not durable")
                 print(f"  partition {p} round {r}: get {t1 - t0:.2f} s, put {t2 - t1:.2f} s, "
-                      f"commit to durable {time.perf_counter() - t2:.2f} s", flush=True)
+                      f"commit to durable {time.perf_counter() - t2:.2f} s; RSS {status(pid, 'VmRSS') / MIB:.0f} MiB",
+                      flush=True)
     except BaseException as exc:  # reported by main
         errors.append(exc)
 
@@ -98,7 +99,7 @@ def main() -> int:
             sampler = threading.Thread(target=sample)
             sampler.start()
             errors: list[BaseException] = []
-            workers = [threading.Thread(target=partition, args=(sock, f"file://{tmp}/root", p, a, errors))
+            workers = [threading.Thread(target=partition, args=(sock, f"file://{tmp}/root", p, a, errors, proc.pid))
                        for p in range(a.partitions)]
             for t in workers:
                 t.start()

@@ -39,7 +39,7 @@ import itertools
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import cast
 
 import numpy as np
@@ -66,6 +66,8 @@ from statestore_async.files.names import DELTA, SNAPSHOT
 from statestore_async.ids import CheckpointRef, StoreId
 
 _ids = itertools.count(1)
+# snapshot blocks a compaction merges at a time (see ColdRun._merged)
+MERGE_GROUP = 16
 
 # what ``merged_blocks`` yields: (data, records, first key group, last key group, first key, encoded);
 # ``data`` is a block as stored when ``encoded``, else a records payload still to be compressed
@@ -97,6 +99,22 @@ class _Changes:
                 self.puts_before = np.concatenate(([0], np.cumsum(is_put)))
                 raw = blockcodec.encode_records_raw([(k, v) for k, v in zip(keys, values) if v is not None])
                 self.puts = np.frombuffer(raw, f"V{self.width}")
+
+
+class _Cursor:
+    """A key-ordered iterator of changes, taken one key range after the other."""
+
+    def __init__(self, entries: _Entries) -> None:
+        self._it = iter(entries)
+        self._next = next(self._it, None)
+
+    def until(self, hi: bytes | None) -> list[tuple[bytes, bytes | None]]:
+        """The entries left with keys below ``hi`` (None: all of them)."""
+        out = []
+        while self._next is not None and (hi is None or self._next[0] < hi):
+            out.append(self._next)
+            self._next = next(self._it, None)
+        return out
 
 
 def _sorted_changes(layers: Sequence[_Entries]) -> _Changes:
@@ -344,14 +362,21 @@ class ColdRun:
                     out[j] = block.get(k)
         return out
 
-    def entries(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes | None]]:
-        """(key, value | None) with ``start <= key < stop`` in key order, tombstones included."""
+    def entries(self, start: bytes = b"", stop: bytes | None = None, *,
+                cached: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, value | None) with ``start <= key < stop`` in key order, tombstones included;
+        not ``cached``: the blocks are read past the block cache (a compaction reads them once)."""
         i = max(0, self._block_of(start))
         n = len(self._blocks)
         while i < n:
             if stop is not None and self._first[i] >= stop:
                 return
-            yield from self._block(i).items(start, stop)
+            if cached:
+                yield from self._block(i).items(start, stop)
+            else:
+                for k, v in self._read_block(i):
+                    if start <= k and (stop is None or k < stop):
+                        yield k, v
             i += 1
 
     def payloads(self) -> Iterator[tuple[bytes, int, int, int, bytes]]:
@@ -379,26 +404,36 @@ class ColdRun:
         """The blocks of a snapshot of this (snapshot) run's records with ``changes`` (key order;
         None: a removal) applied, in key order: untouched blocks as stored, the others as payloads
         of about ``max_payload`` bytes or the size of the block they replace."""
-        return self._merged(_sorted_changes([changes]), max_payload)
+        cursor = _Cursor(changes)
+        return self._merged(lambda lo, hi: [cursor.until(hi)], max_payload)
 
-    def _merged(self, changes: _Changes, max_payload: int) -> Iterator[MergedBlock]:
+    def _merged(self, layers_in: Callable[[bytes, bytes | None], Sequence[_Entries]],
+                max_payload: int) -> Iterator[MergedBlock]:
+        """The compaction, ``MERGE_GROUP`` blocks at a time: ``layers_in(lo, hi)`` gives the
+        changes with ``lo <= key < hi`` (each layer in key order, oldest first), so what a
+        compaction holds at once is one group's changes, not all of them."""
         if self.kind != SNAPSHOT:
             raise ValueError("only a snapshot run is the base of a compaction")
-        ckeys, cvals = changes.keys, changes.values
-        n, m, first = len(self._blocks), len(ckeys), self._first
+        n, first = len(self._blocks), self._first
         if not n:
-            yield from _payloads([(k, v) for k, v in zip(ckeys, cvals) if v is not None], max_payload)
+            changes = _sorted_changes(layers_in(b"", None))
+            yield from _payloads([(k, v) for k, v in zip(changes.keys, changes.values) if v is not None], max_payload)
             return
-        j = 0
-        for i, e in enumerate(self._blocks):
-            # block i takes the changes below the next block's first key (block 0 those before its own too)
-            hi = m if i == n - 1 else bisect.bisect_left(ckeys, first[i + 1], j)
-            raw = self._raw_block(i)
-            if hi == j:
-                yield raw, e.count, e.first_kg, e.last_kg, first[i], True
-            else:
-                yield from self._merge_block(i, raw, changes, j, hi, max_payload)
-            j = hi
+        for g in range(0, n, MERGE_GROUP):
+            end = min(n, g + MERGE_GROUP)
+            # the group's blocks take the changes below the next group's first key (the first
+            # group those before its own first key too)
+            changes = _sorted_changes(layers_in(b"" if g == 0 else first[g], None if end == n else first[end]))
+            ckeys, m, j = changes.keys, len(changes.keys), 0
+            for i in range(g, end):
+                e = self._blocks[i]
+                hi = m if i == end - 1 else bisect.bisect_left(ckeys, first[i + 1], j)
+                raw = self._raw_block(i)
+                if hi == j:
+                    yield raw, e.count, e.first_kg, e.last_kg, first[i], True
+                else:
+                    yield from self._merge_block(i, raw, changes, j, hi, max_payload)
+                j = hi
 
     def _raw_block(self, i: int) -> bytes:
         """Block ``i`` as stored, its lengths and checksum checked (not decoded)."""
@@ -587,10 +622,15 @@ class ColdStack:
 
     def merged_blocks(self, changes: _Entries, max_payload: int) -> Iterator[MergedBlock]:
         """``ColdRun.merged_blocks`` of the snapshot run under the stack, with the delta runs'
-        entries and then ``changes`` (the newest) applied."""
-        layers: list[_Entries] = [run.all_entries() for run in reversed(self.runs[:-1])]
-        layers.append(changes)
-        return self.runs[-1]._merged(_sorted_changes(layers), max_payload)
+        entries and then ``changes`` (the newest) applied: a group of the snapshot's blocks at a
+        time, each delta run read over that group's key range (past the block cache)."""
+        cursor = _Cursor(changes)
+        deltas = list(reversed(self.runs[:-1]))  # oldest first
+
+        def layers_in(lo: bytes, hi: bytes | None) -> Sequence[_Entries]:
+            return [list(run.entries(lo, hi, cached=False)) for run in deltas] + [cursor.until(hi)]
+
+        return self.runs[-1]._merged(layers_in, max_payload)
 
     def close(self) -> None:
         for run in self.runs:
