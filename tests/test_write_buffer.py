@@ -417,3 +417,63 @@ def test_a_version_flushed_whole_at_its_commit_writes_its_delta_from_the_run_blo
     for e in run._blocks:
         assert e.first_kg <= e.last_kg
     delta.close_runs()
+
+
+async def test_flushed_versions_move_onto_new_snapshots_with_the_deltas_since_stacked(daemon_factory, tmp_path):
+    """Snapshots every 2 versions while every version flushes: a snapshot finished behind the head
+    cannot be spilled onto by replaying the history (flushed commits keep no complete redo), so the
+    delta files since it are stacked over it, as soon as they are durable. Reads stay exact, the
+    stack stays shallow (it does not grow by one run per version), and no run in it is closed."""
+    from statestore_async.client import AsyncClient
+    d = await daemon_factory(**dict(BUDGET, snapshot_interval=2), cache_dir=str(tmp_path / "cache"))
+    sid = StoreId(f"file://{tmp_path}/root", "wb", 2)
+    rnd = random.Random(9)
+    expected: dict[bytes, bytes] = {}
+    async with AsyncClient(d.config.socket) as c:
+        ref = CheckpointRef(0, "")
+        for round_ in range(7):
+            h = await c.open(sid, ref.version, ref.ckptid or None)
+            await write_round(h, expected, round_, rnd, BIG // 3)
+            ref = await h.commit()
+            assert await c.await_durable(sid, ref, timeout=DEADLINE)
+            await wait_for(lambda: d.maintenance.counters["snapshots"] >= round_ // 2, "the snapshots")
+            d.registry.enforce_budget()
+            h = await c.open(sid, ref.version, ref.ckptid)
+            await read_all(h, expected)
+            await h.abort()
+        store = d.registry.get(sid)
+        runs = store.cold.runs if isinstance(store.cold, ColdStack) else [store.cold]
+        assert all(r._fd is not None for r in runs)
+        assert runs[-1].ref.version >= 2, runs  # the base is a snapshot the daemon wrote, not the empty one
+        assert len(runs) <= 4, runs
+        assert d.registry.stats()["flushes"] >= 7
+
+
+def test_the_snapshot_of_flushed_versions_over_an_empty_snapshot_is_their_merge(tmp_path):
+    """A store spilled onto an empty snapshot (a first large version) whose later versions flushed:
+    its compaction takes the changes a key range at a time, split by the largest run's blocks
+    (nothing is held whole), and writes exactly the store's records."""
+    disk = Disk(tmp_path)
+    store = spilled_store(disk, {})
+    model: dict[bytes, bytes] = {}
+    rnd = random.Random(4)
+    for v in range(4):
+        w = store.open(store.head.version)
+        for i in rnd.sample(range(3000), 900):
+            w.put(k(i), b"v%d-%d" % (v, i))
+            model[k(i)] = b"v%d-%d" % (v, i)
+        for i in rnd.sample(range(3000), 50):
+            w.remove(k(i))
+            model.pop(k(i), None)
+        w.flush(disk.write_run(w.version), disk.stack)
+        w.commit()
+    w = store.open(store.head.version)  # a last change in the hot part
+    w.put(k(5), b"hot")
+    model[k(5)] = b"hot"
+    w.commit()
+    assert isinstance(store.cold, ColdStack) and len(store.cold.runs[-1]._blocks) == 0
+    assert len(max(store.cold.runs[:-1], key=len)._blocks) > 32  # several groups
+    with store.freeze() as view:
+        data = checkpoint.encode_snapshot(view, block_bytes=512)
+    got = checkpoint.read_checkpoint(data, "compacted")
+    assert got.records == sorted(model.items())

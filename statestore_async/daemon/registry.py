@@ -90,6 +90,9 @@ class StoreRegistry:
         # where flushed changes are written (None: a temporary folder, made when first needed)
         self._scratch = scratch_dir
         self._scratch_ids = itertools.count(1)
+        # stores whose new snapshot came while the deltas since it were still uploading: spilled
+        # onto it (those deltas stacked over it) once they are durable
+        self._spill_later: dict[StoreId, CheckpointRef] = {}
         # set by maintenance: snapshot a store's head now, then call ``spill_at`` (None: no spilling
         # of stores without a snapshot at their head)
         self.request_spill: Callable[[StoreId], None] | None = None
@@ -261,6 +264,12 @@ class StoreRegistry:
         The budget covers the stores, the block cache and the deltas waiting for upload
         (``Uploader.queued_bytes``): a delta older than its store's history is held by the upload
         queue alone."""
+        for store_id, ref in list(self._spill_later.items()):  # a new snapshot the store could not move onto yet
+            store = self._stores.get(store_id)
+            if store is None or store.head.version < ref.version:
+                del self._spill_later[store_id]
+            elif store_id not in self._loading and self._spillable(store):
+                self._spill_now(store, ref)
         for store in self._stores.values():
             cold = store.cold
             if isinstance(cold, ColdStack) and cold.runs[0].flushed and store.store_id not in self._loading:
@@ -474,35 +483,52 @@ class StoreRegistry:
         try:
             run = ColdRun.open(path, store_id, ref, self.block_cache)
         except (OSError, StateStoreError) as exc:
+            self._spill_later.pop(store_id, None)
             log.warning("cannot spill %s onto %s: %s: %s", store_id, path, type(exc).__name__, exc)
             return 0
         before = store.memory_bytes
         old = store.cold
         try:
             store.spill(run)
-        except StateStoreError as exc:  # the head moved past the history meanwhile
-            run.close()
-            log.info("cannot spill %s onto %s: %s", store_id, path, exc)
-            return 0
+        except StateStoreError as exc:
+            # the head moved past what the history can rebuild (commits made since, some flushed):
+            # the delta files of those commits go over the new snapshot instead
+            stacked = self._stack_deltas(store, onto=run)
+            if store.cold is old:  # not stacked (its figure alone cannot tell: stacking may free nothing)
+                run.close()
+                self._spill_later[store_id] = ref  # tried again at each budget check
+                log.info("cannot spill %s onto %s yet: %s", store_id, path, exc)
+                return 0
+            self._spill_later.pop(store_id, None)
+            return stacked or 0
+        self._spill_later.pop(store_id, None)
         if old is not None and not store._views:  # a view being written reads on from it (closed when collected)
             old.close()
         self.counters["spills"] += 1
         log.info("spilled %s at %s onto %s (%d bytes freed)", store_id, ref, path, before - store.memory_bytes)
         return max(0, before - store.memory_bytes)
 
-    def _stack_deltas(self, store: VersionedStore) -> int | None:
+    def _stack_deltas(self, store: VersionedStore, onto: ColdRun | None = None) -> int | None:
         """A spilled store's hot part leaves memory without a write: the delta files of the commits
         made since its cold state that are durable (with local copies) become the newer runs of its
         cold level (``ColdStack``); the commits still uploading stay in memory (the hot part starts
-        again with them, from the store's recent history). The bytes freed; 0 when it cannot (not
-        spilled, a delta not local, the lineage not leading to the cold state, the stack at
-        ``MAX_RUNS``); None when it can once a delta still uploading is durable."""
+        again with them, from the store's recent history). With ``onto`` (a new snapshot of a state
+        behind the head) the deltas since that state are stacked over it instead, and the old cold
+        level goes. The bytes freed; 0 when it cannot (not spilled, a delta not local, the lineage
+        not leading to the cold state, the stack at ``MAX_RUNS``, a commit since that only its
+        delta file holds whole still uploading); None when it can once a delta still uploading is
+        durable."""
         cold, store_id, head = store.cold, store.store_id, store.head
-        if not isinstance(cold, (ColdRun, ColdStack)):
+        if not isinstance(cold, (ColdRun, ColdStack)) and onto is None:
             return 0
         # runs a version flushed give way to its commit's delta file: the chain starts below them
         below = cold.below_flushed() if isinstance(cold, ColdStack) else None
-        base = cold if below is None else below
+        base: ColdRun | ColdStack
+        if onto is not None:
+            base = onto
+        else:
+            assert isinstance(cold, (ColdRun, ColdStack))
+            base = cold if below is None else below
         if head == base.ref:
             return 0
         chain: list[CheckpointRef] = []  # the states since the base one, newest first
@@ -537,14 +563,17 @@ class StoreRegistry:
             if store.cold is cold:  # not stacked: let go of the runs opened
                 for run in runs:
                     run.close()
-        if below is not None and not store._views:  # a view being written reads on from them (closed when collected)
-            assert isinstance(cold, ColdStack)
-            for run in cold.runs:
-                if run.flushed:
-                    run.close()
+        if not store._views:  # a view being written reads on from them (closed when collected)
+            if onto is not None and cold is not None:
+                cold.close()  # the new snapshot replaces the whole old level
+            elif below is not None:
+                assert isinstance(cold, ColdStack)
+                for run in cold.runs:
+                    if run.flushed:
+                        run.close()
         self.counters["spills"] += 1
         self.counters["deltas_stacked"] += len(refs)
-        log.info("stacked %d deltas of %s over %s (%d bytes freed)", len(refs), store_id, cold.ref,
+        log.info("stacked %d deltas of %s over %s (%d bytes freed)", len(refs), store_id, base.ref,
                  before - store.memory_bytes)
         return max(0, before - store.memory_bytes)
 
@@ -562,6 +591,7 @@ class StoreRegistry:
 
     def _drop(self, store_id: StoreId) -> None:
         del self._stores[store_id]
+        self._spill_later.pop(store_id, None)
         for listener in self.evict_listeners:
             listener(store_id)
 

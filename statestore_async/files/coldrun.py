@@ -408,16 +408,22 @@ class ColdRun:
         return self._merged(lambda lo, hi: [cursor.until(hi)], max_payload)
 
     def _merged(self, layers_in: Callable[[bytes, bytes | None], Sequence[_Entries]],
-                max_payload: int) -> Iterator[MergedBlock]:
+                max_payload: int, splits: Sequence[bytes] = ()) -> Iterator[MergedBlock]:
         """The compaction, ``MERGE_GROUP`` blocks at a time: ``layers_in(lo, hi)`` gives the
         changes with ``lo <= key < hi`` (each layer in key order, oldest first), so what a
-        compaction holds at once is one group's changes, not all of them."""
+        compaction holds at once is one group's changes, not all of them. A snapshot with no
+        block (the empty state) takes them between ``splits`` (ascending keys) instead."""
         if self.kind != SNAPSHOT:
             raise ValueError("only a snapshot run is the base of a compaction")
         n, first = len(self._blocks), self._first
         if not n:
-            changes = _sorted_changes(layers_in(b"", None))
-            yield from _payloads([(k, v) for k, v in zip(changes.keys, changes.values) if v is not None], max_payload)
+            bounds: list[bytes | None] = [*splits, None]
+            start = b""
+            for stop in bounds:
+                part = _sorted_changes(layers_in(start, stop))
+                yield from _payloads([(k, v) for k, v in zip(part.keys, part.values) if v is not None], max_payload)
+                if stop is not None:
+                    start = stop
             return
         for g in range(0, n, MERGE_GROUP):
             end = min(n, g + MERGE_GROUP)
@@ -630,7 +636,10 @@ class ColdStack:
         def layers_in(lo: bytes, hi: bytes | None) -> Sequence[_Entries]:
             return [list(run.entries(lo, hi, cached=False)) for run in deltas] + [cursor.until(hi)]
 
-        return self.runs[-1]._merged(layers_in, max_payload)
+        # over an empty snapshot, the largest delta's blocks set the groups' key ranges
+        largest = max(deltas, key=len, default=None)
+        splits = largest._first[MERGE_GROUP::MERGE_GROUP] if largest is not None else []
+        return self.runs[-1]._merged(layers_in, max_payload, splits)
 
     def close(self) -> None:
         for run in self.runs:
