@@ -636,9 +636,9 @@ class ColdStack:
         def layers_in(lo: bytes, hi: bytes | None) -> Sequence[_Entries]:
             return [list(run.entries(lo, hi, cached=False)) for run in deltas] + [cursor.until(hi)]
 
-        # over an empty snapshot, the largest delta's blocks set the groups' key ranges
+        # over an empty snapshot, each block of the largest delta sets a group's key range
         largest = max(deltas, key=len, default=None)
-        splits = largest._first[MERGE_GROUP::MERGE_GROUP] if largest is not None else []
+        splits = largest._first[1:] if largest is not None else []
         return self.runs[-1]._merged(layers_in, max_payload, splits)
 
     def close(self) -> None:
