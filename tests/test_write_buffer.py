@@ -10,6 +10,7 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_spill import DEADLINE, key, value, wait_for  # the same keys, values and waits as the spill tests
 
 from statestore_async.engine.store import MISSING, VersionedStore
 from statestore_async.engine.table import Table
@@ -80,6 +81,17 @@ def visible(w) -> dict[bytes, bytes]:
     return dict(w.scan(b""))
 
 
+def replayed(base: dict[bytes, bytes], records) -> dict[bytes, bytes]:
+    """``base`` with a delta's (key, value | None) records applied, as a loader does."""
+    out = dict(base)
+    for x, v in records:
+        if v is None:
+            out.pop(x, None)
+        else:
+            out[x] = v
+    return out
+
+
 def test_a_flushed_version_reads_commits_and_writes_its_delta_exactly(tmp_path):
     disk = Disk(tmp_path)
     base = {k(i): b"base-%d" % i for i in range(0, 400)}
@@ -144,13 +156,7 @@ def test_a_flushed_version_reads_commits_and_writes_its_delta_exactly(tmp_path):
     data = checkpoint.encode_delta(delta)
     f = checkpoint.read_checkpoint(data, "delta", expect=(SID, delta.ref, DELTA))
     assert f.header.lineage == delta.lineage
-    replay = dict(base)
-    for x, v in f.records:
-        if v is None:
-            replay.pop(x, None)
-        else:
-            replay[x] = v
-    assert replay == model
+    assert replayed(base, f.records) == model
     delta.close_runs()
     # the store's own handles on the runs stay open after the delta's are closed
     assert dict(store.items()) == model
@@ -246,36 +252,12 @@ def test_random_changes_with_flushes_agree_with_a_dict(tmp_path, ops, seed, defe
     assert visible(w) == model
     delta = w.commit(defer=defer)
     assert dict(store.items()) == model
-    replay = dict(base)
-    for x, v in delta.entries():
-        if v is None:
-            replay.pop(x, None)
-        else:
-            replay[x] = v
-    assert replay == model
+    assert replayed(base, delta.entries()) == model
     delta.close_runs()
 
 
 # --- through a daemon ------------------------------------------------------------------------------
-DEADLINE = 90.0
 BIG = 120_000  # keys of one version: ~9 MB of changes in memory, three times the daemon's budget
-
-
-def key(i: int) -> bytes:
-    return bytes([0, i % 7]) + b"key-%06d" % i
-
-
-def value(i: int, round_: int) -> bytes:
-    return b"r%03d-" % round_ + b"%035d" % (i * 7919 % 10**9)
-
-
-async def wait_for(condition, what: str, timeout: float = DEADLINE) -> None:
-    import asyncio
-    import time
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 BUDGET = {"memory_budget": 3 << 20, "spill_min_bytes": 256 << 10, "block_cache_bytes": 256 << 10,
