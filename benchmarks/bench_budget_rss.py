@@ -59,7 +59,8 @@ def partition(sock: str, root: str, p: int, a: argparse.Namespace, errors: list[
                 if not c.await_durable(sid, ref, timeout=600):
                     raise RuntimeError(f"partition {p} round {r}: not durable")
                 print(f"  partition {p} round {r}: get {t1 - t0:.2f} s, put {t2 - t1:.2f} s, "
-                      f"commit to durable {time.perf_counter() - t2:.2f} s; RSS {status(pid, 'VmRSS') / MIB:.0f} MiB",
+                      f"commit to durable {time.perf_counter() - t2:.2f} s; RSS {status(pid, 'VmRSS') / MIB:.0f} MiB "
+                      f"(peak so far {status(pid, 'VmHWM') / MIB:.0f})",
                       flush=True)
     except BaseException as exc:  # reported by main
         errors.append(exc)
