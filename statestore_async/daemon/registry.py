@@ -93,6 +93,7 @@ class StoreRegistry:
         # stores whose new snapshot came while the deltas since it were still uploading: spilled
         # onto it (those deltas stacked over it) once they are durable
         self._spill_later: dict[StoreId, CheckpointRef] = {}
+        self._deep: set[StoreId] = set()  # stacks past MAX_RUNS whose snapshot was asked for
         # set by maintenance: snapshot a store's head now, then call ``spill_at`` (None: no spilling
         # of stores without a snapshot at their head)
         self.request_spill: Callable[[StoreId], None] | None = None
@@ -500,8 +501,10 @@ class StoreRegistry:
                 log.info("cannot spill %s onto %s yet: %s", store_id, path, exc)
                 return 0
             self._spill_later.pop(store_id, None)
+            self._deep.discard(store_id)
             return stacked or 0
         self._spill_later.pop(store_id, None)
+        self._deep.discard(store_id)
         if old is not None and not store._views:  # a view being written reads on from it (closed when collected)
             old.close()
         self.counters["spills"] += 1
@@ -545,7 +548,14 @@ class StoreRegistry:
             return None if self._uploader.will_settle(store_id, head) else 0
         depth = len(base.runs) if isinstance(base, ColdStack) else 1
         if depth + len(refs) > MAX_RUNS:
-            return 0
+            # deeper than reads should go: a new snapshot will bring it back down; until it is
+            # written the stack may grow to twice that, rather than keep every commit in memory
+            if self.request_spill is not None and onto is None and store.store_id not in self._deep:
+                self._deep.add(store.store_id)
+                self.counters["spill_requests"] += 1
+                self.request_spill(store.store_id)
+            if depth + len(refs) > 2 * MAX_RUNS:
+                return 0
         objstore = self._objstores(store_id.root)
         runs: list[ColdRun] = []
         try:
@@ -582,6 +592,7 @@ class StoreRegistry:
         spilled store: spill the store onto it if memory is still over budget, and always when the
         store is spilled already (its runs and hot part give way to one file). Commits made since
         the snapshot stay in memory: the hot part starts with them."""
+        self._deep.discard(store_id)  # a later stack past MAX_RUNS asks again
         store = self._stores.get(store_id)
         if store is None or not self._spillable(store):
             return
@@ -592,6 +603,7 @@ class StoreRegistry:
     def _drop(self, store_id: StoreId) -> None:
         del self._stores[store_id]
         self._spill_later.pop(store_id, None)
+        self._deep.discard(store_id)
         for listener in self.evict_listeners:
             listener(store_id)
 
