@@ -327,14 +327,21 @@ class StoreRegistry:
         if self.memory_bytes + self._uploader.queued_bytes + w.overlay_bytes <= self.memory_budget:
             return
         store = self._stores.get(w.store_id)
-        if store is None or store.writer is not w or (not w.flushable and not self._make_flushable(store, w)):
-            return
+        if store is not None and store.writer is w:
+            self._flush(store, w)
+
+    def _flush(self, store: VersionedStore, w: StoreVersion) -> int:
+        """Flush ``w``'s changes when its store allows it (made so if it can be); the bytes freed.
+        A flush that fails (a full disk) leaves the changes in memory, logged and counted."""
+        if not w.flushable and not self._make_flushable(store, w):
+            return 0
         try:
-            w.flush(self._flush_writer(store), _stack_runs)
+            return w.flush(self._flush_writer(store), _stack_runs)
         except (OSError, StateStoreError) as exc:
             self.counters["flush_errors"] += 1
             log.warning("cannot flush the changes of %s at version %d to %s (they stay in memory): %s: %s",
                         store.store_id, w.version, self._scratch, type(exc).__name__, exc)
+            return 0
 
     def _flush_open_versions(self, total: int) -> int:
         """Flush the largest open versions' changes (see the module doc) until memory is within
@@ -345,14 +352,7 @@ class StoreRegistry:
         for store, w in writers:
             if total - freed <= self.memory_budget or w.overlay_bytes < self.flush_min_bytes:
                 break
-            if not w.flushable and not self._make_flushable(store, w):
-                continue
-            try:
-                freed += w.flush(self._flush_writer(store), _stack_runs)
-            except (OSError, StateStoreError) as exc:
-                self.counters["flush_errors"] += 1
-                log.warning("cannot flush the changes of %s at version %d to %s (they stay in memory): %s: %s",
-                            store.store_id, w.version, self._scratch, type(exc).__name__, exc)
+            freed += self._flush(store, w)
         return freed
 
     def _make_flushable(self, store: VersionedStore, w: StoreVersion) -> bool:
@@ -378,30 +378,27 @@ class StoreRegistry:
         os.makedirs(self._scratch, exist_ok=True)
         return os.path.join(self._scratch, f"{os.getpid()}-{next(self._scratch_ids)}{suffix}")
 
-    def _scratch_run(self, path: str, store_id: StoreId, ref: CheckpointRef, kind: str) -> ColdRun:
-        """Open the scratch file just written at ``path`` as a run, and remove it from its folder
-        (the run's handle keeps it readable; nothing is left behind once it is closed)."""
+    def _scratch_run(self, suffix: str, write: Callable[[str], int], store_id: StoreId, ref: CheckpointRef,
+                     kind: str) -> tuple[ColdRun, int]:
+        """A scratch file written by ``write(path)`` (which returns its size), opened as a run and
+        removed from its folder at once (the run's handle keeps it readable; nothing is left behind
+        once it is closed, nor when writing or opening fails). Returns the run and the size."""
+        path = self._scratch_path(suffix)
         try:
-            return ColdRun.open(path, store_id, ref, self.block_cache, kind=kind)
+            size = write(path)
+            return ColdRun.open(path, store_id, ref, self.block_cache, kind=kind), size
         finally:
-            os.unlink(path)
+            if os.path.exists(path):
+                os.unlink(path)
 
     def _flush_writer(self, store: VersionedStore) -> Callable[[Table], FlushedRun]:
         store_id = store.store_id
 
         def write(changes: Table) -> FlushedRun:
             ref = CheckpointRef(store.head.version + 1, new_checkpoint_id())
-            path = self._scratch_path(".flush")
-            view = changes.freeze()
-            try:
-                size = write_flushed(path, store_id, ref, view)
-            except BaseException:
-                if os.path.exists(path):
-                    os.unlink(path)
-                raise
-            finally:
-                view.release()
-            run = self._scratch_run(path, store_id, ref, DELTA)
+            with changes.freeze() as view:
+                run, size = self._scratch_run(".flush", lambda path: write_flushed(path, store_id, ref, view),
+                                              store_id, ref, DELTA)
             run.flushed = True
             self.counters["flushes"] += 1
             self.counters["flushed_bytes"] += size
@@ -415,17 +412,14 @@ class StoreRegistry:
         """A snapshot run of ``store``'s head (an empty state) holding no record, over a file in
         the scratch folder. The file names a state of its own (version 0, the empty state, has
         none); the run holds the head's."""
-        path = self._scratch_path(".empty")
         own = CheckpointRef(store.head.version + 1, new_checkpoint_id())
-        w = CheckpointWriter(SNAPSHOT, store.store_id, own, ())
-        try:
+
+        def write(path: str) -> int:
+            data = CheckpointWriter(SNAPSHOT, store.store_id, own, ()).finish()
             with open(path, "wb") as f:
-                f.writelines(w.finish_parts())
-        except BaseException:
-            if os.path.exists(path):
-                os.unlink(path)
-            raise
-        run = self._scratch_run(path, store.store_id, own, SNAPSHOT)
+                return f.write(data)
+
+        run, _ = self._scratch_run(".empty", write, store.store_id, own, SNAPSHOT)
         run.ref = store.head
         return run
 
