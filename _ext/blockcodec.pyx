@@ -16,9 +16,9 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM, PyTuple_GET_SIZE, PyTuple_GET_ITEM, PyTuple_Check
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_SIZE, PyList_GET_ITEM, PyList_Check, PyList_CheckExact
 from cpython.ref cimport Py_INCREF
-from libc.stdint cimport uint64_t, uint32_t
+from libc.stdint cimport int64_t, uint64_t, uint32_t
 from libc.stdlib cimport malloc, realloc, free
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 
@@ -36,6 +36,7 @@ MAX_RAW_LEN = 256 * 1024 * 1024
 KIND_PUT = 0
 KIND_TOMBSTONE = 1
 MIN_ZSTD_LEVEL = -(1 << 17)
+NO_VALUE = 0xFFFFFFFF  # a tombstone's value length in ``record_spans``
 
 cdef enum:
     C_HEADER = 24
@@ -45,6 +46,7 @@ cdef enum:
     C_PUT = 0
     C_TOMBSTONE = 1
 
+cdef uint32_t _NO_VALUE = 0xFFFFFFFF
 cdef object _ZstdError = zstandard.ZstdError
 cdef object _frame_content_size = zstandard.frame_content_size
 cdef object _xxh3_64 = xxhash.xxh3_64
@@ -546,8 +548,11 @@ cdef int _check_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t
     return _walk_records(payload, end, count, None)
 
 
-cdef int _walk_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t count, list records) except -1:
-    """Check the ``count`` records of a payload; put each one into ``records`` unless it is None."""
+cdef int _walk_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t count, list records,
+                       unsigned char* spans=NULL) except -1:
+    """Check the ``count`` records of a payload; put each one into ``records`` unless it is None, and
+    its span (key offset, key length, value offset, value length or ``NO_VALUE``: 4 u32 LE) into
+    ``spans`` unless it is NULL."""
     if count > end // 2:
         raise CorruptBlockError(f"count {count} impossible in a payload of {end} bytes")
     cdef Py_ssize_t pos = 0
@@ -574,6 +579,12 @@ cdef int _walk_records(const unsigned char* payload, Py_ssize_t end, Py_ssize_t 
                 raise CorruptBlockError(f"record {i}: value length {n} beyond payload")
             vpos, vlen = pos, <Py_ssize_t>n
             pos += vlen
+        if spans != NULL:
+            _put_u32(spans, <uint32_t>kpos)
+            _put_u32(spans + 4, <uint32_t>klen)
+            _put_u32(spans + 8, <uint32_t>vpos if kind == C_PUT else 0)
+            _put_u32(spans + 12, <uint32_t>vlen if kind == C_PUT else _NO_VALUE)
+            spans += 16
         if build:
             key = PyBytes_FromStringAndSize(<const char*>payload + kpos, klen)
             value = PyBytes_FromStringAndSize(<const char*>payload + vpos, vlen) if kind == C_PUT else None
@@ -598,6 +609,64 @@ def decode_records_raw(payload, count):
     if count > b.size // 2:
         raise CorruptBlockError(f"count {count} impossible in a payload of {b.size} bytes")
     return _parse_records(b.ptr, b.size, <Py_ssize_t>count)
+
+
+def record_spans(payload, count):
+    """Where the ``count`` records of an uncompressed payload lie in it, checked as
+    ``decode_records_raw`` checks them, making no object per record: ``count`` spans of four u32
+    little-endian each (key offset, key length, value offset, value length), the value length
+    ``NO_VALUE`` (and its offset 0) for a tombstone. Payloads are at most 4 GiB."""
+    count = _check_int("count", count)
+    if count < 0:
+        raise InterfaceError(f"count must not be negative, got {count}")
+    cdef _Buf b = _Buf(payload)
+    if b.size > 0xFFFFFFFF:
+        raise InterfaceError(f"a payload of {b.size} bytes is over 4 GiB")
+    if count > b.size // 2:
+        raise CorruptBlockError(f"count {count} impossible in a payload of {b.size} bytes")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, count * 16)
+    _walk_records(b.ptr, b.size, <Py_ssize_t>count, None, <unsigned char*>PyBytes_AS_STRING(out))
+    return out
+
+
+def block_indexes(first_keys, keys, js):
+    """For each index ``j`` of ``js`` (an int64 array), the block of a file whose blocks start at
+    the sorted ``first_keys`` that would hold ``keys[j]``: ``bisect.bisect_right(first_keys,
+    keys[j]) - 1`` (-1: before the first block), as int64 little-endian bytes."""
+    cdef list first = first_keys if type(first_keys) is list else list(first_keys)
+    cdef list ks = keys if type(keys) is list else list(keys)
+    cdef const int64_t[::1] jv = js
+    cdef Py_ssize_t m = jv.shape[0], nb = len(first), nk = len(ks), i, lo, hi, mid, j, kl, fl
+    cdef object f
+    for i in range(nb):
+        if type(<object>PyList_GET_ITEM(first, i)) is not bytes:
+            raise InterfaceError(f"first keys are bytes, got {type(<object>PyList_GET_ITEM(first, i)).__name__}")
+    for i in range(m):
+        j = jv[i]
+        if j < 0 or j >= nk:
+            raise IndexError(f"block_indexes: index {j} out of range for {nk} keys")
+        if type(<object>PyList_GET_ITEM(ks, j)) is not bytes:
+            raise InterfaceError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(ks, j)).__name__}")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, m * 8)
+    cdef int64_t* o = <int64_t*>PyBytes_AS_STRING(out)
+    cdef const char* k
+    cdef int c
+    for i in range(m):
+        key = <object>PyList_GET_ITEM(ks, jv[i])
+        k = PyBytes_AS_STRING(key)
+        kl = PyBytes_GET_SIZE(key)
+        lo, hi = 0, nb
+        while lo < hi:  # the first block whose first key is > key
+            mid = (lo + hi) >> 1
+            f = <object>PyList_GET_ITEM(first, mid)
+            fl = PyBytes_GET_SIZE(f)
+            c = memcmp(k, PyBytes_AS_STRING(f), kl if kl < fl else fl)
+            if c < 0 or (c == 0 and kl < fl):
+                hi = mid
+            else:
+                lo = mid + 1
+        o[i] = lo - 1
+    return out
 
 
 def decode_block(buf, offset=0):

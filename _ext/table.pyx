@@ -32,7 +32,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove
 
@@ -47,6 +47,8 @@ __all__ = [
     "get_list",
     "get_packed",
     "load_records",
+    "lookup_into",
+    "put_spans",
     "put_items",
     "put_packed",
     "remove_keys",
@@ -1794,6 +1796,84 @@ def load_records(Table table not None, records, bint keep_tombstones=False):
     table.version += 1
     table._trim_arena()
     table._tidy()
+
+
+def put_spans(Table table not None, payload, spans, bint keep_tombstones=False):
+    """See ``statestore_async._ref.table.put_spans``."""
+    cdef const uint8_t[::1] pv = payload
+    cdef const uint8_t[::1] sv = spans
+    cdef size_t plen = pv.shape[0], slen = sv.shape[0], n, i, est = 0, puts = 0
+    if slen % 16:
+        raise InterfaceError(f"spans of {slen} bytes: not a whole number of 16-byte spans")
+    n = slen // 16
+    if n == 0:
+        table.version += 1
+        return
+    cdef const uint8_t* p = &pv[0] if plen else <const uint8_t*>b""
+    cdef const uint8_t* sp = &sv[0]
+    cdef uint32_t kp, kl, vp, vl
+    for i in range(n):  # every span checked before anything is set
+        kp, kl, vp, vl = _rd32(sp), _rd32(sp + 4), _rd32(sp + 8), _rd32(sp + 12)
+        sp += 16
+        if <size_t>kp + kl > plen or (vl != 0xFFFFFFFF and <size_t>vp + vl > plen):
+            raise InterfaceError(f"span {i} reaches past the payload of {plen} bytes")
+        if vl != 0xFFFFFFFF:
+            est += ssa_rsize(kl, vl, False)
+            puts += 1
+        elif keep_tombstones:
+            est += ssa_rsize(kl, 0, True)
+            puts += 1
+    if table.count == 0:  # a fresh table (a block's records): size it once
+        table._reserve_index(puts)
+        table._reserve_arena(est)
+    cdef Py_ssize_t pos
+    sp = &sv[0]
+    for i in range(n):
+        kp, kl, vp, vl = _rd32(sp), _rd32(sp + 4), _rd32(sp + 8), _rd32(sp + 12)
+        sp += 16
+        if vl != 0xFFFFFFFF:
+            table._set(p + kp, kl, ssa_hash(p + kp, kl), p + vp, vl, False)
+        elif keep_tombstones:
+            table._set(p + kp, kl, ssa_hash(p + kp, kl), NULL, 0, True)
+        else:
+            pos = table._find(p + kp, kl, ssa_hash(p + kp, kl))
+            if pos >= 0:
+                table._delete_at(pos)
+    table.version += 1
+    table._trim_arena()
+    table._tidy()
+
+
+def lookup_into(Table table not None, list keys not None, const int64_t[::1] js, list out not None,
+                uint8_t[::1] found):
+    """See ``statestore_async._ref.table.lookup_into``."""
+    cdef Py_ssize_t n = len(keys), m = js.shape[0], i, j, hits = 0
+    if len(out) != n or found.shape[0] != n:
+        raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {found.shape[0]} found")
+    for i in range(m):  # checked first: nothing is written for a bad call
+        j = js[i]
+        if j < 0 or j >= n:
+            raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
+        if type(<object>PyList_GET_ITEM(keys, j)) is not bytes:
+            raise KeyFormatError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(keys, j)).__name__}")
+    if table.count == 0:
+        return 0
+    cdef object k, val
+    cdef Found f
+    cdef uint32_t kl
+    for i in range(m):
+        j = js[i]
+        k = <object>PyList_GET_ITEM(keys, j)
+        if <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
+            continue
+        kl = <uint32_t>PyBytes_GET_SIZE(k)
+        if not table._lookup(_bp(<bytes>k), kl, ssa_hash(_bp(<bytes>k), kl), &f):
+            continue
+        val = None if f.none else PyBytes_FromStringAndSize(<const char*>f.val, f.vl)
+        out[j] = val
+        found[j] = 1
+        hits += 1
+    return hits
 
 
 # --- export (checkpoint files) ----------------------------------------------------------------------

@@ -405,3 +405,71 @@ def test_garbage_payload_blocks_agree(payload, count, which, level):
     assert got == run(REF)
     if got[0] == "ok":
         assert REF.decode_block(got[1])[0] == REF.decode_records_raw(payload, count)
+
+
+# --- record spans and block indexes (a cold run's native reads) ---------------------------------------
+_RECORDS = st.lists(st.tuples(st.binary(max_size=6), st.none() | st.binary(max_size=6)), max_size=40)
+
+
+def _spans_of(codec, payload, count):
+    try:
+        return ("ok", codec.record_spans(payload, count))
+    except (CorruptBlockError, InterfaceError) as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def test_record_spans_name_each_record(codec):
+    records = [(b"k1", b"value"), (b"gone", None), (b"", b"")]
+    payload = codec.encode_records_raw(records)
+    spans = list(struct.iter_unpack("<IIII", codec.record_spans(payload, 3)))
+    assert [(payload[kp:kp + kl], None if vl == codec.NO_VALUE else payload[vp:vp + vl])
+            for kp, kl, vp, vl in spans] == records
+    assert spans[1][2:] == (0, 0xFFFFFFFF)
+    assert codec.record_spans(b"", 0) == b""
+    with pytest.raises(CorruptBlockError, match="left over"):
+        codec.record_spans(payload, 2)
+    with pytest.raises(CorruptBlockError, match="impossible"):
+        codec.record_spans(payload, 100)
+    with pytest.raises(InterfaceError, match="negative"):
+        codec.record_spans(payload, -1)
+
+
+@both
+@settings(max_examples=300, deadline=None)
+@given(records=_RECORDS, cut=st.integers(0, 400), flip=st.integers(0, 400), count_delta=st.integers(-2, 2))
+def test_record_spans_agree_on_good_and_damaged_payloads(records, cut, flip, count_delta):
+    payload = REF.encode_records_raw(records)
+    count = max(0, len(records) + count_delta)
+    damaged = bytearray(payload[: cut if cut < len(payload) else len(payload)])
+    if damaged and flip < len(damaged):
+        damaged[flip] ^= 0x81
+    for p, n in ((payload, len(records)), (payload, count), (bytes(damaged), len(records))):
+        assert _spans_of(NATIVE, p, n) == _spans_of(REF, p, n)
+    spans = REF.record_spans(payload, len(records))
+    assert [(payload[kp:kp + kl], None if vl == REF.NO_VALUE else payload[vp:vp + vl])
+            for kp, kl, vp, vl in struct.iter_unpack("<IIII", spans)] == records
+
+
+@both
+@settings(max_examples=300, deadline=None)
+@given(first=st.lists(st.binary(max_size=4), max_size=12), keys=st.lists(st.binary(max_size=5), max_size=30),
+       data=st.data())
+def test_block_indexes_are_bisect_right_minus_one(first, keys, data):
+    import bisect
+
+    import numpy as np
+    first = sorted(set(first))
+    js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), max_size=40)) if keys else [], np.int64)
+    want = [bisect.bisect_right(first, keys[j]) - 1 for j in js.tolist()]
+    for mod in (REF, NATIVE):
+        assert np.frombuffer(mod.block_indexes(first, keys, js), np.int64).tolist() == want
+
+
+def test_block_indexes_check_their_arguments(codec):
+    import numpy as np
+    with pytest.raises(IndexError, match="out of range"):
+        codec.block_indexes([b"a"], [b"a"], np.array([1], np.int64))
+    with pytest.raises(InterfaceError, match="keys are bytes"):
+        codec.block_indexes([b"a"], ["a"], np.array([0], np.int64))
+    with pytest.raises(InterfaceError, match="first keys are bytes"):
+        codec.block_indexes(["a"], [b"a"], np.array([0], np.int64))

@@ -939,3 +939,69 @@ def test_garbage_is_reclaimed_once_no_view_holds_it():
         t.delete(k)
     t.delete(b"k00000")
     assert len(t) == 0 and t.nbytes < base
+
+
+# --- put_spans and lookup_into (a cold run's blocks) --------------------------------------------------
+_SPAN_RECORDS = st.lists(st.tuples(st.binary(max_size=40), st.none() | st.binary(max_size=40)), max_size=60)
+
+
+@SETTINGS
+@given(records=_SPAN_RECORDS, keep=st.booleans(), before=st.dictionaries(st.binary(max_size=40), st.binary(max_size=8),
+                                                                           max_size=10))
+def test_put_spans_loads_what_load_records_loads(tb, records, keep, before):
+    payload = BC.encode_records_raw(records)
+    spans = BC.record_spans(payload, len(records))
+    a, b = tb.Table(), tb.Table()
+    for t in (a, b):
+        for k, v in before.items():
+            t.put(k, v)
+    tb.put_spans(a, payload, spans, keep)
+    tb.load_records(b, records, keep)
+    assert list(a.items()) == list(b.items())
+    assert len(a) == len(b)
+
+
+def test_put_spans_checks_every_span_first(tb):
+    payload = BC.encode_records_raw([(b"k", b"v")])
+    t = tb.Table()
+    good = struct.pack("<IIII", 2, 1, 4, 1)
+    for bad, message in ((good + b"\x00", "whole number"), (good + struct.pack("<IIII", 2, 9, 4, 1), "reaches past"),
+                         (good + struct.pack("<IIII", 2, 1, 4, 99), "reaches past")):
+        with pytest.raises(InterfaceError, match=message):
+            tb.put_spans(t, payload, bad)
+        assert len(t) == 0
+    tb.put_spans(t, payload, good + struct.pack("<IIII", 2, 1, 0, 0xFFFFFFFF), True)
+    assert list(t.items()) == [(b"k", None)]
+
+
+@SETTINGS
+@given(entries=st.dictionaries(st.binary(max_size=40), st.none() | st.binary(max_size=40), max_size=40),
+       probes=st.lists(st.binary(max_size=40), max_size=40), data=st.data())
+def test_lookup_into_fills_only_what_the_table_holds(tb, entries, probes, data):
+    import numpy as np
+    t = tb.Table()
+    for k, v in entries.items():
+        t.put(k, v)
+    keys = probes + list(entries)
+    js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), unique=True)) if keys else [], np.int64)
+    out = ["untouched"] * len(keys)
+    found = np.zeros(len(keys), np.uint8)
+    hits = tb.lookup_into(t, keys, js, out, found)
+    want = {j for j in js.tolist() if keys[j] in entries}
+    assert hits == len(want)
+    for j, k in enumerate(keys):
+        assert (out[j], found[j]) == ((entries[k], 1) if j in want else ("untouched", 0))
+
+
+def test_lookup_into_checks_its_arguments_before_writing(tb):
+    import numpy as np
+    t = tb.Table()
+    t.put(b"a", b"1")
+    out, found = [None, None], np.zeros(2, np.uint8)
+    with pytest.raises(IndexError, match="out of range"):
+        tb.lookup_into(t, [b"a", b"b"], np.array([0, 2], np.int64), out, found)
+    with pytest.raises(KeyFormatError, match="keys are bytes"):
+        tb.lookup_into(t, [b"a", "b"], np.array([0, 1], np.int64), out, found)
+    with pytest.raises(InterfaceError, match="2 keys"):
+        tb.lookup_into(t, [b"a", b"b"], np.array([0], np.int64), [None], found)
+    assert out == [None, None] and not found.any()

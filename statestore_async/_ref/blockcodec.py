@@ -6,6 +6,7 @@ same records and the same errors. The format is documented for users in
 """
 from __future__ import annotations
 
+import bisect
 import struct
 import threading
 from typing import TYPE_CHECKING
@@ -29,9 +30,11 @@ MAX_RAW_LEN = 256 * 1024 * 1024
 KIND_PUT = 0
 KIND_TOMBSTONE = 1
 MIN_ZSTD_LEVEL = -(1 << 17)
+NO_VALUE = 0xFFFFFFFF  # a tombstone's value length in ``record_spans``
 
 _HEADER = struct.Struct("<2sBBIII")  # magic, codec, flags, count, raw_len, stored_len
 _CHECKSUM = struct.Struct("<Q")
+_SPAN = struct.Struct("<IIII")
 
 
 def max_stored_len(raw_len: int) -> int:
@@ -312,12 +315,14 @@ def _read_varint(payload: bytes, pos: int, end: int, index: int, what: str) -> t
         shift += 7
 
 
-def _parse_records(payload: bytes, count: int) -> list[tuple[bytes, bytes | None]]:
+def _walk_records(payload: bytes, count: int) -> list[tuple[int, int, int, int]]:
+    """The spans (key offset, key length, value offset, value length or ``NO_VALUE``) of the
+    ``count`` records of a payload, checked (``CorruptBlockError`` naming the record)."""
     if count > len(payload) // 2:
         raise CorruptBlockError(f"count {count} impossible in a payload of {len(payload)} bytes")
     end = len(payload)
     pos = 0
-    records: list[tuple[bytes, bytes | None]] = []
+    spans: list[tuple[int, int, int, int]] = []
     for i in range(count):
         if pos >= end:
             raise CorruptBlockError(f"record {i}: truncated at payload offset {pos}")
@@ -328,20 +333,38 @@ def _parse_records(payload: bytes, count: int) -> list[tuple[bytes, bytes | None
         n, pos = _read_varint(payload, pos, end, i, "key")
         if n > end - pos:
             raise CorruptBlockError(f"record {i}: key length {n} beyond payload")
-        key = payload[pos : pos + n]
+        kpos, klen = pos, n
         pos += n
         if kind == KIND_PUT:
             n, pos = _read_varint(payload, pos, end, i, "value")
             if n > end - pos:
                 raise CorruptBlockError(f"record {i}: value length {n} beyond payload")
-            value = payload[pos : pos + n]
+            spans.append((kpos, klen, pos, n))
             pos += n
         else:
-            value = None
-        records.append((key, value))
+            spans.append((kpos, klen, 0, NO_VALUE))
     if pos != end:
         raise CorruptBlockError(f"{end - pos} bytes left over after the last record")
-    return records
+    return spans
+
+
+def _parse_records(payload: bytes, count: int) -> list[tuple[bytes, bytes | None]]:
+    return [(payload[kp : kp + kl], None if vl == NO_VALUE else payload[vp : vp + vl])
+            for kp, kl, vp, vl in _walk_records(payload, count)]
+
+
+def record_spans(payload: Buffer, count: int) -> bytes:
+    """Where the ``count`` records of an uncompressed payload lie in it, checked as
+    ``decode_records_raw`` checks them: ``count`` spans of four u32 little-endian each (key offset,
+    key length, value offset, value length), the value length ``NO_VALUE`` (and its offset 0) for
+    a tombstone. Payloads are at most 4 GiB."""
+    count = _check_int("count", count)
+    if count < 0:
+        raise InterfaceError(f"count must not be negative, got {count}")
+    payload = _as_bytes(payload)
+    if len(payload) > 0xFFFFFFFF:
+        raise InterfaceError(f"a payload of {len(payload)} bytes is over 4 GiB")
+    return b"".join(_SPAN.pack(*span) for span in _walk_records(payload, count))
 
 
 def decode_records_raw(payload: Buffer, count: int) -> list[tuple[bytes, bytes | None]]:
@@ -350,6 +373,23 @@ def decode_records_raw(payload: Buffer, count: int) -> list[tuple[bytes, bytes |
     if count < 0:
         raise InterfaceError(f"count must not be negative, got {count}")
     return _parse_records(_as_bytes(payload), count)
+
+
+def block_indexes(first_keys: Sequence[bytes], keys: Sequence[bytes], js: Iterable[int]) -> bytes:
+    """For each index ``j`` of ``js`` (an int64 array), the block of a file whose blocks start at
+    the sorted ``first_keys`` that would hold ``keys[j]``: ``bisect.bisect_right(first_keys,
+    keys[j]) - 1`` (-1: before the first block), as int64 little-endian bytes."""
+    first = list(first_keys)
+    for f in first:
+        if type(f) is not bytes:
+            raise InterfaceError(f"first keys are bytes, got {type(f).__name__}")
+    idx = [int(j) for j in js]
+    for j in idx:
+        if j < 0 or j >= len(keys):
+            raise IndexError(f"block_indexes: index {j} out of range for {len(keys)} keys")
+        if type(keys[j]) is not bytes:
+            raise InterfaceError(f"keys are bytes, got {type(keys[j]).__name__}")
+    return struct.pack(f"<{len(idx)}q", *(bisect.bisect_right(first, keys[j]) - 1 for j in idx))
 
 
 def decode_block(buf: Buffer, offset: int = 0) -> tuple[list[tuple[bytes, bytes | None]], int]:

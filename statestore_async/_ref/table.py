@@ -9,9 +9,10 @@ the first ordered call and rebuilt after changes; a ``TableView`` is a sorted co
 """
 from __future__ import annotations
 
+import struct
 import sys
 from bisect import bisect_left
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from statestore_async._ref import framing as _fr
 from statestore_async._ref.blockcodec import encode_records_raw
@@ -29,6 +30,8 @@ __all__ = [
     "get_list",
     "get_packed",
     "load_records",
+    "lookup_into",
+    "put_spans",
     "put_items",
     "put_packed",
     "remove_keys",
@@ -456,6 +459,47 @@ def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | No
         else:
             table._set(k, v)
     table._version += 1
+
+
+def put_spans(table: Table, payload: Buffer, spans: Buffer, keep_tombstones: bool = False) -> None:
+    """``load_records`` of the records that ``spans`` (``blockcodec.record_spans``: 16 bytes per
+    record, key offset, key length, value offset, value length as u32 little-endian, the value
+    length 0xFFFFFFFF for a tombstone) name in ``payload``, without a Python object per record in the
+    compiled twin. Every span is checked first (``InterfaceError``; nothing is set)."""
+    data = bytes(payload)
+    raw = bytes(spans)
+    if len(raw) % 16:
+        raise InterfaceError(f"spans of {len(raw)} bytes: not a whole number of 16-byte spans")
+    records: list[tuple[bytes, bytes | None]] = []
+    for i, (kp, kl, vp, vl) in enumerate(struct.iter_unpack("<IIII", raw)):
+        if kp + kl > len(data) or (vl != 0xFFFFFFFF and vp + vl > len(data)):
+            raise InterfaceError(f"span {i} reaches past the payload of {len(data)} bytes")
+        records.append((data[kp : kp + kl], None if vl == 0xFFFFFFFF else data[vp : vp + vl]))
+    load_records(table, records, keep_tombstones)
+
+
+def lookup_into(table: Table, keys: list[bytes], js: Iterable[int], out: list[object], found: Any) -> int:
+    """For each index ``j`` of ``js`` (an int64 array) whose key ``keys[j]`` has an entry in
+    ``table``: ``out[j]`` becomes its value (None for a tombstone entry) and ``found[j]`` (a
+    writable uint8 array as long as ``keys``) becomes 1; others are left as they are. Returns how
+    many were found. Bad indexes or keys raise before anything is written."""
+    n = len(keys)
+    if len(out) != n or len(found) != n:
+        raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {len(found)} found")
+    idx = [int(j) for j in js]
+    for j in idx:
+        if j < 0 or j >= n:
+            raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
+        if type(keys[j]) is not bytes:
+            raise KeyFormatError(f"keys are bytes, got {type(keys[j]).__name__}")
+    hits = 0
+    for j in idx:
+        k = keys[j]
+        if k in table._d:
+            out[j] = table._d[k]
+            found[j] = 1
+            hits += 1
+    return hits
 
 
 # --- export (checkpoint files) ----------------------------------------------------------------------

@@ -49,6 +49,15 @@ Functions
     (``total_len``) the block needs; fewer than 24 bytes raise ``CorruptBlockError("truncated...")``.
 ``encode_records_raw(records) -> bytes`` / ``decode_records_raw(payload, count) -> list``
     The uncompressed payload alone, with the same validation.
+``record_spans(payload, count) -> bytes``
+    Where the records of an uncompressed payload lie in it, with the same validation and no
+    object per record: ``count`` × four u32 little-endian (key offset, key length, value offset,
+    value length, the last ``NO_VALUE`` for a tombstone). ``engine.table.put_spans`` loads a
+    table from them (a cold block read into memory without a Python object per record).
+``block_indexes(first_keys, keys, js) -> bytes``
+    For each index ``j`` of the int64 array ``js``: ``bisect_right(first_keys, keys[j]) - 1`` as
+    int64 little-endian, the block of a file (whose blocks start at ``first_keys``) that would hold
+    the key; -1 before the first. A cold run's reads find their blocks with it.
 ``key_group_range(records, start, stop) -> (min, max)``
     The smallest and largest key group (a key's first two bytes, big-endian; 0 for a shorter key)
     of ``records[start:stop]``, for a block's index entry; records are checked as for encoding.

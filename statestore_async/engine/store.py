@@ -46,6 +46,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias, cast
 
+import numpy as np
+
 from statestore_async.codecs import blockcodec, framing
 from statestore_async.codecs.keylayout import KEY_GROUP_BYTES, key_group_or_zero
 from statestore_async.codecs.packed import PackedList, PackedPairs
@@ -89,6 +91,11 @@ class ColdLevel(Protocol):
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
+    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
+        """For each index ``j`` of ``js`` (int64) whose ``keys[j]`` it holds: ``out[j]`` = its value
+        and ``found[j]`` = 1 (``engine.table.lookup_into``, through the level's blocks)."""
+        ...
+
     def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]: ...
 
     def close(self) -> None:
@@ -107,6 +114,10 @@ class FlushedRun(Protocol):
 
     def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
         """Per key: its value, None for a tombstone, ``MISSING`` when the run has no entry."""
+        ...
+
+    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
+        """``ColdLevel.lookup_into``, a tombstone found as None."""
         ...
 
     def entries(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes | None]]:
@@ -967,33 +978,25 @@ class StoreVersion:
         cold = self._cold
         if cold is None:
             return _table.get_list(self._overlay, self._base, keys)
+        # spilled: level by level (the changes, then the flushed runs newest first or the hot part,
+        # then the cold level), each asked natively for the keys no newer level has an entry for
         keys = [bytes(k) for k in keys]
-        overlay, hot = self._overlay, self._base
-        if not self._runs:
-            out = _table.get_list(overlay, hot, keys)
-            cold_at = [i for i, k in enumerate(keys) if out[i] is None and k not in overlay and k not in hot]
-        else:  # overlay, then the flushed runs newest first; the hot part is empty (see flush)
-            out = [None] * len(keys)
-            cold_at = []
-            for i, k in enumerate(keys):
-                if k in overlay:
-                    out[i] = overlay.get(k)
-                else:
-                    cold_at.append(i)
-            for run in self._runs:
-                if not cold_at:
-                    break
-                left = []
-                for i, v in zip(cold_at, run.lookup_many([keys[i] for i in cold_at])):
-                    if v is MISSING:
-                        left.append(i)
-                    else:
-                        out[i] = cast("bytes | None", v)
-                cold_at = left
-        if cold_at:
-            for i, v in zip(cold_at, cold.get_many([keys[i] for i in cold_at])):
-                out[i] = v
-        return out
+        n = len(keys)
+        out: list[object] = [None] * n
+        found = np.zeros(n, np.uint8)
+        js = np.arange(n, dtype=np.int64)
+        for level in (self._overlay, self._base):  # the hot part is empty while runs are flushed
+            if len(level) and len(js):
+                _table.lookup_into(level, keys, js, out, found)
+                js = js[found[js] == 0]
+        for run in self._runs:
+            if not len(js):
+                break
+            run.lookup_into(keys, js, out, found)
+            js = js[found[js] == 0]
+        if len(js):
+            cold.lookup_into(keys, js, out, found)
+        return cast("list[bytes | None]", out)
 
     def get_many_packed(self, keys: PackedList) -> bytes:
         """The values of the keys of a packed list, as a packed optional list (None: absent), written

@@ -49,7 +49,7 @@ import zstandard
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
 from statestore_async.engine.store import MISSING  # ``lookup_many``: no entry (a tombstone gives None)
-from statestore_async.engine.table import Table, load_records, put_items, remove_keys
+from statestore_async.engine.table import Table, lookup_into, put_items, put_spans, remove_keys
 from statestore_async.errors import CorruptBlockError, CorruptFileError
 from statestore_async.files.checkpoint import (
     HEADER_FIXED,
@@ -323,12 +323,20 @@ class ColdRun:
         return records
 
     def _block(self, i: int) -> Table:
+        """Block ``i`` as a table, from the cache or read into it: decompressed and its records
+        loaded where ``blockcodec.record_spans`` finds them, no Python object per record."""
         key = (self.id, i)
         block = self._cache.get(key)
         if block is None:
+            payload = self._payload(i, self._raw_block(i))
+            try:
+                spans = blockcodec.record_spans(payload, self._blocks[i].count)
+            except CorruptBlockError as exc:
+                raise CorruptFileError(self.path, f"block {i} at {self._blocks[i].offset}: {exc}",
+                                       self._blocks[i].offset) from None
             block = Table()
             # a delta's tombstones stay entries: they hide older runs' values
-            load_records(block, self._read_block(i), self.kind != SNAPSHOT)
+            put_spans(block, payload, spans, self.kind != SNAPSHOT)
             self._cache.put(key, block)
         return block
 
@@ -343,24 +351,33 @@ class ColdRun:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None: absent or removed); each block needed is read once."""
-        return [None if v is MISSING else cast("bytes | None", v) for v in self.lookup_many(keys)]
+        keys = list(keys)
+        out: list[object] = [None] * len(keys)
+        self.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
+        return cast("list[bytes | None]", out)
 
     def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
         """Per key: its value, None for a tombstone (delta runs), ``MISSING`` when the run has no entry."""
+        keys = list(keys)
         out: list[object] = [MISSING] * len(keys)
-        by_block: dict[int, list[int]] = {}
-        first = self._first
-        for j, k in enumerate(keys):
-            i = bisect.bisect_right(first, k) - 1
-            if i >= 0:
-                by_block.setdefault(i, []).append(j)
-        for i, js in by_block.items():
-            block = self._block(i)
-            for j in js:
-                k = keys[j]
-                if k in block:
-                    out[j] = block.get(k)
+        self.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
         return out
+
+    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
+        """For each index ``j`` of ``js`` (int64) whose key ``keys[j]`` has an entry in this run:
+        ``out[j]`` = its value (None for a tombstone) and ``found[j]`` = 1 (``engine.table.lookup_into``).
+        The keys are grouped by block, each block needed read once, and looked up in it natively."""
+        first = self._first
+        if not len(js) or not first:
+            return
+        at = np.frombuffer(blockcodec.block_indexes(first, keys, js), np.int64)
+        order = np.argsort(at, kind="stable")
+        at, js = at[order], js[order]
+        cuts = (np.flatnonzero(at[1:] != at[:-1]) + 1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, len(at)]):
+            i = int(at[lo])
+            if i >= 0:  # -1: before the first key
+                lookup_into(self._block(i), keys, js[lo:hi], out, found)
 
     def entries(self, start: bytes = b"", stop: bytes | None = None, *,
                 cached: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
@@ -596,20 +613,19 @@ class ColdStack:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
+        keys = list(keys)
+        out: list[object] = [None] * len(keys)
+        self.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
+        return cast("list[bytes | None]", out)
+
+    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
+        """``ColdRun.lookup_into`` through the runs, newest first, each asked only for the keys the
+        newer ones have no entry for."""
         for run in self.runs:
-            if not pending:
-                break
-            found = run.lookup_many([keys[j] for j in pending])
-            left = []
-            for j, v in zip(pending, found):
-                if v is MISSING:
-                    left.append(j)
-                else:
-                    out[j] = cast("bytes | None", v)  # bytes, or None for a tombstone
-            pending = left
-        return out
+            if not len(js):
+                return
+            run.lookup_into(keys, js, out, found)
+            js = js[found[js] == 0]
 
     def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """The merged records in key order: for each key the newest run's entry, tombstones dropped."""
