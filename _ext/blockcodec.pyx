@@ -669,6 +669,90 @@ def block_indexes(first_keys, keys, js):
     return out
 
 
+cdef class RecordBlock:
+    """See ``statestore_async._ref.blockcodec.RecordBlock``: the records of one block's payload,
+    read in place (the payload and a 16-byte span per record; no object per record)."""
+    cdef bytes payload
+    cdef bytes spans
+    cdef const unsigned char* p
+    cdef const unsigned char* sp
+    cdef Py_ssize_t count
+    cdef readonly Py_ssize_t nbytes
+
+    def __cinit__(self, payload, count):
+        self.payload = payload if type(payload) is bytes else bytes(payload)
+        self.spans = record_spans(self.payload, count)
+        self.count = count
+        self.p = <const unsigned char*>PyBytes_AS_STRING(self.payload)
+        self.sp = <const unsigned char*>PyBytes_AS_STRING(self.spans)
+        self.nbytes = PyBytes_GET_SIZE(self.payload) + PyBytes_GET_SIZE(self.spans) + 160
+
+    def __len__(self):
+        return self.count
+
+    cdef inline int _cmp(self, Py_ssize_t i, const unsigned char* k, Py_ssize_t kl) noexcept:
+        """key(i) <=> k: negative, 0, positive."""
+        cdef const unsigned char* s = self.sp + i * 16
+        cdef Py_ssize_t fl = _get_u32(s + 4)
+        cdef int c = memcmp(self.p + _get_u32(s), k, fl if fl < kl else kl)
+        if c:
+            return c
+        return (fl > kl) - (fl < kl)
+
+    cdef Py_ssize_t _left(self, const unsigned char* k, Py_ssize_t kl) noexcept:
+        cdef Py_ssize_t lo = 0, hi = self.count, mid
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if self._cmp(mid, k, kl) < 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def bisect_left(self, key):
+        if type(key) is not bytes:
+            raise InterfaceError(f"keys are bytes, got {type(key).__name__}")
+        return self._left(<const unsigned char*>PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+
+    def entry(self, Py_ssize_t i):
+        if i < 0 or i >= self.count:
+            raise IndexError(f"record {i} of a block of {self.count}")
+        cdef const unsigned char* s = self.sp + i * 16
+        cdef uint32_t vl = _get_u32(s + 12)
+        key = PyBytes_FromStringAndSize(<const char*>self.p + _get_u32(s), _get_u32(s + 4))
+        if vl == _NO_VALUE:
+            return key, None
+        return key, PyBytes_FromStringAndSize(<const char*>self.p + _get_u32(s + 8), vl)
+
+    def lookup_into(self, list keys not None, const int64_t[::1] js, list out not None, unsigned char[::1] found):
+        cdef Py_ssize_t n = len(keys), m = js.shape[0], i, j, at, kl, hits = 0
+        cdef const unsigned char* k
+        cdef const unsigned char* s
+        cdef uint32_t vl
+        if len(out) != n or found.shape[0] != n:
+            raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {found.shape[0]} found")
+        for i in range(m):  # checked first: nothing is written for a bad call
+            j = js[i]
+            if j < 0 or j >= n:
+                raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
+            if type(<object>PyList_GET_ITEM(keys, j)) is not bytes:
+                raise InterfaceError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(keys, j)).__name__}")
+        for i in range(m):
+            j = js[i]
+            key = <object>PyList_GET_ITEM(keys, j)
+            k = <const unsigned char*>PyBytes_AS_STRING(key)
+            kl = PyBytes_GET_SIZE(key)
+            at = self._left(k, kl)
+            if at == self.count or self._cmp(at, k, kl) != 0:
+                continue
+            s = self.sp + at * 16
+            vl = _get_u32(s + 12)
+            out[j] = None if vl == _NO_VALUE else PyBytes_FromStringAndSize(<const char*>self.p + _get_u32(s + 8), vl)
+            found[j] = 1
+            hits += 1
+        return hits
+
+
 def decode_block(buf, offset=0):
     """Decode and verify the block at ``buf[offset:]``: ``(records, offset past the block)``."""
     cdef _Buf b = _Buf(buf)

@@ -48,7 +48,6 @@ __all__ = [
     "get_packed",
     "load_records",
     "lookup_into",
-    "put_spans",
     "put_items",
     "put_packed",
     "remove_keys",
@@ -1791,52 +1790,6 @@ def load_records(Table table not None, records, bint keep_tombstones=False):
             table._set(_bp(kb), kl, h, NULL, 0, True)
         else:
             pos = table._find(_bp(kb), kl, h)
-            if pos >= 0:
-                table._delete_at(pos)
-    table.version += 1
-    table._trim_arena()
-    table._tidy()
-
-
-def put_spans(Table table not None, payload, spans, bint keep_tombstones=False):
-    """See ``statestore_async._ref.table.put_spans``."""
-    cdef const uint8_t[::1] pv = payload
-    cdef const uint8_t[::1] sv = spans
-    cdef size_t plen = pv.shape[0], slen = sv.shape[0], n, i, est = 0, puts = 0
-    if slen % 16:
-        raise InterfaceError(f"spans of {slen} bytes: not a whole number of 16-byte spans")
-    n = slen // 16
-    if n == 0:
-        table.version += 1
-        return
-    cdef const uint8_t* p = &pv[0] if plen else <const uint8_t*>b""
-    cdef const uint8_t* sp = &sv[0]
-    cdef uint32_t kp, kl, vp, vl
-    for i in range(n):  # every span checked before anything is set
-        kp, kl, vp, vl = _rd32(sp), _rd32(sp + 4), _rd32(sp + 8), _rd32(sp + 12)
-        sp += 16
-        if <size_t>kp + kl > plen or (vl != 0xFFFFFFFF and <size_t>vp + vl > plen):
-            raise InterfaceError(f"span {i} reaches past the payload of {plen} bytes")
-        if vl != 0xFFFFFFFF:
-            est += ssa_rsize(kl, vl, False)
-            puts += 1
-        elif keep_tombstones:
-            est += ssa_rsize(kl, 0, True)
-            puts += 1
-    if table.count == 0:  # a fresh table (a block's records): size it once
-        table._reserve_index(puts)
-        table._reserve_arena(est)
-    cdef Py_ssize_t pos
-    sp = &sv[0]
-    for i in range(n):
-        kp, kl, vp, vl = _rd32(sp), _rd32(sp + 4), _rd32(sp + 8), _rd32(sp + 12)
-        sp += 16
-        if vl != 0xFFFFFFFF:
-            table._set(p + kp, kl, ssa_hash(p + kp, kl), p + vp, vl, False)
-        elif keep_tombstones:
-            table._set(p + kp, kl, ssa_hash(p + kp, kl), NULL, 0, True)
-        else:
-            pos = table._find(p + kp, kl, ssa_hash(p + kp, kl))
             if pos >= 0:
                 table._delete_at(pos)
     table.version += 1

@@ -473,3 +473,48 @@ def test_block_indexes_check_their_arguments(codec):
         codec.block_indexes([b"a"], ["a"], np.array([0], np.int64))
     with pytest.raises(InterfaceError, match="first keys are bytes"):
         codec.block_indexes(["a"], [b"a"], np.array([0], np.int64))
+
+
+@both
+@settings(max_examples=300, deadline=None)
+@given(table=st.dictionaries(st.binary(max_size=6), st.none() | st.binary(max_size=6), max_size=40),
+       probes=st.lists(st.binary(max_size=6), max_size=30), data=st.data())
+def test_record_blocks_agree_with_a_dict(table, probes, data):
+    import numpy as np
+    records = sorted(table.items())
+    payload = REF.encode_records_raw(records)
+    keys = probes + list(table)
+    js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), unique=True)) if keys else [], np.int64)
+    for mod in (REF, NATIVE):
+        block = mod.RecordBlock(payload, len(records))
+        assert len(block) == len(records) and block.nbytes >= len(payload) + 16 * len(records)
+        assert [block.entry(i) for i in range(len(block))] == records
+        for probe in probes:
+            assert block.bisect_left(probe) == sum(k < probe for k, _ in records)
+        out, found = ["untouched"] * len(keys), np.zeros(len(keys), np.uint8)
+        want = {j for j in js.tolist() if keys[j] in table}
+        assert block.lookup_into(keys, js, out, found) == len(want)
+        assert out == [table[k] if j in want else "untouched" for j, k in enumerate(keys)]
+        assert found.tolist() == [int(j in want) for j in range(len(keys))]
+
+
+def test_record_blocks_check_payloads_and_arguments(codec):
+    import numpy as np
+    payload = codec.encode_records_raw([(b"a", b"1"), (b"b", None)])
+    with pytest.raises(CorruptBlockError, match="left over"):
+        codec.RecordBlock(payload, 1)
+    with pytest.raises(CorruptBlockError):
+        codec.RecordBlock(payload[:-1], 2)
+    block = codec.RecordBlock(bytearray(payload), 2)
+    with pytest.raises(IndexError):
+        block.entry(2)
+    out, found = [None, None], np.zeros(2, np.uint8)
+    with pytest.raises(IndexError, match="out of range"):
+        block.lookup_into([b"a", b"b"], np.array([0, 5], np.int64), out, found)
+    with pytest.raises(InterfaceError, match="keys are bytes"):
+        block.lookup_into([b"a", "b"], np.array([0, 1], np.int64), out, found)
+    with pytest.raises(InterfaceError, match="keys are bytes"):
+        block.bisect_left("a")
+    assert out == [None, None] and not found.any()
+    assert block.lookup_into([b"b", b"a"], np.array([0, 1], np.int64), out, found) == 2
+    assert out == [None, b"1"] and found.tolist() == [1, 1]

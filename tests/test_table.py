@@ -941,39 +941,7 @@ def test_garbage_is_reclaimed_once_no_view_holds_it():
     assert len(t) == 0 and t.nbytes < base
 
 
-# --- put_spans and lookup_into (a cold run's blocks) --------------------------------------------------
-_SPAN_RECORDS = st.lists(st.tuples(st.binary(max_size=40), st.none() | st.binary(max_size=40)), max_size=60)
-
-
-@SETTINGS
-@given(records=_SPAN_RECORDS, keep=st.booleans(), before=st.dictionaries(st.binary(max_size=40), st.binary(max_size=8),
-                                                                           max_size=10))
-def test_put_spans_loads_what_load_records_loads(tb, records, keep, before):
-    payload = BC.encode_records_raw(records)
-    spans = BC.record_spans(payload, len(records))
-    a, b = tb.Table(), tb.Table()
-    for t in (a, b):
-        for k, v in before.items():
-            t.put(k, v)
-    tb.put_spans(a, payload, spans, keep)
-    tb.load_records(b, records, keep)
-    assert list(a.items()) == list(b.items())
-    assert len(a) == len(b)
-
-
-def test_put_spans_checks_every_span_first(tb):
-    payload = BC.encode_records_raw([(b"k", b"v")])
-    t = tb.Table()
-    good = struct.pack("<IIII", 2, 1, 4, 1)
-    for bad, message in ((good + b"\x00", "whole number"), (good + struct.pack("<IIII", 2, 9, 4, 1), "reaches past"),
-                         (good + struct.pack("<IIII", 2, 1, 4, 99), "reaches past")):
-        with pytest.raises(InterfaceError, match=message):
-            tb.put_spans(t, payload, bad)
-        assert len(t) == 0
-    tb.put_spans(t, payload, good + struct.pack("<IIII", 2, 1, 0, 0xFFFFFFFF), True)
-    assert list(t.items()) == [(b"k", None)]
-
-
+# --- lookup_into (a spilled version's reads, level by level) --------------------------------------------------
 @SETTINGS
 @given(entries=st.dictionaries(st.binary(max_size=40), st.none() | st.binary(max_size=40), max_size=40),
        probes=st.lists(st.binary(max_size=40), max_size=40), data=st.data())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import struct
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 import zstandard
@@ -390,6 +390,64 @@ def block_indexes(first_keys: Sequence[bytes], keys: Sequence[bytes], js: Iterab
         if type(keys[j]) is not bytes:
             raise InterfaceError(f"keys are bytes, got {type(keys[j]).__name__}")
     return struct.pack(f"<{len(idx)}q", *(bisect.bisect_right(first, keys[j]) - 1 for j in idx))
+
+
+class RecordBlock:
+    """The records of one block's decompressed ``payload`` (``count`` of them, in key order, as in
+    every file's blocks), read in place: checked at construction as ``decode_records_raw`` checks
+    them (``CorruptBlockError``), then searched by binary search over their spans. The compiled twin
+    keeps only the payload and 16 bytes of span per record (no object per record); ``nbytes`` is
+    that. A cold run's cache holds its blocks so."""
+
+    __slots__ = ("_keys", "_values", "count", "nbytes")
+
+    def __init__(self, payload: Buffer, count: int) -> None:
+        data = _as_bytes(payload)
+        spans = record_spans(data, count)
+        self.count = count
+        self.nbytes = len(data) + len(spans) + 160
+        self._keys: list[bytes] = []
+        self._values: list[bytes | None] = []
+        for kp, kl, vp, vl in struct.iter_unpack("<IIII", spans):
+            self._keys.append(data[kp : kp + kl])
+            self._values.append(None if vl == NO_VALUE else data[vp : vp + vl])
+
+    def __len__(self) -> int:
+        return self.count
+
+    def bisect_left(self, key: bytes) -> int:
+        """The index of the first record whose key is not below ``key``."""
+        if type(key) is not bytes:
+            raise InterfaceError(f"keys are bytes, got {type(key).__name__}")
+        return bisect.bisect_left(self._keys, key)
+
+    def entry(self, i: int) -> tuple[bytes, bytes | None]:
+        """Record ``i``: (key, value), the value None for a tombstone."""
+        if i < 0 or i >= self.count:
+            raise IndexError(f"record {i} of a block of {self.count}")
+        return self._keys[i], self._values[i]
+
+    def lookup_into(self, keys: list[bytes], js: Iterable[int], out: list[object], found: Any) -> int:
+        """For each index ``j`` of ``js`` (an int64 array) whose ``keys[j]`` the block holds:
+        ``out[j]`` = its value (None for a tombstone), ``found[j]`` = 1 (a uint8 array as long as
+        ``keys``); returns how many. Bad indexes or keys raise before anything is written."""
+        n = len(keys)
+        if len(out) != n or len(found) != n:
+            raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {len(found)} found")
+        idx = [int(j) for j in js]
+        for j in idx:
+            if j < 0 or j >= n:
+                raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
+            if type(keys[j]) is not bytes:
+                raise InterfaceError(f"keys are bytes, got {type(keys[j]).__name__}")
+        hits = 0
+        for j in idx:
+            at = bisect.bisect_left(self._keys, keys[j])
+            if at < self.count and self._keys[at] == keys[j]:
+                out[j] = self._values[at]
+                found[j] = 1
+                hits += 1
+        return hits
 
 
 def decode_block(buf: Buffer, offset: int = 0) -> tuple[list[tuple[bytes, bytes | None]], int]:

@@ -9,7 +9,6 @@ the first ordered call and rebuilt after changes; a ``TableView`` is a sorted co
 """
 from __future__ import annotations
 
-import struct
 import sys
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,6 @@ __all__ = [
     "get_packed",
     "load_records",
     "lookup_into",
-    "put_spans",
     "put_items",
     "put_packed",
     "remove_keys",
@@ -459,23 +457,6 @@ def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | No
         else:
             table._set(k, v)
     table._version += 1
-
-
-def put_spans(table: Table, payload: Buffer, spans: Buffer, keep_tombstones: bool = False) -> None:
-    """``load_records`` of the records that ``spans`` (``blockcodec.record_spans``: 16 bytes per
-    record, key offset, key length, value offset, value length as u32 little-endian, the value
-    length 0xFFFFFFFF for a tombstone) name in ``payload``, without a Python object per record in the
-    compiled twin. Every span is checked first (``InterfaceError``; nothing is set)."""
-    data = bytes(payload)
-    raw = bytes(spans)
-    if len(raw) % 16:
-        raise InterfaceError(f"spans of {len(raw)} bytes: not a whole number of 16-byte spans")
-    records: list[tuple[bytes, bytes | None]] = []
-    for i, (kp, kl, vp, vl) in enumerate(struct.iter_unpack("<IIII", raw)):
-        if kp + kl > len(data) or (vl != 0xFFFFFFFF and vp + vl > len(data)):
-            raise InterfaceError(f"span {i} reaches past the payload of {len(data)} bytes")
-        records.append((data[kp : kp + kl], None if vl == 0xFFFFFFFF else data[vp : vp + vl]))
-    load_records(table, records, keep_tombstones)
 
 
 def lookup_into(table: Table, keys: list[bytes], js: Iterable[int], out: list[object], found: Any) -> int:

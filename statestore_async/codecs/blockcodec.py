@@ -52,8 +52,14 @@ Functions
 ``record_spans(payload, count) -> bytes``
     Where the records of an uncompressed payload lie in it, with the same validation and no
     object per record: ``count`` × four u32 little-endian (key offset, key length, value offset,
-    value length, the last ``NO_VALUE`` for a tombstone). ``engine.table.put_spans`` loads a
-    table from them (a cold block read into memory without a Python object per record).
+    value length, the last ``NO_VALUE`` for a tombstone).
+``RecordBlock(payload, count)``
+    A block's decompressed payload read in place (checked as ``decode_records_raw`` checks it;
+    then the payload and 16 bytes of span per record, no object per record): ``len``,
+    ``bisect_left(key)``, ``entry(i) -> (key, value | None)``, ``lookup_into(keys, js, out, found)``
+    (for each index ``j`` of the int64 array ``js`` whose key the block holds, by binary search:
+    ``out[j]`` = its value, None for a tombstone, and ``found[j]`` = 1), ``nbytes``. A cold run's
+    block cache holds its blocks so.
 ``block_indexes(first_keys, keys, js) -> bytes``
     For each index ``j`` of the int64 array ``js``: ``bisect_right(first_keys, keys[j]) - 1`` as
     int64 little-endian, the block of a file (whose blocks start at ``first_keys``) that would hold

@@ -74,15 +74,12 @@ arena and writes answers straight from it, with no Python object per record):
     Bulk put of (key, value | None) pairs in order, where None deletes the key (not a tombstone):
     rebuilding a state from checkpoint files. With ``keep_tombstones`` a None sets a tombstone
     entry instead (a delta file's block read as a run). All are checked before any is set.
-``put_spans(table, payload, spans, keep_tombstones=False) -> None``
-    The same for the records that ``spans`` (``blockcodec.record_spans``) name in a block's
-    decompressed ``payload``: a cold block read into a table with no Python object per record.
-    Every span is checked against the payload first (``InterfaceError``; nothing set).
 ``lookup_into(table, keys, js, out, found) -> int``
     For each index ``j`` of ``js`` (an int64 array) whose ``keys[j]`` has an entry in ``table``:
     ``out[j]`` = its value (None for a tombstone) and ``found[j]`` = 1 (a uint8 array as long as
-    ``keys``). Reads through several levels (a version's changes, flushed runs, cold blocks) call
-    it level by level on the indexes not found yet, with no Python loop per key.
+    ``keys``). A spilled version's reads call it on its changes and hot part, then the runs' blocks
+    (``blockcodec.RecordBlock.lookup_into``), each level on the indexes not found yet, with no
+    Python loop per key.
 
 Compiled from ``_ext/table.pyx`` when built, else ``statestore_async._ref.table``; both give the
 same results, bytes and errors (``nbytes`` aside).

@@ -49,7 +49,7 @@ import zstandard
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
 from statestore_async.engine.store import MISSING  # ``lookup_many``: no entry (a tombstone gives None)
-from statestore_async.engine.table import Table, lookup_into, put_items, put_spans, remove_keys
+from statestore_async.engine.table import Table, put_items, remove_keys
 from statestore_async.errors import CorruptBlockError, CorruptFileError
 from statestore_async.files.checkpoint import (
     HEADER_FIXED,
@@ -136,20 +136,21 @@ def _sorted_changes(layers: Sequence[_Entries]) -> _Changes:
 class BlockCache:
     """Decoded blocks of cold runs, by (run, block), least recently used out first, within ``max_bytes``.
 
-    Each block is held as an engine ``Table`` (compact: no Python object per record); ``nbytes``
-    is what they take. Thread-safe (blocks may be read from a worker thread).
+    Each block is held as a ``blockcodec.RecordBlock`` (its decompressed payload and a span per
+    record: no Python object per record); ``nbytes`` is what they take. Thread-safe (blocks may be
+    read from a worker thread).
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
-        self._lru: OrderedDict[tuple[int, int], Table] = OrderedDict()
+        self._lru: OrderedDict[tuple[int, int], blockcodec.RecordBlock] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
 
-    def get(self, key: tuple[int, int]) -> Table | None:
+    def get(self, key: tuple[int, int]) -> blockcodec.RecordBlock | None:
         with self._lock:
             block = self._lru.get(key)
             if block is None:
@@ -159,7 +160,7 @@ class BlockCache:
             self.hits += 1
             return block
 
-    def put(self, key: tuple[int, int], block: Table) -> None:
+    def put(self, key: tuple[int, int], block: blockcodec.RecordBlock) -> None:
         with self._lock:
             old = self._lru.pop(key, None)
             if old is not None:
@@ -322,23 +323,29 @@ class ColdRun:
         self.blocks_read += 1
         return records
 
-    def _block(self, i: int) -> Table:
-        """Block ``i`` as a table, from the cache or read into it: decompressed and its records
-        loaded where ``blockcodec.record_spans`` finds them, no Python object per record."""
+    def _block(self, i: int) -> blockcodec.RecordBlock:
+        """Block ``i``, from the cache or read into it: decompressed, its records checked and read
+        in place (``blockcodec.RecordBlock``: no Python object per record)."""
         key = (self.id, i)
         block = self._cache.get(key)
         if block is None:
             payload = self._payload(i, self._raw_block(i))
             try:
-                spans = blockcodec.record_spans(payload, self._blocks[i].count)
+                block = blockcodec.RecordBlock(payload, self._blocks[i].count)
             except CorruptBlockError as exc:
                 raise CorruptFileError(self.path, f"block {i} at {self._blocks[i].offset}: {exc}",
                                        self._blocks[i].offset) from None
-            block = Table()
-            # a delta's tombstones stay entries: they hide older runs' values
-            put_spans(block, payload, spans, self.kind != SNAPSHOT)
             self._cache.put(key, block)
         return block
+
+    def _block_entries(self, i: int, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes | None]]:
+        """(key, value | None) of block ``i`` with ``start <= key < stop``, in key order."""
+        block = self._block(i)
+        for j in range(block.bisect_left(start), len(block)):
+            k, v = block.entry(j)
+            if stop is not None and k >= stop:
+                return
+            yield k, v
 
     def _block_of(self, key: bytes) -> int:
         """The block that would hold ``key`` (-1: before the first key)."""
@@ -347,7 +354,11 @@ class ColdRun:
     # --- the engine's ColdLevel -------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
         i = self._block_of(key)
-        return None if i < 0 else self._block(i).get(key)
+        if i < 0:
+            return None
+        out: list[object] = [None]
+        self._block(i).lookup_into([key], np.zeros(1, np.int64), out, np.zeros(1, np.uint8))
+        return cast("bytes | None", out[0])
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None: absent or removed); each block needed is read once."""
@@ -377,7 +388,7 @@ class ColdRun:
         for lo, hi in zip([0, *cuts], [*cuts, len(at)]):
             i = int(at[lo])
             if i >= 0:  # -1: before the first key
-                lookup_into(self._block(i), keys, js[lo:hi], out, found)
+                self._block(i).lookup_into(keys, js[lo:hi], out, found)
 
     def entries(self, start: bytes = b"", stop: bytes | None = None, *,
                 cached: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
@@ -389,7 +400,7 @@ class ColdRun:
             if stop is not None and self._first[i] >= stop:
                 return
             if cached:
-                yield from self._block(i).items(start, stop)
+                yield from self._block_entries(i, start, stop)
             else:
                 for k, v in self._read_block(i):
                     if start <= k and (stop is None or k < stop):
