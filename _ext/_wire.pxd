@@ -1,8 +1,10 @@
-# Helpers shared by the wire-format Cython modules (framing, table, arrowframes): the frame header
-# size, little-endian u32 access, the checks that open a batch payload and the walks that check one. Inline, so each module
+# Helpers shared by the wire-format Cython modules (framing, table, arrowframes, blockcodec): the frame header
+# size, little-endian u32 access, the checks that open a batch payload and the walks that check one,
+# and the argument check of the batch lookups by index (``check_lookup``). Inline, so each module
 # compiles its own copy; nothing here is a module of its own. The checks raise
 # statestore_async.errors.DecodeError (imported on the error path only).
-from libc.stdint cimport uint8_t, uint32_t
+from cpython.list cimport PyList_GET_ITEM
+from libc.stdint cimport int64_t, uint8_t, uint32_t
 
 cdef enum:
     WIRE_HEADER = 10          # u32 payload length | u8 opcode | u8 flags | u32 request id
@@ -86,3 +88,22 @@ cdef inline Py_ssize_t walk_pairs(const uint8_t* base, Py_ssize_t pos, Py_ssize_
             raise _decode_error(f"pairs: a value of {vl} bytes overruns the buffer at byte {pos}")
         pos += vl
     return pos
+
+
+cdef inline int check_lookup(list keys, const int64_t[::1] js, Py_ssize_t n_out, Py_ssize_t n_found,
+                             str what) except -1:
+    """The arguments of a batch lookup by index (``what``): ``out`` and ``found`` as long as ``keys``
+    (skipped when negative), every index of ``js`` within ``keys`` and naming a bytes key. Messages
+    of ``_ref.blockcodec._check_lookup``."""
+    cdef Py_ssize_t n = len(keys), i, j
+    if (n_out >= 0 and n_out != n) or (n_found >= 0 and n_found != n):
+        from statestore_async.errors import InterfaceError
+        raise InterfaceError(f"{what}: {n} keys, {n_out} out, {n_found} found")
+    for i in range(js.shape[0]):
+        j = js[i]
+        if j < 0 or j >= n:
+            raise IndexError(f"{what}: index {j} out of range for {n} keys")
+        if type(<object>PyList_GET_ITEM(keys, j)) is not bytes:
+            from statestore_async.errors import KeyFormatError
+            raise KeyFormatError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(keys, j)).__name__}")
+    return 0

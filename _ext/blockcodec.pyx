@@ -20,6 +20,8 @@ from libc.stdint cimport int64_t, uint64_t, uint32_t
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcmp, memcpy
 
+from _wire cimport check_lookup
+
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 
 cdef extern from "Python.h":
@@ -636,17 +638,12 @@ def block_indexes(first_keys, keys, js):
     cdef list first = first_keys if type(first_keys) is list else list(first_keys)
     cdef list ks = keys if type(keys) is list else list(keys)
     cdef const int64_t[::1] jv = js
-    cdef Py_ssize_t m = jv.shape[0], nb = len(first), nk = len(ks), i, lo, hi, mid, j, kl, fl
+    cdef Py_ssize_t m = jv.shape[0], nb = len(first), i, lo, hi, mid, kl, fl
     cdef object f
     for i in range(nb):
         if type(<object>PyList_GET_ITEM(first, i)) is not bytes:
             raise InterfaceError(f"first keys are bytes, got {type(<object>PyList_GET_ITEM(first, i)).__name__}")
-    for i in range(m):
-        j = jv[i]
-        if j < 0 or j >= nk:
-            raise IndexError(f"block_indexes: index {j} out of range for {nk} keys")
-        if type(<object>PyList_GET_ITEM(ks, j)) is not bytes:
-            raise InterfaceError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(ks, j)).__name__}")
+    check_lookup(ks, jv, -1, -1, "block_indexes")
     cdef bytes out = PyBytes_FromStringAndSize(NULL, m * 8)
     cdef int64_t* o = <int64_t*>PyBytes_AS_STRING(out)
     cdef const char* k
@@ -729,14 +726,7 @@ cdef class RecordBlock:
         cdef const unsigned char* k
         cdef const unsigned char* s
         cdef uint32_t vl
-        if len(out) != n or found.shape[0] != n:
-            raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {found.shape[0]} found")
-        for i in range(m):  # checked first: nothing is written for a bad call
-            j = js[i]
-            if j < 0 or j >= n:
-                raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
-            if type(<object>PyList_GET_ITEM(keys, j)) is not bytes:
-                raise InterfaceError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(keys, j)).__name__}")
+        check_lookup(keys, js, len(out), found.shape[0], "lookup_into")  # nothing written for a bad call
         for i in range(m):
             j = js[i]
             key = <object>PyList_GET_ITEM(keys, j)

@@ -36,7 +36,7 @@ from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove
 
-from _wire cimport payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
+from _wire cimport check_lookup, payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
 
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
 
@@ -1800,15 +1800,8 @@ def load_records(Table table not None, records, bint keep_tombstones=False):
 def lookup_into(Table table not None, list keys not None, const int64_t[::1] js, list out not None,
                 uint8_t[::1] found):
     """See ``statestore_async._ref.table.lookup_into``."""
-    cdef Py_ssize_t n = len(keys), m = js.shape[0], i, j, hits = 0
-    if len(out) != n or found.shape[0] != n:
-        raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {found.shape[0]} found")
-    for i in range(m):  # checked first: nothing is written for a bad call
-        j = js[i]
-        if j < 0 or j >= n:
-            raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
-        if type(<object>PyList_GET_ITEM(keys, j)) is not bytes:
-            raise KeyFormatError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(keys, j)).__name__}")
+    cdef Py_ssize_t m = js.shape[0], i, j, hits = 0
+    check_lookup(keys, js, len(out), found.shape[0], "lookup_into")  # nothing written for a bad call
     if table.count == 0:
         return 0
     cdef object k, val

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 import zstandard
 
-from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
+from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError, KeyFormatError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -375,6 +375,23 @@ def decode_records_raw(payload: Buffer, count: int) -> list[tuple[bytes, bytes |
     return _parse_records(_as_bytes(payload), count)
 
 
+def _check_lookup(keys: list[bytes], js: Iterable[int], n_out: int, n_found: int, what: str) -> list[int]:
+    """The indexes of ``js`` for a batch lookup by index (``what``), checked: ``out`` and ``found``
+    as long as ``keys`` (skipped when negative: ``InterfaceError``), each index within ``keys``
+    (``IndexError``) and naming a bytes key (``KeyFormatError``). Shared by the lookups here and in
+    ``_ref.table``."""
+    n = len(keys)
+    if (n_out >= 0 and n_out != n) or (n_found >= 0 and n_found != n):
+        raise InterfaceError(f"{what}: {n} keys, {n_out} out, {n_found} found")
+    idx = [int(j) for j in js]
+    for j in idx:
+        if j < 0 or j >= n:
+            raise IndexError(f"{what}: index {j} out of range for {n} keys")
+        if type(keys[j]) is not bytes:
+            raise KeyFormatError(f"keys are bytes, got {type(keys[j]).__name__}")
+    return idx
+
+
 def block_indexes(first_keys: Sequence[bytes], keys: Sequence[bytes], js: Iterable[int]) -> bytes:
     """For each index ``j`` of ``js`` (an int64 array), the block of a file whose blocks start at
     the sorted ``first_keys`` that would hold ``keys[j]``: ``bisect.bisect_right(first_keys,
@@ -383,12 +400,7 @@ def block_indexes(first_keys: Sequence[bytes], keys: Sequence[bytes], js: Iterab
     for f in first:
         if type(f) is not bytes:
             raise InterfaceError(f"first keys are bytes, got {type(f).__name__}")
-    idx = [int(j) for j in js]
-    for j in idx:
-        if j < 0 or j >= len(keys):
-            raise IndexError(f"block_indexes: index {j} out of range for {len(keys)} keys")
-        if type(keys[j]) is not bytes:
-            raise InterfaceError(f"keys are bytes, got {type(keys[j]).__name__}")
+    idx = _check_lookup(list(keys), js, -1, -1, "block_indexes")
     return struct.pack(f"<{len(idx)}q", *(bisect.bisect_right(first, keys[j]) - 1 for j in idx))
 
 
@@ -431,15 +443,7 @@ class RecordBlock:
         """For each index ``j`` of ``js`` (an int64 array) whose ``keys[j]`` the block holds:
         ``out[j]`` = its value (None for a tombstone), ``found[j]`` = 1 (a uint8 array as long as
         ``keys``); returns how many. Bad indexes or keys raise before anything is written."""
-        n = len(keys)
-        if len(out) != n or len(found) != n:
-            raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {len(found)} found")
-        idx = [int(j) for j in js]
-        for j in idx:
-            if j < 0 or j >= n:
-                raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
-            if type(keys[j]) is not bytes:
-                raise InterfaceError(f"keys are bytes, got {type(keys[j]).__name__}")
+        idx = _check_lookup(keys, js, len(out), len(found), "lookup_into")
         hits = 0
         for j in idx:
             at = bisect.bisect_left(self._keys, keys[j])

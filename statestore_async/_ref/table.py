@@ -14,7 +14,7 @@ from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from statestore_async._ref import framing as _fr
-from statestore_async._ref.blockcodec import encode_records_raw
+from statestore_async._ref.blockcodec import _check_lookup, encode_records_raw
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
 
 if TYPE_CHECKING:
@@ -464,15 +464,7 @@ def lookup_into(table: Table, keys: list[bytes], js: Iterable[int], out: list[ob
     ``table``: ``out[j]`` becomes its value (None for a tombstone entry) and ``found[j]`` (a
     writable uint8 array as long as ``keys``) becomes 1; others are left as they are. Returns how
     many were found. Bad indexes or keys raise before anything is written."""
-    n = len(keys)
-    if len(out) != n or len(found) != n:
-        raise InterfaceError(f"lookup_into: {n} keys, {len(out)} out, {len(found)} found")
-    idx = [int(j) for j in js]
-    for j in idx:
-        if j < 0 or j >= n:
-            raise IndexError(f"lookup_into: index {j} out of range for {n} keys")
-        if type(keys[j]) is not bytes:
-            raise KeyFormatError(f"keys are bytes, got {type(keys[j]).__name__}")
+    idx = _check_lookup(keys, js, len(out), len(found), "lookup_into")
     hits = 0
     for j in idx:
         k = keys[j]
