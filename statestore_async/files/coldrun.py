@@ -362,17 +362,11 @@ class ColdRun:
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None: absent or removed); each block needed is read once."""
-        keys = list(keys)
-        out: list[object] = [None] * len(keys)
-        self.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
-        return cast("list[bytes | None]", out)
+        return cast("list[bytes | None]", _look_up_all(self, keys, None))
 
     def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
         """Per key: its value, None for a tombstone (delta runs), ``MISSING`` when the run has no entry."""
-        keys = list(keys)
-        out: list[object] = [MISSING] * len(keys)
-        self.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
-        return out
+        return _look_up_all(self, keys, MISSING)
 
     def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
         """For each index ``j`` of ``js`` (int64) whose key ``keys[j]`` has an entry in this run:
@@ -586,6 +580,14 @@ def _payloads(records: Sequence[tuple[bytes, bytes | None]], max_payload: int) -
         start = nxt
 
 
+def _look_up_all(level: ColdRun | ColdStack, keys: Sequence[bytes], absent: object) -> list[object]:
+    """Per key of ``keys``: ``level.lookup_into``'s answer, ``absent`` where it has no entry."""
+    keys = list(keys)
+    out: list[object] = [absent] * len(keys)
+    level.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
+    return out
+
+
 class ColdStack:
     """Runs newest first — deltas over a snapshot — read as one committed state (``ColdLevel``):
     the newest run with an entry for a key decides (a tombstone: absent). ``ref`` is the newest
@@ -624,10 +626,7 @@ class ColdStack:
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        keys = list(keys)
-        out: list[object] = [None] * len(keys)
-        self.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
-        return cast("list[bytes | None]", out)
+        return cast("list[bytes | None]", _look_up_all(self, keys, None))
 
     def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
         """``ColdRun.lookup_into`` through the runs, newest first, each asked only for the keys the
