@@ -1,9 +1,8 @@
 # Helpers shared by the wire-format Cython modules (framing, table, arrowframes, blockcodec): the frame header
 # size, little-endian u32 access, the checks that open a batch payload and the walks that check one,
-# and the argument check of the batch lookups by index (``check_lookup``). Inline, so each module
+# and the argument check of the batch lookups by index (``check_spans``). Inline, so each module
 # compiles its own copy; nothing here is a module of its own. The checks raise
 # statestore_async.errors.DecodeError (imported on the error path only).
-from cpython.list cimport PyList_GET_ITEM
 from libc.stdint cimport int64_t, uint8_t, uint32_t
 
 cdef enum:
@@ -90,20 +89,27 @@ cdef inline Py_ssize_t walk_pairs(const uint8_t* base, Py_ssize_t pos, Py_ssize_
     return pos
 
 
-cdef inline int check_lookup(list keys, const int64_t[::1] js, Py_ssize_t n_out, Py_ssize_t n_found,
-                             str what) except -1:
-    """The arguments of a batch lookup by index (``what``): ``out`` and ``found`` as long as ``keys``
-    (skipped when negative), every index of ``js`` within ``keys`` and naming a bytes key. Messages
-    of ``_ref.blockcodec._check_lookup``."""
-    cdef Py_ssize_t n = len(keys), i, j
-    if (n_out >= 0 and n_out != n) or (n_found >= 0 and n_found != n):
+cdef inline int check_spans(const uint8_t[::1] kbuf, const int64_t[::1] koff, const int64_t[::1] js,
+                            const uint8_t[::1] found, const int64_t[::1] voff, const int64_t[::1] vlen,
+                            str what) except -1:
+    """The arguments of a batch lookup by index over packed keys (``what``): ``found``, ``voff`` and
+    ``vlen`` as long as ``koff``; every index of ``js`` within them and not found yet; its key (the
+    ``kbuf`` bytes at ``koff[j]``, its length the u32 before them) inside ``kbuf``. Messages of
+    ``_ref.blockcodec._check_spans``."""
+    cdef Py_ssize_t n = koff.shape[0], size = kbuf.shape[0], i, j, at
+    if found.shape[0] != n or voff.shape[0] != n or vlen.shape[0] != n:
         from statestore_async.errors import InterfaceError
-        raise InterfaceError(f"{what}: {n} keys, {n_out} out, {n_found} found")
+        raise InterfaceError(f"{what}: {n} key offsets, {found.shape[0]} found, {voff.shape[0]} value offsets, "
+                             f"{vlen.shape[0]} value lengths")
     for i in range(js.shape[0]):
         j = js[i]
         if j < 0 or j >= n:
             raise IndexError(f"{what}: index {j} out of range for {n} keys")
-        if type(<object>PyList_GET_ITEM(keys, j)) is not bytes:
-            from statestore_async.errors import KeyFormatError
-            raise KeyFormatError(f"keys are bytes, got {type(<object>PyList_GET_ITEM(keys, j)).__name__}")
+        if found[j]:
+            from statestore_async.errors import InterfaceError
+            raise InterfaceError(f"{what}: key {j} is already found (ask a level only for the keys no newer level has)")
+        at = koff[j]
+        if at < 4 or at > size or <Py_ssize_t>rd32(&kbuf[0] + at - 4) > size - at:
+            from statestore_async.errors import InterfaceError
+            raise InterfaceError(f"{what}: key {j} at offset {at} is not inside the {size}-byte key buffer")
     return 0

@@ -16,11 +16,11 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM, PyTuple_GET_SIZE, PyTuple_GET_ITEM, PyTuple_Check
 from cpython.list cimport PyList_New, PyList_SET_ITEM, PyList_GET_SIZE, PyList_GET_ITEM, PyList_Check, PyList_CheckExact
 from cpython.ref cimport Py_INCREF
-from libc.stdint cimport int64_t, uint64_t, uint32_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t, uint32_t
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcmp, memcpy
 
-from _wire cimport check_lookup
+from _wire cimport check_spans
 
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 
@@ -631,27 +631,29 @@ def record_spans(payload, count):
     return out
 
 
-def block_indexes(first_keys, keys, js):
-    """For each index ``j`` of ``js`` (an int64 array), the block of a file whose blocks start at
-    the sorted ``first_keys`` that would hold ``keys[j]``: ``bisect.bisect_right(first_keys,
-    keys[j]) - 1`` (-1: before the first block), as int64 little-endian bytes."""
+def block_indexes(first_keys, const uint8_t[::1] kbuf, const int64_t[::1] koff, const int64_t[::1] js):
+    """See ``statestore_async._ref.blockcodec.block_indexes``."""
     cdef list first = first_keys if type(first_keys) is list else list(first_keys)
-    cdef list ks = keys if type(keys) is list else list(keys)
-    cdef const int64_t[::1] jv = js
-    cdef Py_ssize_t m = jv.shape[0], nb = len(first), i, lo, hi, mid, kl, fl
+    cdef Py_ssize_t m = js.shape[0], nb = len(first), size = kbuf.shape[0], n = koff.shape[0]
+    cdef Py_ssize_t i, j, lo, hi, mid, kl, fl, at
     cdef object f
     for i in range(nb):
         if type(<object>PyList_GET_ITEM(first, i)) is not bytes:
             raise InterfaceError(f"first keys are bytes, got {type(<object>PyList_GET_ITEM(first, i)).__name__}")
-    check_lookup(ks, jv, -1, -1, "block_indexes")
+    for i in range(m):
+        j = js[i]
+        if j < 0 or j >= n:
+            raise IndexError(f"block_indexes: index {j} out of range for {n} keys")
+        at = koff[j]
+        if at < 4 or at > size or <Py_ssize_t>_get_u32(&kbuf[0] + at - 4) > size - at:
+            raise InterfaceError(f"block_indexes: key {j} at offset {at} is not inside the {size}-byte key buffer")
     cdef bytes out = PyBytes_FromStringAndSize(NULL, m * 8)
     cdef int64_t* o = <int64_t*>PyBytes_AS_STRING(out)
-    cdef const char* k
+    cdef const unsigned char* k
     cdef int c
     for i in range(m):
-        key = <object>PyList_GET_ITEM(ks, jv[i])
-        k = PyBytes_AS_STRING(key)
-        kl = PyBytes_GET_SIZE(key)
+        k = &kbuf[0] + koff[js[i]]
+        kl = _get_u32(k - 4)
         lo, hi = 0, nb
         while lo < hi:  # the first block whose first key is > key
             mid = (lo + hi) >> 1
@@ -721,26 +723,42 @@ cdef class RecordBlock:
             return key, None
         return key, PyBytes_FromStringAndSize(<const char*>self.p + _get_u32(s + 8), vl)
 
-    def lookup_into(self, list keys not None, const int64_t[::1] js, list out not None, unsigned char[::1] found):
-        cdef Py_ssize_t n = len(keys), m = js.shape[0], i, j, at, kl, hits = 0
+    def lookup_spans(self, const uint8_t[::1] kbuf, const int64_t[::1] koff, const int64_t[::1] js,
+                     uint8_t[::1] found, int64_t[::1] voff, int64_t[::1] vlen, int64_t base):
+        """See ``statestore_async._ref.blockcodec.RecordBlock.lookup_spans``."""
+        cdef Py_ssize_t m = js.shape[0], i, j, at, kl, pos = 0
         cdef const unsigned char* k
         cdef const unsigned char* s
         cdef uint32_t vl
-        check_lookup(keys, js, len(out), found.shape[0], "lookup_into")  # nothing written for a bad call
-        for i in range(m):
+        cdef int64_t total = 0
+        check_spans(kbuf, koff, js, found, voff, vlen, "lookup_spans")  # nothing written for a bad call
+        if m == 0 or self.count == 0:
+            return b""
+        for i in range(m):  # the hits: their record's index for now
             j = js[i]
-            key = <object>PyList_GET_ITEM(keys, j)
-            k = <const unsigned char*>PyBytes_AS_STRING(key)
-            kl = PyBytes_GET_SIZE(key)
+            k = &kbuf[0] + koff[j]
+            kl = _get_u32(k - 4)
             at = self._left(k, kl)
             if at == self.count or self._cmp(at, k, kl) != 0:
                 continue
+            found[j] = 1
             s = self.sp + at * 16
             vl = _get_u32(s + 12)
-            out[j] = None if vl == _NO_VALUE else PyBytes_FromStringAndSize(<const char*>self.p + _get_u32(s + 8), vl)
-            found[j] = 1
-            hits += 1
-        return hits
+            if vl == _NO_VALUE:
+                vlen[j] = -1
+            else:
+                voff[j] = _get_u32(s + 8)
+                vlen[j] = vl
+                total += vl
+        cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
+        cdef char* o = PyBytes_AS_STRING(out)
+        for i in range(m):  # the values, copied in the order of js
+            j = js[i]
+            if found[j] and vlen[j] >= 0:
+                memcpy(o + pos, self.p + voff[j], vlen[j])
+                voff[j] = base + pos
+                pos += vlen[j]
+        return out
 
 
 def decode_block(buf, offset=0):

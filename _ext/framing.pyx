@@ -8,7 +8,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF, PyObject
 from cpython.tuple cimport PyTuple_GET_SIZE
-from libc.stdint cimport uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
 from _wire cimport payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32, WIRE_HEADER
@@ -173,6 +173,37 @@ def encode_optional_list(items):
     return out
 
 
+def encode_found(values, const int64_t[::1] voff, const int64_t[::1] vlen, const uint8_t[::1] found):
+    """See ``statestore_async._ref.framing.encode_found``."""
+    cdef const uint8_t[::1] vv = values
+    cdef Py_ssize_t n = found.shape[0], size = vv.shape[0], total = 4, i, pos = 4
+    if voff.shape[0] != n or vlen.shape[0] != n:
+        raise EncodeError(f"found answer: {n} found, {voff.shape[0]} value offsets, {vlen.shape[0]} value lengths")
+    if n > 0xFFFFFFFF:
+        raise EncodeError(f"found answer: {n} items, at most {0xFFFFFFFF}")
+    for i in range(n):
+        if found[i] and vlen[i] >= 0:
+            if vlen[i] > 0xFFFFFFFE or voff[i] < 0 or voff[i] > size or vlen[i] > size - voff[i]:
+                raise EncodeError(f"found answer: item {i} ({vlen[i]} bytes at {voff[i]}) is not inside the "
+                                  f"{size} bytes of values")
+            total += vlen[i]
+        total += 4
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
+    _wr32(o, <uint32_t>n)
+    for i in range(n):
+        if found[i] and vlen[i] >= 0:
+            _wr32(o + pos, <uint32_t>vlen[i])
+            pos += 4
+            if vlen[i]:
+                memcpy(o + pos, &vv[0] + voff[i], vlen[i])
+            pos += vlen[i]
+        else:
+            _wr32(o + pos, _NONE)
+            pos += 4
+    return out
+
+
 def decode_optional_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
     """``(list of bytes | None, end offset)`` from an ``encode_optional_list`` payload."""
     cdef const uint8_t[::1] mv = buf
@@ -295,6 +326,25 @@ def check_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF
     cdef Py_ssize_t unused = -1
     pos = walk_list(base, pos + 4, end, n, 0, &unused)
     return n, pos
+
+
+def list_offsets(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
+    """See ``statestore_async._ref.framing.list_offsets``."""
+    cdef const uint8_t[::1] mv = buf
+    cdef Py_ssize_t end = mv.shape[0]
+    cdef Py_ssize_t pos = payload_start(offset, end, "list")
+    cdef const uint8_t* base = &mv[0]
+    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
+    cdef Py_ssize_t unused = -1
+    cdef Py_ssize_t stop = walk_list(base, pos + 4, end, n, 0, &unused)  # checked first
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>n * 8)
+    cdef int64_t* o = <int64_t*>PyBytes_AS_STRING(out)
+    cdef uint32_t i
+    pos += 4
+    for i in range(n):
+        o[i] = pos + 4
+        pos += 4 + _rd32(base + pos)
+    return out, stop
 
 
 def check_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):

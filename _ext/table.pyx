@@ -32,11 +32,11 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from cpython.list cimport PyList_GET_ITEM, PyList_New, PyList_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
-from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdint cimport int64_t, intptr_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove
 
-from _wire cimport check_lookup, payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
+from _wire cimport check_spans, payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
 
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
 
@@ -47,7 +47,7 @@ __all__ = [
     "get_list",
     "get_packed",
     "load_records",
-    "lookup_into",
+    "lookup_spans",
     "put_items",
     "put_packed",
     "remove_keys",
@@ -1797,29 +1797,40 @@ def load_records(Table table not None, records, bint keep_tombstones=False):
     table._tidy()
 
 
-def lookup_into(Table table not None, list keys not None, const int64_t[::1] js, list out not None,
-                uint8_t[::1] found):
-    """See ``statestore_async._ref.table.lookup_into``."""
-    cdef Py_ssize_t m = js.shape[0], i, j, hits = 0
-    check_lookup(keys, js, len(out), found.shape[0], "lookup_into")  # nothing written for a bad call
-    if table.count == 0:
-        return 0
-    cdef object k, val
+def lookup_spans(Table table not None, const uint8_t[::1] kbuf, const int64_t[::1] koff, const int64_t[::1] js,
+                 uint8_t[::1] found, int64_t[::1] voff, int64_t[::1] vlen, int64_t base):
+    """See ``statestore_async._ref.table.lookup_spans``."""
+    cdef Py_ssize_t m = js.shape[0], i, j, pos = 0
+    check_spans(kbuf, koff, js, found, voff, vlen, "lookup_spans")  # nothing written for a bad call
+    if table.count == 0 or m == 0:
+        return b""
+    cdef const uint8_t* kb = &kbuf[0]
+    cdef const uint8_t* k
     cdef Found f
     cdef uint32_t kl
-    for i in range(m):
+    cdef int64_t total = 0
+    for i in range(m):  # the hits: their value's address for now (the table does not change here)
         j = js[i]
-        k = <object>PyList_GET_ITEM(keys, j)
-        if <size_t>PyBytes_GET_SIZE(k) > MAX_LEN:
+        k = kb + koff[j]
+        kl = _rd32(k - 4)
+        if kl > MAX_LEN or not table._lookup(k, kl, ssa_hash(k, kl), &f):
             continue
-        kl = <uint32_t>PyBytes_GET_SIZE(k)
-        if not table._lookup(_bp(<bytes>k), kl, ssa_hash(_bp(<bytes>k), kl), &f):
-            continue
-        val = None if f.none else PyBytes_FromStringAndSize(<const char*>f.val, f.vl)
-        out[j] = val
         found[j] = 1
-        hits += 1
-    return hits
+        if f.none:
+            vlen[j] = -1
+        else:
+            voff[j] = <int64_t><intptr_t>f.val
+            vlen[j] = f.vl
+            total += f.vl
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, total)
+    cdef char* o = PyBytes_AS_STRING(out)
+    for i in range(m):  # the values, copied in the order of js
+        j = js[i]
+        if found[j] and vlen[j] >= 0:
+            memcpy(o + pos, <const void*><intptr_t>voff[j], vlen[j])
+            voff[j] = base + pos
+            pos += vlen[j]
+    return out
 
 
 # --- export (checkpoint files) ----------------------------------------------------------------------

@@ -15,6 +15,7 @@ from statestore_async.codecs import twins
 from statestore_async.errors import CorruptBlockError, DecodeError, EncodeError, InterfaceError
 
 REF = twins.reference("blockcodec")
+FR = twins.reference("framing")  # packs a lookup's keys
 NATIVE = None if twins.NO_EXTENSIONS else twins.native("blockcodec")
 both = pytest.mark.skipif(NATIVE is None, reason="compiled module disabled")
 
@@ -450,6 +451,15 @@ def test_record_spans_agree_on_good_and_damaged_payloads(records, cut, flip, cou
             for kp, kl, vp, vl in struct.iter_unpack("<IIII", spans)] == records
 
 
+def _spans_args(keys):
+    """A lookup's arguments for ``keys``: the packed keys, their offsets and empty answer arrays."""
+    import numpy as np
+    kbuf = FR.encode_list(keys)
+    n = len(keys)
+    koff = np.frombuffer(FR.list_offsets(kbuf)[0], np.int64)
+    return kbuf, koff, np.zeros(n, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64)
+
+
 @both
 @settings(max_examples=300, deadline=None)
 @given(first=st.lists(st.binary(max_size=4), max_size=12), keys=st.lists(st.binary(max_size=5), max_size=30),
@@ -461,41 +471,49 @@ def test_block_indexes_are_bisect_right_minus_one(first, keys, data):
     first = sorted(set(first))
     js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), max_size=40)) if keys else [], np.int64)
     want = [bisect.bisect_right(first, keys[j]) - 1 for j in js.tolist()]
+    kbuf, koff, *_ = _spans_args(keys)
     for mod in (REF, NATIVE):
-        assert np.frombuffer(mod.block_indexes(first, keys, js), np.int64).tolist() == want
+        assert np.frombuffer(mod.block_indexes(first, kbuf, koff, js), np.int64).tolist() == want
 
 
 def test_block_indexes_check_their_arguments(codec):
     import numpy as np
+    kbuf, koff, *_ = _spans_args([b"a"])
     with pytest.raises(IndexError, match="out of range"):
-        codec.block_indexes([b"a"], [b"a"], np.array([1], np.int64))
-    with pytest.raises(InterfaceError, match="keys are bytes"):
-        codec.block_indexes([b"a"], ["a"], np.array([0], np.int64))
+        codec.block_indexes([b"a"], kbuf, koff, np.array([1], np.int64))
+    with pytest.raises(InterfaceError, match="not inside the 9-byte key buffer"):
+        codec.block_indexes([b"a"], kbuf, np.array([6], np.int64), np.array([0], np.int64))
     with pytest.raises(InterfaceError, match="first keys are bytes"):
-        codec.block_indexes(["a"], [b"a"], np.array([0], np.int64))
+        codec.block_indexes(["a"], kbuf, koff, np.array([0], np.int64))
 
 
 @both
 @settings(max_examples=300, deadline=None)
 @given(table=st.dictionaries(st.binary(max_size=6), st.none() | st.binary(max_size=6), max_size=40),
-       probes=st.lists(st.binary(max_size=6), max_size=30), data=st.data())
-def test_record_blocks_agree_with_a_dict(table, probes, data):
+       probes=st.lists(st.binary(max_size=6), max_size=30), base=st.integers(0, 1 << 40), data=st.data())
+def test_record_blocks_agree_with_a_dict(table, probes, base, data):
     import numpy as np
     records = sorted(table.items())
     payload = REF.encode_records_raw(records)
     keys = probes + list(table)
     js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), unique=True)) if keys else [], np.int64)
+    hits = [j for j in js.tolist() if keys[j] in table]
+    answers = []
     for mod in (REF, NATIVE):
         block = mod.RecordBlock(payload, len(records))
         assert len(block) == len(records) and block.nbytes >= len(payload) + 16 * len(records)
         assert [block.entry(i) for i in range(len(block))] == records
         for probe in probes:
             assert block.bisect_left(probe) == sum(k < probe for k, _ in records)
-        out, found = ["untouched"] * len(keys), np.zeros(len(keys), np.uint8)
-        want = {j for j in js.tolist() if keys[j] in table}
-        assert block.lookup_into(keys, js, out, found) == len(want)
-        assert out == [table[k] if j in want else "untouched" for j, k in enumerate(keys)]
-        assert found.tolist() == [int(j in want) for j in range(len(keys))]
+        kbuf, koff, found, voff, vlen = _spans_args(keys)
+        chunk = block.lookup_spans(kbuf, koff, js, found, voff, vlen, base)
+        assert chunk == b"".join(table[keys[j]] or b"" for j in hits)  # the values, in the order of js
+        assert found.tolist() == [int(j in hits) for j in range(len(keys))]
+        for j in hits:
+            want = table[keys[j]]
+            assert vlen[j] == -1 if want is None else chunk[voff[j] - base : voff[j] - base + vlen[j]] == want
+        answers.append((chunk, found.tolist(), voff.tolist(), vlen.tolist()))
+    assert answers[0] == answers[1]
 
 
 def test_record_blocks_check_payloads_and_arguments(codec):
@@ -508,13 +526,17 @@ def test_record_blocks_check_payloads_and_arguments(codec):
     block = codec.RecordBlock(bytearray(payload), 2)
     with pytest.raises(IndexError):
         block.entry(2)
-    out, found = [None, None], np.zeros(2, np.uint8)
+    kbuf, koff, found, voff, vlen = _spans_args([b"b", b"a", b"c"])
     with pytest.raises(IndexError, match="out of range"):
-        block.lookup_into([b"a", b"b"], np.array([0, 5], np.int64), out, found)
-    with pytest.raises(InterfaceError, match="keys are bytes"):
-        block.lookup_into([b"a", "b"], np.array([0, 1], np.int64), out, found)
+        block.lookup_spans(kbuf, koff, np.array([0, 5], np.int64), found, voff, vlen, 0)
+    with pytest.raises(InterfaceError, match="3 key offsets, 2 found"):
+        block.lookup_spans(kbuf, koff, np.array([0], np.int64), found[:2], voff, vlen, 0)
+    with pytest.raises(InterfaceError, match="key 1 at offset 99 is not inside the 19-byte key buffer"):
+        block.lookup_spans(kbuf, np.array([8, 99, 18], np.int64), np.array([0, 1], np.int64), found, voff, vlen, 0)
     with pytest.raises(InterfaceError, match="keys are bytes"):
         block.bisect_left("a")
-    assert out == [None, None] and not found.any()
-    assert block.lookup_into([b"b", b"a"], np.array([0, 1], np.int64), out, found) == 2
-    assert out == [None, b"1"] and found.tolist() == [1, 1]
+    assert not found.any() and not voff.any() and not vlen.any()
+    assert block.lookup_spans(kbuf, koff, np.array([0, 1, 2], np.int64), found, voff, vlen, 10) == b"1"
+    assert found.tolist() == [1, 1, 0] and vlen.tolist() == [-1, 1, 0] and voff[1] == 10
+    with pytest.raises(InterfaceError, match="key 1 is already found"):
+        block.lookup_spans(kbuf, koff, np.array([2, 1], np.int64), found, voff, vlen, 0)

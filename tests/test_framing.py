@@ -160,6 +160,57 @@ def test_batch_frames_equal_frame_of_head_and_list(fr, items, head, rid):
     assert fr.check_list(data, len(head)) == (len(ks), len(data))
 
 
+# --- a batch lookup's keys in place, and its answer --------------------------------------------------
+@SETTINGS
+@given(items=st.lists(blobs, max_size=20), head=st.binary(max_size=6))
+def test_list_offsets_point_at_each_item(fr, items, head):
+    data = head + fr.encode_list(items)
+    offsets, end = fr.list_offsets(data, len(head))
+    assert end == len(data)
+    offs = list(struct.unpack(f"<{len(items)}q", offsets))
+    assert [data[o : o + struct.unpack_from("<I", data, o - 4)[0]] for o in offs] == items
+
+
+@pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
+@settings(max_examples=400, deadline=None)
+@given(data=st.binary(max_size=80), offset=st.integers(0, 10), max_count=st.integers(0, 20))
+def test_list_offsets_fail_as_decode_list_on_any_bytes(data, offset, max_count):
+    ref, nat = twins.reference("framing"), twins.native("framing")
+    want = _outcome(ref.decode_list, data, offset, max_count)
+    got = [_outcome(m.list_offsets, data, offset, max_count) for m in (ref, nat)]
+    assert got[0] == got[1]
+    assert got[0][0] == want[0] and (want[0] != "ok" or got[0][1][1] == want[1][1])
+
+
+@SETTINGS
+@given(answer=st.lists(st.tuples(st.integers(0, 2), blobs), max_size=20), pad=st.binary(max_size=5))
+def test_encode_found_writes_the_optional_list_of_the_spans(fr, answer, pad):
+    import numpy as np
+    values, voff, vlen, found, want = bytearray(pad), [], [], [], []
+    for kind, v in answer:  # 0: absent, 1: a tombstone, 2: a value (stored after some padding)
+        values += pad
+        voff.append(len(values) if kind == 2 else 0)
+        vlen.append(len(v) if kind == 2 else -1 if kind == 1 else 0)
+        found.append(int(kind > 0))
+        values += v if kind == 2 else b""
+        want.append(v if kind == 2 else None)
+    got = fr.encode_found(bytes(values), np.array(voff, np.int64), np.array(vlen, np.int64), np.array(found, np.uint8))
+    assert got == fr.encode_optional_list(want)
+
+
+def test_encode_found_refuses_spans_outside_the_values(fr):
+    import numpy as np
+    one = np.ones(1, np.uint8)
+    with pytest.raises(EncodeError, match="item 0 \\(3 bytes at 2\\) is not inside the 4 bytes"):
+        fr.encode_found(b"abcd", np.array([2], np.int64), np.array([3], np.int64), one)
+    with pytest.raises(EncodeError, match="not inside"):
+        fr.encode_found(b"abcd", np.array([-1], np.int64), np.array([1], np.int64), one)
+    with pytest.raises(EncodeError, match="1 found, 2 value offsets"):
+        fr.encode_found(b"abcd", np.zeros(2, np.int64), np.zeros(1, np.int64), one)
+    assert fr.encode_found(b"abcd", np.array([2], np.int64), np.array([3], np.int64), np.zeros(1, np.uint8)) == \
+        fr.encode_optional_list([None])
+
+
 def test_batch_frames_refuse_what_the_encoders_refuse(fr):
     for bad in ([(b"k",)], [(b"k", None)], [("k", b"v")], [None]):
         with pytest.raises(EncodeError):

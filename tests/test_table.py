@@ -941,35 +941,54 @@ def test_garbage_is_reclaimed_once_no_view_holds_it():
     assert len(t) == 0 and t.nbytes < base
 
 
-# --- lookup_into (a spilled version's reads, level by level) --------------------------------------------------
+# --- lookup_spans (a spilled version's reads, level by level) --------------------------------------------------
+def _spans_args(keys):
+    """A lookup's arguments for ``keys``: the packed keys, their offsets and empty answer arrays."""
+    import numpy as np
+    kbuf = FR.encode_list(keys)
+    n = len(keys)
+    koff = np.frombuffer(FR.list_offsets(kbuf)[0], np.int64)
+    return kbuf, koff, np.zeros(n, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64)
+
+
 @SETTINGS
 @given(entries=st.dictionaries(st.binary(max_size=40), st.none() | st.binary(max_size=40), max_size=40),
-       probes=st.lists(st.binary(max_size=40), max_size=40), data=st.data())
-def test_lookup_into_fills_only_what_the_table_holds(tb, entries, probes, data):
+       probes=st.lists(st.binary(max_size=40), max_size=40), base=st.integers(0, 1 << 40), data=st.data())
+def test_lookup_spans_fill_only_what_the_table_holds(tb, entries, probes, base, data):
     import numpy as np
     t = tb.Table()
     for k, v in entries.items():
         t.put(k, v)
     keys = probes + list(entries)
     js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), unique=True)) if keys else [], np.int64)
-    out = ["untouched"] * len(keys)
-    found = np.zeros(len(keys), np.uint8)
-    hits = tb.lookup_into(t, keys, js, out, found)
-    want = {j for j in js.tolist() if keys[j] in entries}
-    assert hits == len(want)
+    kbuf, koff, found, voff, vlen = _spans_args(keys)
+    chunk = tb.lookup_spans(t, kbuf, koff, js, found, voff, vlen, base)
+    hits = [j for j in js.tolist() if keys[j] in entries]
+    assert chunk == b"".join(entries[keys[j]] or b"" for j in hits)  # the values, in the order of js
     for j, k in enumerate(keys):
-        assert (out[j], found[j]) == ((entries[k], 1) if j in want else ("untouched", 0))
+        if j not in hits:
+            assert (found[j], voff[j], vlen[j]) == (0, 0, 0)
+        elif entries[k] is None:
+            assert (found[j], vlen[j]) == (1, -1)
+        else:
+            assert found[j] == 1 and chunk[voff[j] - base : voff[j] - base + vlen[j]] == entries[k]
 
 
-def test_lookup_into_checks_its_arguments_before_writing(tb):
+def test_lookup_spans_check_their_arguments_before_writing(tb):
     import numpy as np
     t = tb.Table()
     t.put(b"a", b"1")
-    out, found = [None, None], np.zeros(2, np.uint8)
+    kbuf, koff, found, voff, vlen = _spans_args([b"a", b"b"])
     with pytest.raises(IndexError, match="out of range"):
-        tb.lookup_into(t, [b"a", b"b"], np.array([0, 2], np.int64), out, found)
-    with pytest.raises(KeyFormatError, match="keys are bytes"):
-        tb.lookup_into(t, [b"a", "b"], np.array([0, 1], np.int64), out, found)
-    with pytest.raises(InterfaceError, match="2 keys"):
-        tb.lookup_into(t, [b"a", b"b"], np.array([0], np.int64), [None], found)
-    assert out == [None, None] and not found.any()
+        tb.lookup_spans(t, kbuf, koff, np.array([0, 2], np.int64), found, voff, vlen, 0)
+    with pytest.raises(InterfaceError, match="2 key offsets, 2 found, 1 value offsets"):
+        tb.lookup_spans(t, kbuf, koff, np.array([0], np.int64), found, voff[:1], vlen, 0)
+    with pytest.raises(InterfaceError, match="not inside the 14-byte key buffer"):
+        tb.lookup_spans(t, kbuf, np.array([9, 30], np.int64), np.array([0, 1], np.int64), found, voff, vlen, 0)
+    with pytest.raises(InterfaceError, match="not inside"):
+        tb.lookup_spans(t, kbuf, np.array([9, 2], np.int64), np.array([0, 1], np.int64), found, voff, vlen, 0)
+    assert not found.any() and not voff.any() and not vlen.any()
+    assert tb.lookup_spans(t, kbuf, koff, np.array([1, 0], np.int64), found, voff, vlen, 7) == b"1"
+    assert found.tolist() == [1, 0] and (voff[0], vlen[0]) == (7, 1)
+    with pytest.raises(InterfaceError, match="key 0 is already found"):
+        tb.lookup_spans(t, kbuf, koff, np.array([0], np.int64), found, voff, vlen, 0)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 import zstandard
 
-from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError, KeyFormatError
+from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
@@ -375,33 +375,59 @@ def decode_records_raw(payload: Buffer, count: int) -> list[tuple[bytes, bytes |
     return _parse_records(_as_bytes(payload), count)
 
 
-def _check_lookup(keys: list[bytes], js: Iterable[int], n_out: int, n_found: int, what: str) -> list[int]:
-    """The indexes of ``js`` for a batch lookup by index (``what``), checked: ``out`` and ``found``
-    as long as ``keys`` (skipped when negative: ``InterfaceError``), each index within ``keys``
-    (``IndexError``) and naming a bytes key (``KeyFormatError``). Shared by the lookups here and in
-    ``_ref.table``."""
-    n = len(keys)
-    if (n_out >= 0 and n_out != n) or (n_found >= 0 and n_found != n):
-        raise InterfaceError(f"{what}: {n} keys, {n_out} out, {n_found} found")
-    idx = [int(j) for j in js]
-    for j in idx:
+def _check_spans(kbuf: Buffer, koff: Any, js: Iterable[int], found: Any, voff: Any, vlen: Any,
+                 what: str) -> list[tuple[int, bytes]]:
+    """The indexes of ``js`` for a batch lookup by index over packed keys (``what``), checked, with
+    their keys: ``found``, ``voff`` and ``vlen`` as long as ``koff`` (``InterfaceError``); each index
+    within them (``IndexError``) and not found yet (``InterfaceError``: a level is asked only for the
+    keys no newer level has); its key (the bytes of ``kbuf`` at ``koff[j]``, its length the u32
+    before them) inside ``kbuf`` (``InterfaceError``). Shared by the lookups here and in
+    ``_ref.table``; the compiled twins share ``_wire.check_spans``."""
+    data = bytes(kbuf)
+    n, size = len(koff), len(data)
+    if len(found) != n or len(voff) != n or len(vlen) != n:
+        raise InterfaceError(f"{what}: {n} key offsets, {len(found)} found, {len(voff)} value offsets, "
+                             f"{len(vlen)} value lengths")
+    out = []
+    for j in (int(x) for x in js):
         if j < 0 or j >= n:
             raise IndexError(f"{what}: index {j} out of range for {n} keys")
-        if type(keys[j]) is not bytes:
-            raise KeyFormatError(f"keys are bytes, got {type(keys[j]).__name__}")
-    return idx
+        if found[j]:
+            raise InterfaceError(f"{what}: key {j} is already found (ask a level only for the keys no newer level has)")
+        at = int(koff[j])
+        if at < 4 or at > size or struct.unpack_from("<I", data, at - 4)[0] > size - at:
+            raise InterfaceError(f"{what}: key {j} at offset {at} is not inside the {size}-byte key buffer")
+        out.append((j, data[at : at + struct.unpack_from("<I", data, at - 4)[0]]))
+    return out
 
 
-def block_indexes(first_keys: Sequence[bytes], keys: Sequence[bytes], js: Iterable[int]) -> bytes:
+def _answer(hits: list[tuple[int, bytes | None]], found: Any, voff: Any, vlen: Any, base: int) -> bytes:
+    """Record a lookup's ``hits`` (index, value | None) in ``found``/``voff``/``vlen``: the values
+    one after another in the returned bytes, their offsets counted from ``base``."""
+    parts, pos = [], 0
+    for j, v in hits:
+        found[j] = 1
+        if v is None:
+            vlen[j] = -1
+        else:
+            voff[j], vlen[j] = base + pos, len(v)
+            parts.append(v)
+            pos += len(v)
+    return b"".join(parts)
+
+
+def block_indexes(first_keys: Sequence[bytes], kbuf: Buffer, koff: Any, js: Iterable[int]) -> bytes:
     """For each index ``j`` of ``js`` (an int64 array), the block of a file whose blocks start at
-    the sorted ``first_keys`` that would hold ``keys[j]``: ``bisect.bisect_right(first_keys,
-    keys[j]) - 1`` (-1: before the first block), as int64 little-endian bytes."""
+    the sorted ``first_keys`` that would hold key ``j`` (the bytes of ``kbuf`` at ``koff[j]``, as in
+    ``RecordBlock.lookup_spans``): ``bisect.bisect_right(first_keys, key) - 1`` (-1: before the
+    first block), as int64 little-endian bytes. Bad arguments raise as ``lookup_spans`` does."""
     first = list(first_keys)
     for f in first:
         if type(f) is not bytes:
             raise InterfaceError(f"first keys are bytes, got {type(f).__name__}")
-    idx = _check_lookup(list(keys), js, -1, -1, "block_indexes")
-    return struct.pack(f"<{len(idx)}q", *(bisect.bisect_right(first, keys[j]) - 1 for j in idx))
+    n = len(koff)
+    keys = _check_spans(kbuf, koff, js, bytes(n), koff, koff, "block_indexes")
+    return struct.pack(f"<{len(keys)}q", *(bisect.bisect_right(first, k) - 1 for _, k in keys))
 
 
 class RecordBlock:
@@ -439,19 +465,23 @@ class RecordBlock:
             raise IndexError(f"record {i} of a block of {self.count}")
         return self._keys[i], self._values[i]
 
-    def lookup_into(self, keys: list[bytes], js: Iterable[int], out: list[object], found: Any) -> int:
-        """For each index ``j`` of ``js`` (an int64 array) whose ``keys[j]`` the block holds:
-        ``out[j]`` = its value (None for a tombstone), ``found[j]`` = 1 (a uint8 array as long as
-        ``keys``); returns how many. Bad indexes or keys raise before anything is written."""
-        idx = _check_lookup(keys, js, len(out), len(found), "lookup_into")
-        hits = 0
-        for j in idx:
-            at = bisect.bisect_left(self._keys, keys[j])
-            if at < self.count and self._keys[at] == keys[j]:
-                out[j] = self._values[at]
-                found[j] = 1
-                hits += 1
-        return hits
+    def lookup_spans(self, kbuf: Buffer, koff: Any, js: Iterable[int], found: Any, voff: Any, vlen: Any,
+                     base: int) -> bytes:
+        """A batch lookup by index over packed keys: for each index ``j`` of ``js`` (an int64 array)
+        whose key (the bytes of ``kbuf`` at ``koff[j]``; its length the u32 before them, as in a
+        ``framing.encode_list`` payload, see ``framing.list_offsets``) the block holds,
+        ``found[j]`` = 1 and, for a value, ``vlen[j]`` = its length and ``voff[j]`` = ``base`` + its
+        offset in the returned bytes (the values found, in the order of ``js``); for a tombstone
+        ``vlen[j]`` = -1. ``found`` is a uint8 array, ``voff`` and ``vlen`` int64 arrays, as long as
+        ``koff``; only indexes not found yet may be asked. Bad arguments raise before anything is
+        written."""
+        keys = _check_spans(kbuf, koff, js, found, voff, vlen, "lookup_spans")
+        hits: list[tuple[int, bytes | None]] = []
+        for j, k in keys:
+            at = bisect.bisect_left(self._keys, k)
+            if at < self.count and self._keys[at] == k:
+                hits.append((j, self._values[at]))
+        return _answer(hits, found, voff, vlen, base)
 
 
 def decode_block(buf: Buffer, offset: int = 0) -> tuple[list[tuple[bytes, bytes | None]], int]:

@@ -6,7 +6,7 @@ values and the same errors. The format is documented in ``statestore_async.codec
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from statestore_async.errors import DecodeError, EncodeError
 
@@ -134,6 +134,27 @@ def encode_optional_list(items: Iterable[BytesLike | None]) -> bytes:
     return b"".join(parts)
 
 
+def encode_found(values: Buffer, voff: Any, vlen: Any, found: Any) -> bytes:
+    """The ``encode_optional_list`` payload of a batch lookup by index's answer: item ``i`` is
+    ``values[voff[i] : voff[i] + vlen[i]]`` when ``found[i]`` and ``vlen[i] >= 0``, else None
+    (absent, or ``vlen[i] < 0``: a tombstone). ``voff`` and ``vlen`` are int64 arrays and ``found``
+    a uint8 array, all as long; a span outside ``values`` raises ``EncodeError``."""
+    data = bytes(values)
+    n = len(found)
+    if len(voff) != n or len(vlen) != n:
+        raise EncodeError(f"found answer: {n} found, {len(voff)} value offsets, {len(vlen)} value lengths")
+    items: list[bytes | None] = []
+    for i, (f, o, ln) in enumerate(zip(list(found), [int(x) for x in voff], [int(x) for x in vlen])):
+        if not f or ln < 0:
+            items.append(None)
+            continue
+        if ln > MAX_ITEM_LEN or o < 0 or o > len(data) or ln > len(data) - o:
+            raise EncodeError(f"found answer: item {i} ({ln} bytes at {o}) is not inside the "
+                              f"{len(data)} bytes of values")
+        items.append(data[o : o + ln])
+    return encode_optional_list(items)
+
+
 def decode_optional_list(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[list[bytes | None], int]:
     """``(list of bytes | None, end offset)`` from an ``encode_optional_list`` payload."""
     view = memoryview(buf)
@@ -207,6 +228,20 @@ def check_list(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[
     (same errors) without building the items."""
     items, end = decode_list(buf, offset, max_count)
     return len(items), end
+
+
+def list_offsets(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[bytes, int]:
+    """``(offsets, end offset)`` of an ``encode_list`` payload at ``offset``, validated like
+    ``decode_list`` (same errors): the offset in ``buf`` of each item's bytes (its length is the
+    u32 before them), as int64 little-endian bytes. A batch lookup by index reads the keys of a
+    request in place through them."""
+    items, end = decode_list(buf, offset, max_count)
+    pos = offset + 4
+    offsets = []
+    for item in items:
+        offsets.append(pos + 4)
+        pos += 4 + len(item)
+    return struct.pack(f"<{len(offsets)}q", *offsets), end
 
 
 def check_pairs(buf: Buffer, offset: int = 0, max_count: int = MAX_U32) -> tuple[int, int]:

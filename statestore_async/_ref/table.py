@@ -14,7 +14,7 @@ from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
 from statestore_async._ref import framing as _fr
-from statestore_async._ref.blockcodec import _check_lookup, encode_records_raw
+from statestore_async._ref.blockcodec import _answer, _check_spans, encode_records_raw
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ __all__ = [
     "get_list",
     "get_packed",
     "load_records",
-    "lookup_into",
+    "lookup_spans",
     "put_items",
     "put_packed",
     "remove_keys",
@@ -459,20 +459,15 @@ def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | No
     table._version += 1
 
 
-def lookup_into(table: Table, keys: list[bytes], js: Iterable[int], out: list[object], found: Any) -> int:
-    """For each index ``j`` of ``js`` (an int64 array) whose key ``keys[j]`` has an entry in
-    ``table``: ``out[j]`` becomes its value (None for a tombstone entry) and ``found[j]`` (a
-    writable uint8 array as long as ``keys``) becomes 1; others are left as they are. Returns how
-    many were found. Bad indexes or keys raise before anything is written."""
-    idx = _check_lookup(keys, js, len(out), len(found), "lookup_into")
-    hits = 0
-    for j in idx:
-        k = keys[j]
-        if k in table._d:
-            out[j] = table._d[k]
-            found[j] = 1
-            hits += 1
-    return hits
+def lookup_spans(table: Table, kbuf: Buffer, koff: Any, js: Iterable[int], found: Any, voff: Any, vlen: Any,
+                 base: int) -> bytes:
+    """``blockcodec.RecordBlock.lookup_spans`` over ``table``'s entries (a tombstone entry is
+    found, ``vlen[j]`` = -1): for the keys a level of a spilled version holds, their values
+    written into the returned bytes, with no Python object per key or value in the compiled
+    twin. Bad arguments raise before anything is written."""
+    keys = _check_spans(kbuf, koff, js, found, voff, vlen, "lookup_spans")
+    d = table._d
+    return _answer([(j, d[k]) for j, k in keys if k in d], found, voff, vlen, base)
 
 
 # --- export (checkpoint files) ----------------------------------------------------------------------

@@ -56,14 +56,20 @@ Functions
 ``RecordBlock(payload, count)``
     A block's decompressed payload read in place (checked as ``decode_records_raw`` checks it;
     then the payload and 16 bytes of span per record, no object per record): ``len``,
-    ``bisect_left(key)``, ``entry(i) -> (key, value | None)``, ``lookup_into(keys, js, out, found)``
-    (for each index ``j`` of the int64 array ``js`` whose key the block holds, by binary search:
-    ``out[j]`` = its value, None for a tombstone, and ``found[j]`` = 1), ``nbytes``. A cold run's
-    block cache holds its blocks so.
-``block_indexes(first_keys, keys, js) -> bytes``
-    For each index ``j`` of the int64 array ``js``: ``bisect_right(first_keys, keys[j]) - 1`` as
-    int64 little-endian, the block of a file (whose blocks start at ``first_keys``) that would hold
-    the key; -1 before the first. A cold run's reads find their blocks with it.
+    ``bisect_left(key)``, ``entry(i) -> (key, value | None)``, ``nbytes``, and
+    ``lookup_spans(kbuf, koff, js, found, voff, vlen, base) -> bytes``: a batch lookup by index over
+    packed keys (key ``j`` is the bytes of ``kbuf`` at ``koff[j]``, its length the u32 before them:
+    a ``framing.encode_list`` payload seen through ``framing.list_offsets``). For each index ``j``
+    of the int64 array ``js`` (none found yet) whose key the block holds, by binary search:
+    ``found[j]`` = 1 and, for a value, ``vlen[j]`` its length and ``voff[j]`` = ``base`` + its offset
+    in the returned bytes (the values found, in the order of ``js``); for a tombstone ``vlen[j]`` =
+    -1. No Python object per key or value. A cold run's block cache holds its blocks so;
+    ``engine.lookup.KeyLookup`` drives the lookups.
+``block_indexes(first_keys, kbuf, koff, js) -> bytes``
+    For each index ``j`` of the int64 array ``js``: ``bisect_right(first_keys, key j) - 1`` as
+    int64 little-endian (keys packed as for ``lookup_spans``), the block of a file (whose blocks
+    start at ``first_keys``) that would hold the key; -1 before the first. A cold run's reads find
+    their blocks with it.
 ``key_group_range(records, start, stop) -> (min, max)``
     The smallest and largest key group (a key's first two bytes, big-endian; 0 for a shorter key)
     of ``records[start:stop]``, for a block's index entry; records are checked as for encoding.

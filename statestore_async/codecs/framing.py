@@ -13,6 +13,11 @@ Payload pieces used by the protocol (``statestore_async.wire.protocol``)::
 ``check_list`` / ``check_pairs`` validate a payload exactly as the decoders do (same errors) and
 return ``(count, end)`` without building anything; ``encode_frame_list`` / ``encode_frame_pairs``
 write a whole frame (header, a fixed ``head`` such as a handle, then the list) in one step.
+``list_offsets(buf, offset)`` gives, for a validated list payload, the offset of each item's
+bytes (int64 little-endian), so that a batch lookup reads a request's keys in place; and
+``encode_found(values, voff, vlen, found)`` writes such a lookup's answer as an optional list
+(item ``i``: ``values[voff[i]:voff[i] + vlen[i]]`` when ``found[i]`` and ``vlen[i] >= 0``, else
+None) with no Python object per item (``engine.lookup``).
 ``PackedList`` / ``PackedPairs`` carry such a validated payload as a lazy, read-only sequence, so
 that the daemon can hand a batch to the engine without decoding it into Python objects first.
 

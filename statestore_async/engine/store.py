@@ -48,10 +48,11 @@ from typing import Protocol, TypeAlias, cast
 
 import numpy as np
 
-from statestore_async.codecs import blockcodec, framing
+from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import KEY_GROUP_BYTES, key_group_or_zero
 from statestore_async.codecs.packed import PackedList, PackedPairs
 from statestore_async.engine import table as _table
+from statestore_async.engine.lookup import KeyLookup
 from statestore_async.engine.table import Table, TableView
 from statestore_async.errors import (
     InterfaceError,
@@ -91,9 +92,9 @@ class ColdLevel(Protocol):
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
-    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
-        """For each index ``j`` of ``js`` (int64) whose ``keys[j]`` it holds: ``out[j]`` = its value
-        and ``found[j]`` = 1 (``engine.table.lookup_into``, through the level's blocks)."""
+    def lookup_into(self, lookup: KeyLookup, js: np.ndarray) -> None:
+        """Look the keys of ``js`` (int64 indexes of ``lookup``'s keys, none found yet) up in the
+        level's blocks (``KeyLookup.from_block``)."""
         ...
 
     def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]: ...
@@ -116,8 +117,8 @@ class FlushedRun(Protocol):
         """Per key: its value, None for a tombstone, ``MISSING`` when the run has no entry."""
         ...
 
-    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
-        """``ColdLevel.lookup_into``, a tombstone found as None."""
+    def lookup_into(self, lookup: KeyLookup, js: np.ndarray) -> None:
+        """``ColdLevel.lookup_into``, a tombstone found (its length -1)."""
         ...
 
     def entries(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes | None]]:
@@ -975,37 +976,38 @@ class StoreVersion:
 
     def get_many(self, keys: Iterable[bytes]) -> list[bytes | None]:
         self._check_updating("get from")
-        cold = self._cold
-        if cold is None:
+        if self._cold is None:
             return _table.get_list(self._overlay, self._base, keys)
-        # spilled: level by level (the changes, then the flushed runs newest first or the hot part,
-        # then the cold level), each asked natively for the keys no newer level has an entry for
-        keys = [bytes(k) for k in keys]
-        n = len(keys)
-        out: list[object] = [None] * n
-        found = np.zeros(n, np.uint8)
-        js = np.arange(n, dtype=np.int64)
-        for level in (self._overlay, self._base):  # the hot part is empty while runs are flushed
-            if len(level) and len(js):
-                _table.lookup_into(level, keys, js, out, found)
-                js = js[found[js] == 0]
-        for run in self._runs:
-            if not len(js):
-                break
-            run.lookup_into(keys, js, out, found)
-            js = js[found[js] == 0]
-        if len(js):
-            cold.lookup_into(keys, js, out, found)
-        return cast("list[bytes | None]", out)
+        return cast("list[bytes | None]", self._look_up(KeyLookup.of(list(keys))).values())
 
     def get_many_packed(self, keys: PackedList) -> bytes:
         """The values of the keys of a packed list, as a packed optional list (None: absent), written
-        straight from the tables' memory without a Python object per value (once spilled: through
-        ``get_many``, the cold level's blocks being read anyway)."""
+        straight from the tables' memory (once spilled: from the levels' chunks of values, see
+        ``engine.lookup``) without a Python object per key or value."""
         self._check_updating("get from")
         if self._cold is None:
             return _table.get_packed(self._overlay, self._base, keys.buf, keys.offset, _ANY_COUNT)
-        return framing.encode_optional_list(self.get_many(keys))
+        return self._look_up(KeyLookup.of_packed(keys)).packed()
+
+    def _look_up(self, lookup: KeyLookup) -> KeyLookup:
+        """A spilled version's read, level by level: the changes, then the flushed runs newest first
+        or the hot part, then the cold level, each asked for the keys no newer level has an entry
+        for."""
+        cold = self._cold
+        assert cold is not None
+        js = lookup.all()
+        for level in (self._overlay, self._base):  # the hot part is empty while runs are flushed
+            if len(level) and len(js):
+                lookup.from_table(level, js)
+                js = lookup.pending(js)
+        for run in self._runs:
+            if not len(js):
+                break
+            run.lookup_into(lookup, js)
+            js = lookup.pending(js)
+        if len(js):
+            cold.lookup_into(lookup, js)
+        return lookup
 
     def _committed(self, start: bytes, stop: bytes | None) -> Iterator[tuple[bytes, bytes | None]]:
         """The committed records with ``start <= key < stop`` in key order (hot over cold)."""

@@ -74,12 +74,11 @@ arena and writes answers straight from it, with no Python object per record):
     Bulk put of (key, value | None) pairs in order, where None deletes the key (not a tombstone):
     rebuilding a state from checkpoint files. With ``keep_tombstones`` a None sets a tombstone
     entry instead (a delta file's block read as a run). All are checked before any is set.
-``lookup_into(table, keys, js, out, found) -> int``
-    For each index ``j`` of ``js`` (an int64 array) whose ``keys[j]`` has an entry in ``table``:
-    ``out[j]`` = its value (None for a tombstone) and ``found[j]`` = 1 (a uint8 array as long as
-    ``keys``). A spilled version's reads call it on its changes and hot part, then the runs' blocks
-    (``blockcodec.RecordBlock.lookup_into``), each level on the indexes not found yet, with no
-    Python loop per key.
+``lookup_spans(table, kbuf, koff, js, found, voff, vlen, base) -> bytes``
+    ``blockcodec.RecordBlock.lookup_spans`` over the table's entries (a tombstone entry is found,
+    its ``vlen`` -1): a spilled version's reads ask it of their changes and hot part, then the
+    runs' blocks, each level for the keys not found yet (``engine.lookup.KeyLookup``), with no
+    Python object per key or value.
 
 Compiled from ``_ext/table.pyx`` when built, else ``statestore_async._ref.table``; both give the
 same results, bytes and errors (``nbytes`` aside).

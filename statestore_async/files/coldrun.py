@@ -48,6 +48,7 @@ import zstandard
 
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
+from statestore_async.engine.lookup import KeyLookup
 from statestore_async.engine.store import MISSING  # ``lookup_many``: no entry (a tombstone gives None)
 from statestore_async.engine.table import Table, put_items, remove_keys
 from statestore_async.errors import CorruptBlockError, CorruptFileError
@@ -356,9 +357,9 @@ class ColdRun:
         i = self._block_of(key)
         if i < 0:
             return None
-        out: list[object] = [None]
-        self._block(i).lookup_into([key], np.zeros(1, np.int64), out, np.zeros(1, np.uint8))
-        return cast("bytes | None", out[0])
+        lookup = KeyLookup.of([key])
+        lookup.from_block(self._block(i), lookup.all())
+        return cast("bytes | None", lookup.values()[0])
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None: absent or removed); each block needed is read once."""
@@ -368,21 +369,21 @@ class ColdRun:
         """Per key: its value, None for a tombstone (delta runs), ``MISSING`` when the run has no entry."""
         return _look_up_all(self, keys, MISSING)
 
-    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
-        """For each index ``j`` of ``js`` (int64) whose key ``keys[j]`` has an entry in this run:
-        ``out[j]`` = its value (None for a tombstone) and ``found[j]`` = 1 (``engine.table.lookup_into``).
-        The keys are grouped by block, each block needed read once, and looked up in it natively."""
+    def lookup_into(self, lookup: KeyLookup, js: np.ndarray) -> None:
+        """Look the keys of ``js`` (indexes of ``lookup``'s keys, none found yet) up in this run (a
+        tombstone is found, as in ``engine.lookup``). The keys are grouped by block, each block
+        needed read once, and looked up in it natively."""
         first = self._first
         if not len(js) or not first:
             return
-        at = np.frombuffer(blockcodec.block_indexes(first, keys, js), np.int64)
+        at = lookup.block_indexes(first, js)
         order = np.argsort(at, kind="stable")
         at, js = at[order], js[order]
         cuts = (np.flatnonzero(at[1:] != at[:-1]) + 1).tolist()
         for lo, hi in zip([0, *cuts], [*cuts, len(at)]):
             i = int(at[lo])
             if i >= 0:  # -1: before the first key
-                self._block(i).lookup_into(keys, js[lo:hi], out, found)
+                lookup.from_block(self._block(i), js[lo:hi])
 
     def entries(self, start: bytes = b"", stop: bytes | None = None, *,
                 cached: bool = True) -> Iterator[tuple[bytes, bytes | None]]:
@@ -582,10 +583,9 @@ def _payloads(records: Sequence[tuple[bytes, bytes | None]], max_payload: int) -
 
 def _look_up_all(level: ColdRun | ColdStack, keys: Sequence[bytes], absent: object) -> list[object]:
     """Per key of ``keys``: ``level.lookup_into``'s answer, ``absent`` where it has no entry."""
-    keys = list(keys)
-    out: list[object] = [absent] * len(keys)
-    level.lookup_into(keys, np.arange(len(keys), dtype=np.int64), out, np.zeros(len(keys), np.uint8))
-    return out
+    lookup = KeyLookup.of(keys)
+    level.lookup_into(lookup, lookup.all())
+    return lookup.values(absent)
 
 
 class ColdStack:
@@ -628,14 +628,14 @@ class ColdStack:
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return cast("list[bytes | None]", _look_up_all(self, keys, None))
 
-    def lookup_into(self, keys: list[bytes], js: np.ndarray, out: list[object], found: np.ndarray) -> None:
+    def lookup_into(self, lookup: KeyLookup, js: np.ndarray) -> None:
         """``ColdRun.lookup_into`` through the runs, newest first, each asked only for the keys the
         newer ones have no entry for."""
         for run in self.runs:
             if not len(js):
                 return
-            run.lookup_into(keys, js, out, found)
-            js = js[found[js] == 0]
+            run.lookup_into(lookup, js)
+            js = lookup.pending(js)
 
     def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """The merged records in key order: for each key the newest run's entry, tombstones dropped."""
