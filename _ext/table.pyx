@@ -1891,7 +1891,9 @@ cdef uint32_t* _export_refs(Table t) except NULL:
         for b in range(<size_t>SSA_XBUCKETS):
             cnt = hist[b] - start
             if cnt > 1:
-                for i in range(cnt):
+                for i in range(cnt):  # the bucket's records lie all over the arena: fetched ahead
+                    if start + i + 16 < n:
+                        ssa_prefetch(arena + (<size_t>out[start + i + 16] << 2))
                     ssa_xfill(&ent[i], arena, out[start + i])
                 ssa_xradix(ent, tmp, cnt, arena)
                 for i in range(cnt):
