@@ -316,31 +316,34 @@ def decode_pairs(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFF
 
 
 
-def check_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
-    """``(count, end offset)`` of an ``encode_list`` payload, validated like ``decode_list``."""
-    cdef const uint8_t[::1] mv = buf
+cdef Py_ssize_t _walked_list(const uint8_t[::1] mv, Py_ssize_t offset, unsigned long long max_count,
+                             uint32_t* n) except -1:
+    """The end offset of the ``encode_list`` payload at ``offset`` of ``mv``, checked as
+    ``decode_list`` checks it; its item count in ``n``."""
     cdef Py_ssize_t end = mv.shape[0]
     cdef Py_ssize_t pos = payload_start(offset, end, "list")
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
+    n[0] = payload_count(base, pos, end, max_count, 4, "list")
     cdef Py_ssize_t unused = -1
-    pos = walk_list(base, pos + 4, end, n, 0, &unused)
-    return n, pos
+    return walk_list(base, pos + 4, end, n[0], 0, &unused)
+
+
+def check_list(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
+    """``(count, end offset)`` of an ``encode_list`` payload, validated like ``decode_list``."""
+    cdef uint32_t n
+    cdef Py_ssize_t stop = _walked_list(buf, offset, max_count, &n)
+    return n, stop
 
 
 def list_offsets(buf, Py_ssize_t offset=0, unsigned long long max_count=0xFFFFFFFF):
     """See ``statestore_async._ref.framing.list_offsets``."""
     cdef const uint8_t[::1] mv = buf
-    cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = payload_start(offset, end, "list")
+    cdef uint32_t n, i
+    cdef Py_ssize_t stop = _walked_list(mv, offset, max_count, &n)  # checked first
     cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
-    cdef Py_ssize_t unused = -1
-    cdef Py_ssize_t stop = walk_list(base, pos + 4, end, n, 0, &unused)  # checked first
     cdef bytes out = PyBytes_FromStringAndSize(NULL, <Py_ssize_t>n * 8)
     cdef int64_t* o = <int64_t*>PyBytes_AS_STRING(out)
-    cdef uint32_t i
-    pos += 4
+    cdef Py_ssize_t pos = offset + 4
     for i in range(n):
         o[i] = pos + 4
         pos += 4 + _rd32(base + pos)
