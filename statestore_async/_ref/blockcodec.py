@@ -383,8 +383,8 @@ def _check_spans(kbuf: Buffer, koff: Any, js: Iterable[int], found: Any, voff: A
     keys no newer level has); its key (the bytes of ``kbuf`` at ``koff[j]``, its length the u32
     before them) inside ``kbuf`` (``InterfaceError``). Shared by the lookups here and in
     ``_ref.table``; the compiled twins share ``_wire.check_spans``."""
-    data = bytes(kbuf)
-    n, size = len(koff), len(data)
+    data = memoryview(kbuf)  # not copied: a level is asked once per block
+    n, size = len(koff), data.nbytes
     if len(found) != n or len(voff) != n or len(vlen) != n:
         raise InterfaceError(f"{what}: {n} key offsets, {len(found)} found, {len(voff)} value offsets, "
                              f"{len(vlen)} value lengths")
@@ -397,7 +397,7 @@ def _check_spans(kbuf: Buffer, koff: Any, js: Iterable[int], found: Any, voff: A
         at = int(koff[j])
         if at < 4 or at > size or struct.unpack_from("<I", data, at - 4)[0] > size - at:
             raise InterfaceError(f"{what}: key {j} at offset {at} is not inside the {size}-byte key buffer")
-        out.append((j, data[at : at + struct.unpack_from("<I", data, at - 4)[0]]))
+        out.append((j, bytes(data[at : at + struct.unpack_from("<I", data, at - 4)[0]])))
     return out
 
 
