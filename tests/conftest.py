@@ -81,6 +81,17 @@ def resolve_impl(param):
     return param
 
 
+def lookup_args(keys):
+    """A batch lookup's arguments for ``keys`` (``lookup_spans``, ``block_indexes``): the packed keys,
+    their offsets and empty found / value-offset / value-length arrays."""
+    import numpy as np
+    fr = twins.reference("framing")
+    kbuf = fr.encode_list(keys)
+    n = len(keys)
+    koff = np.frombuffer(fr.list_offsets(kbuf)[0], np.int64)
+    return kbuf, koff, np.zeros(n, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import struct
 import pytest
 import xxhash
 import zstandard
-from conftest import implementations, resolve_impl
+from conftest import implementations, lookup_args, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,7 +15,6 @@ from statestore_async.codecs import twins
 from statestore_async.errors import CorruptBlockError, DecodeError, EncodeError, InterfaceError
 
 REF = twins.reference("blockcodec")
-FR = twins.reference("framing")  # packs a lookup's keys
 NATIVE = None if twins.NO_EXTENSIONS else twins.native("blockcodec")
 both = pytest.mark.skipif(NATIVE is None, reason="compiled module disabled")
 
@@ -451,15 +450,6 @@ def test_record_spans_agree_on_good_and_damaged_payloads(records, cut, flip, cou
             for kp, kl, vp, vl in struct.iter_unpack("<IIII", spans)] == records
 
 
-def _spans_args(keys):
-    """A lookup's arguments for ``keys``: the packed keys, their offsets and empty answer arrays."""
-    import numpy as np
-    kbuf = FR.encode_list(keys)
-    n = len(keys)
-    koff = np.frombuffer(FR.list_offsets(kbuf)[0], np.int64)
-    return kbuf, koff, np.zeros(n, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64)
-
-
 @both
 @settings(max_examples=300, deadline=None)
 @given(first=st.lists(st.binary(max_size=4), max_size=12), keys=st.lists(st.binary(max_size=5), max_size=30),
@@ -471,14 +461,14 @@ def test_block_indexes_are_bisect_right_minus_one(first, keys, data):
     first = sorted(set(first))
     js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), max_size=40)) if keys else [], np.int64)
     want = [bisect.bisect_right(first, keys[j]) - 1 for j in js.tolist()]
-    kbuf, koff, *_ = _spans_args(keys)
+    kbuf, koff, *_ = lookup_args(keys)
     for mod in (REF, NATIVE):
         assert np.frombuffer(mod.block_indexes(first, kbuf, koff, js), np.int64).tolist() == want
 
 
 def test_block_indexes_check_their_arguments(codec):
     import numpy as np
-    kbuf, koff, *_ = _spans_args([b"a"])
+    kbuf, koff, *_ = lookup_args([b"a"])
     with pytest.raises(IndexError, match="out of range"):
         codec.block_indexes([b"a"], kbuf, koff, np.array([1], np.int64))
     with pytest.raises(InterfaceError, match="not inside the 9-byte key buffer"):
@@ -505,7 +495,7 @@ def test_record_blocks_agree_with_a_dict(table, probes, base, data):
         assert [block.entry(i) for i in range(len(block))] == records
         for probe in probes:
             assert block.bisect_left(probe) == sum(k < probe for k, _ in records)
-        kbuf, koff, found, voff, vlen = _spans_args(keys)
+        kbuf, koff, found, voff, vlen = lookup_args(keys)
         chunk = block.lookup_spans(kbuf, koff, js, found, voff, vlen, base)
         assert chunk == b"".join(table[keys[j]] or b"" for j in hits)  # the values, in the order of js
         assert found.tolist() == [int(j in hits) for j in range(len(keys))]
@@ -526,7 +516,7 @@ def test_record_blocks_check_payloads_and_arguments(codec):
     block = codec.RecordBlock(bytearray(payload), 2)
     with pytest.raises(IndexError):
         block.entry(2)
-    kbuf, koff, found, voff, vlen = _spans_args([b"b", b"a", b"c"])
+    kbuf, koff, found, voff, vlen = lookup_args([b"b", b"a", b"c"])
     with pytest.raises(IndexError, match="out of range"):
         block.lookup_spans(kbuf, koff, np.array([0, 5], np.int64), found, voff, vlen, 0)
     with pytest.raises(InterfaceError, match="3 key offsets, 2 found"):

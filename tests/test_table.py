@@ -8,7 +8,7 @@ import random
 import struct
 
 import pytest
-from conftest import implementations, max_examples, resolve_impl
+from conftest import implementations, lookup_args, max_examples, resolve_impl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -942,15 +942,6 @@ def test_garbage_is_reclaimed_once_no_view_holds_it():
 
 
 # --- lookup_spans (a spilled version's reads, level by level) --------------------------------------------------
-def _spans_args(keys):
-    """A lookup's arguments for ``keys``: the packed keys, their offsets and empty answer arrays."""
-    import numpy as np
-    kbuf = FR.encode_list(keys)
-    n = len(keys)
-    koff = np.frombuffer(FR.list_offsets(kbuf)[0], np.int64)
-    return kbuf, koff, np.zeros(n, np.uint8), np.zeros(n, np.int64), np.zeros(n, np.int64)
-
-
 @SETTINGS
 @given(entries=st.dictionaries(st.binary(max_size=40), st.none() | st.binary(max_size=40), max_size=40),
        probes=st.lists(st.binary(max_size=40), max_size=40), base=st.integers(0, 1 << 40), data=st.data())
@@ -961,7 +952,7 @@ def test_lookup_spans_fill_only_what_the_table_holds(tb, entries, probes, base, 
         t.put(k, v)
     keys = probes + list(entries)
     js = np.array(data.draw(st.lists(st.integers(0, len(keys) - 1), unique=True)) if keys else [], np.int64)
-    kbuf, koff, found, voff, vlen = _spans_args(keys)
+    kbuf, koff, found, voff, vlen = lookup_args(keys)
     chunk = tb.lookup_spans(t, kbuf, koff, js, found, voff, vlen, base)
     hits = [j for j in js.tolist() if keys[j] in entries]
     assert chunk == b"".join(entries[keys[j]] or b"" for j in hits)  # the values, in the order of js
@@ -978,7 +969,7 @@ def test_lookup_spans_check_their_arguments_before_writing(tb):
     import numpy as np
     t = tb.Table()
     t.put(b"a", b"1")
-    kbuf, koff, found, voff, vlen = _spans_args([b"a", b"b"])
+    kbuf, koff, found, voff, vlen = lookup_args([b"a", b"b"])
     with pytest.raises(IndexError, match="out of range"):
         tb.lookup_spans(t, kbuf, koff, np.array([0, 2], np.int64), found, voff, vlen, 0)
     with pytest.raises(InterfaceError, match="2 key offsets, 2 found, 1 value offsets"):
