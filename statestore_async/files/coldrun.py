@@ -354,12 +354,7 @@ class ColdRun:
 
     # --- the engine's ColdLevel -------------------------------------------------------------------
     def get(self, key: bytes) -> bytes | None:
-        i = self._block_of(key)
-        if i < 0:
-            return None
-        lookup = KeyLookup.of([key])
-        lookup.from_block(self._block(i), lookup.all())
-        return cast("bytes | None", lookup.values()[0])
+        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values of ``keys`` (None: absent or removed); each block needed is read once."""
