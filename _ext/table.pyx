@@ -499,6 +499,7 @@ cdef class Table:
     cdef size_t cap, count, limit
     cdef size_t rbytes
     cdef bint has_order
+    cdef bint order_held  # a batch write is under way: the order index merges once, at its end
     cdef uint32_t* srt
     cdef size_t n_srt, srt_cap
     cdef uint32_t* pend
@@ -819,8 +820,24 @@ cdef class Table:
         return self._order_check()
 
     cdef inline int _order_check(self) except -1:
-        if self.n_pend + self.order_dead > (self.n_srt >> 3) + 64:
+        if self.n_pend + self.order_dead > (self.n_srt >> 3) + 64 and not self.order_held:
             self._merge_all()
+        return 0
+
+    cdef inline bint _hold_order(self) noexcept:
+        """A batch write starts: hold the order index's merges until ``_release_order`` (a merge
+        reads every sorted record, so a batch of many new or removed keys merged once per eighth of
+        the table). True when this call took the hold (the caller then releases it)."""
+        if self.order_held:
+            return False
+        self.order_held = True
+        return True
+
+    cdef int _release_order(self, bint held) except -1:
+        """The batch write ended (or raised): merge once if what it left pending calls for it."""
+        if held:
+            self.order_held = False
+            self._order_check()
         return 0
 
     cdef int _build_order(self) except -1:
@@ -895,7 +912,13 @@ cdef class Table:
         cdef uint32_t* pend = self.pend
         cdef size_t ns = self.n_srt, np = self.n_pend
         cdef uint32_t r
+        # every record is read (is it dead? which key comes first?) in key order, not in the
+        # arena's: each array's records are prefetched well ahead
         while True:
+            if i + 32 < ns:
+                ssa_prefetch(arena + (<size_t>srt[i + 32] << 2))
+            if j + 32 < np:
+                ssa_prefetch(arena + (<size_t>pend[j + 32] << 2))
             while i < ns and ssa_dead(arena, srt[i]):
                 i += 1
             while j < np and ssa_dead(arena, pend[j]):
@@ -1460,9 +1483,13 @@ def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
     if table.count == 0 and n:  # a version's first batch: its room at once, not by doubling
         table._reserve_index(n)
         table._reserve_arena(<size_t>(pos - first))  # a record takes no more room than its pair
-    _set_entries(table, base, first, n, True)
-    table.version += 1
-    table._tidy()
+    cdef bint held = table._hold_order()
+    try:
+        _set_entries(table, base, first, n, True)
+        table.version += 1
+        table._tidy()  # a compaction merges the order index itself
+    finally:
+        table._release_order(held)
     return n
 
 
@@ -1481,9 +1508,13 @@ def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_k
         raise _key_error(short_key, min_key)
     # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
     table._reserve_index(table.count + n)
-    _set_entries(table, base, first, n, False)
-    table.version += 1
-    table._tidy()
+    cdef bint held = table._hold_order()
+    try:
+        _set_entries(table, base, first, n, False)
+        table.version += 1
+        table._tidy()  # a compaction merges the order index itself
+    finally:
+        table._release_order(held)
     return n
 
 
@@ -1510,13 +1541,17 @@ def put_items(Table table not None, items, Py_ssize_t min_key):
             seq = _checked_pairs(seq, min_key)
             break
     cdef bytes k, v
-    for i in range(n):
-        k = <bytes>PyTuple_GET_ITEM(<tuple>PyList_GET_ITEM(seq, i), 0)
-        v = <bytes>PyTuple_GET_ITEM(<tuple>PyList_GET_ITEM(seq, i), 1)
-        table._set(_bp(k), <uint32_t>PyBytes_GET_SIZE(k), ssa_hash(_bp(k), PyBytes_GET_SIZE(k)),
-                   _bp(v), <uint32_t>PyBytes_GET_SIZE(v), False)
-    table.version += 1
-    table._tidy()
+    cdef bint held = table._hold_order()
+    try:
+        for i in range(n):
+            k = <bytes>PyTuple_GET_ITEM(<tuple>PyList_GET_ITEM(seq, i), 0)
+            v = <bytes>PyTuple_GET_ITEM(<tuple>PyList_GET_ITEM(seq, i), 1)
+            table._set(_bp(k), <uint32_t>PyBytes_GET_SIZE(k), ssa_hash(_bp(k), PyBytes_GET_SIZE(k)),
+                       _bp(v), <uint32_t>PyBytes_GET_SIZE(v), False)
+        table.version += 1
+        table._tidy()  # a compaction merges the order index itself
+    finally:
+        table._release_order(held)
     return n
 
 
@@ -1531,11 +1566,15 @@ def remove_keys(Table table not None, keys, Py_ssize_t min_key):
             seq = [_length(_check_key(y, min_key)) for y in seq]
             break
     cdef bytes k
-    for i in range(n):
-        k = <bytes>PyList_GET_ITEM(seq, i)
-        table._set(_bp(k), <uint32_t>PyBytes_GET_SIZE(k), ssa_hash(_bp(k), PyBytes_GET_SIZE(k)), NULL, 0, True)
-    table.version += 1
-    table._tidy()
+    cdef bint held = table._hold_order()
+    try:
+        for i in range(n):
+            k = <bytes>PyList_GET_ITEM(seq, i)
+            table._set(_bp(k), <uint32_t>PyBytes_GET_SIZE(k), ssa_hash(_bp(k), PyBytes_GET_SIZE(k)), NULL, 0, True)
+        table.version += 1
+        table._tidy()  # a compaction merges the order index itself
+    finally:
+        table._release_order(held)
     return n
 
 
@@ -1679,49 +1718,53 @@ def apply(Table base not None, Table changes not None):
     cdef size_t offs[APPLY_CHUNK]
     cdef uint64_t hs[APPLY_CHUNK]
     cdef int n, j
-    while off < changes.used:
-        n = 0
-        cap = base.cap
-        while off < changes.used and n < APPLY_CHUNK:
-            p = changes.arena + off
-            k = ssa_rec(p, &kl, &vl)
-            if not (p[0] & SSA_DEAD):
-                offs[n] = off
-                hs[n] = ssa_hash(k, kl)
-                if cap:
-                    ssa_prefetch(base.slots + (((hs[n] >> 32) * cap) >> 32))
-                n += 1
-            off += (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
-        if cap:
+    cdef bint held = base._hold_order()
+    try:
+        while off < changes.used:
+            n = 0
+            cap = base.cap
+            while off < changes.used and n < APPLY_CHUNK:
+                p = changes.arena + off
+                k = ssa_rec(p, &kl, &vl)
+                if not (p[0] & SSA_DEAD):
+                    offs[n] = off
+                    hs[n] = ssa_hash(k, kl)
+                    if cap:
+                        ssa_prefetch(base.slots + (((hs[n] >> 32) * cap) >> 32))
+                    n += 1
+                off += (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
+            if cap:
+                for j in range(n):
+                    s = base.slots[((hs[j] >> 32) * cap) >> 32]
+                    if s:
+                        ssa_prefetch(base.arena + (((s & REF_MASK) - 1) << 2))
             for j in range(n):
-                s = base.slots[((hs[j] >> 32) * cap) >> 32]
-                if s:
-                    ssa_prefetch(base.arena + (((s & REF_MASK) - 1) << 2))
-        for j in range(n):
-            p = changes.arena + offs[j]
-            k = ssa_rec(p, &kl, &vl)
-            h = hs[j]
-            tomb = p[0] & SSA_TOMB
-            pos = base._find(k, kl, h)
-            if pos < 0:
-                if tomb:  # removing what is not there changes nothing
-                    if applied is None:
-                        applied = _copy_live(changes, offs[j])
-                    continue
-                undo._add(k, kl, h, NULL, 0, True)
-                base._add(k, kl, h, k + kl, vl, False)
-            else:
-                bp = base.arena + (((base.slots[pos] & REF_MASK) - 1) << 2)
-                bk = ssa_rec(bp, &bkl, &bvl)
-                undo._add(k, kl, h, bk + bkl, bvl, bp[0] & SSA_TOMB)  # before the base changes
-                if tomb:
-                    base._delete_at(pos)
+                p = changes.arena + offs[j]
+                k = ssa_rec(p, &kl, &vl)
+                h = hs[j]
+                tomb = p[0] & SSA_TOMB
+                pos = base._find(k, kl, h)
+                if pos < 0:
+                    if tomb:  # removing what is not there changes nothing
+                        if applied is None:
+                            applied = _copy_live(changes, offs[j])
+                        continue
+                    undo._add(k, kl, h, NULL, 0, True)
+                    base._add(k, kl, h, k + kl, vl, False)
                 else:
-                    base._replace(pos, k, kl, k + kl, vl, False)
-            if applied is not None:
-                applied._add(k, kl, h, k + kl, vl, tomb)
-    base.version += 1
-    base._tidy()
+                    bp = base.arena + (((base.slots[pos] & REF_MASK) - 1) << 2)
+                    bk = ssa_rec(bp, &bkl, &bvl)
+                    undo._add(k, kl, h, bk + bkl, bvl, bp[0] & SSA_TOMB)  # before the base changes
+                    if tomb:
+                        base._delete_at(pos)
+                    else:
+                        base._replace(pos, k, kl, k + kl, vl, False)
+                if applied is not None:
+                    applied._add(k, kl, h, k + kl, vl, tomb)
+        base.version += 1
+        base._tidy()  # a compaction merges the order index itself
+    finally:
+        base._release_order(held)
     return (applied if applied is not None else changes), undo
 
 
@@ -1778,23 +1821,27 @@ def load_records(Table table not None, records, bint keep_tombstones=False):
     cdef uint32_t kl
     cdef uint64_t h
     cdef Py_ssize_t pos
-    for i in range(n):
-        item = <object>PyList_GET_ITEM(seq, i)
-        kb = <bytes>PyTuple_GET_ITEM(item, 0)
-        v = <object>PyTuple_GET_ITEM(item, 1)
-        kl = <uint32_t>PyBytes_GET_SIZE(kb)
-        h = ssa_hash(_bp(kb), kl)
-        if v is not None:
-            table._set(_bp(kb), kl, h, _bp(<bytes>v), <uint32_t>PyBytes_GET_SIZE(v), False)
-        elif keep_tombstones:
-            table._set(_bp(kb), kl, h, NULL, 0, True)
-        else:
-            pos = table._find(_bp(kb), kl, h)
-            if pos >= 0:
-                table._delete_at(pos)
-    table.version += 1
-    table._trim_arena()
-    table._tidy()
+    cdef bint held = table._hold_order()
+    try:
+        for i in range(n):
+            item = <object>PyList_GET_ITEM(seq, i)
+            kb = <bytes>PyTuple_GET_ITEM(item, 0)
+            v = <object>PyTuple_GET_ITEM(item, 1)
+            kl = <uint32_t>PyBytes_GET_SIZE(kb)
+            h = ssa_hash(_bp(kb), kl)
+            if v is not None:
+                table._set(_bp(kb), kl, h, _bp(<bytes>v), <uint32_t>PyBytes_GET_SIZE(v), False)
+            elif keep_tombstones:
+                table._set(_bp(kb), kl, h, NULL, 0, True)
+            else:
+                pos = table._find(_bp(kb), kl, h)
+                if pos >= 0:
+                    table._delete_at(pos)
+        table.version += 1
+        table._trim_arena()
+        table._tidy()  # a compaction merges the order index itself
+    finally:
+        table._release_order(held)
 
 
 def lookup_spans(Table table not None, const uint8_t[::1] kbuf, const int64_t[::1] koff, const int64_t[::1] js,
