@@ -1467,6 +1467,18 @@ cdef int _set_entries(Table table, const uint8_t* buf, Py_ssize_t pos, uint32_t 
     return 0
 
 
+cdef int _write_entries(Table table, const uint8_t* buf, Py_ssize_t first, uint32_t n, bint pairs) except -1:
+    """``_set_entries`` as one batch write: the order index merges at most once, at its end."""
+    cdef bint held = table._hold_order()
+    try:
+        _set_entries(table, buf, first, n, pairs)
+        table.version += 1
+        table._tidy()  # a compaction merges the order index itself
+    finally:
+        table._release_order(held)
+    return 0
+
+
 def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
                unsigned long long max_count=0xFFFFFFFF):
     """See ``statestore_async._ref.table.put_packed``."""
@@ -1483,13 +1495,7 @@ def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
     if table.count == 0 and n:  # a version's first batch: its room at once, not by doubling
         table._reserve_index(n)
         table._reserve_arena(<size_t>(pos - first))  # a record takes no more room than its pair
-    cdef bint held = table._hold_order()
-    try:
-        _set_entries(table, base, first, n, True)
-        table.version += 1
-        table._tidy()  # a compaction merges the order index itself
-    finally:
-        table._release_order(held)
+    _write_entries(table, base, first, n, True)
     return n
 
 
@@ -1508,13 +1514,7 @@ def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_k
         raise _key_error(short_key, min_key)
     # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
     table._reserve_index(table.count + n)
-    cdef bint held = table._hold_order()
-    try:
-        _set_entries(table, base, first, n, False)
-        table.version += 1
-        table._tidy()  # a compaction merges the order index itself
-    finally:
-        table._release_order(held)
+    _write_entries(table, base, first, n, False)
     return n
 
 
