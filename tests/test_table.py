@@ -1021,4 +1021,5 @@ def test_a_batch_write_merges_the_order_index_once_at_its_end(op):
         want = new
     assert t._layout()["merges"] - before <= 1
     assert t.scan(b"\x00\x01") == want
-    assert list(t.items(b"\x00\x01a0001000", b"\x00\x01a0001004")) == [x for x in want if b"\x00\x01a0001000" <= x[0] < b"\x00\x01a0001004"]
+    lo, hi = b"\x00\x01a0001000", b"\x00\x01a0001004"
+    assert list(t.items(lo, hi)) == [x for x in want if lo <= x[0] < hi]
