@@ -1019,6 +1019,12 @@ cdef class Table:
         return (key, PyBytes_FromStringAndSize(<const char*>(k + kl), vl))
 
     cdef list _collect(self, bytes start, object stop, bint keys_only):
+        cdef list out = []
+        self._collect_into(out, start, stop, keys_only)
+        return out
+
+    cdef int _collect_into(self, list out, bytes start, object stop, bint keys_only) except -1:
+        """Append the (key, value | None) pairs (``keys_only``: the keys) of start <= key < stop."""
         self._ordered()
         cdef const uint8_t* sk = _bp(start)
         cdef size_t skl = PyBytes_GET_SIZE(start)
@@ -1027,7 +1033,6 @@ cdef class Table:
         cdef bint bounded = stop is not None
         cdef const uint8_t* ek = _bp(<bytes>stop) if bounded else NULL
         cdef size_t ekl = PyBytes_GET_SIZE(<bytes>stop) if bounded else 0
-        cdef list out = []
         cdef uint32_t r, kl
         cdef const uint8_t* k
         while True:
@@ -1044,7 +1049,7 @@ cdef class Table:
                 out.append(PyBytes_FromStringAndSize(<const char*>k, kl))
             else:
                 out.append(self._pair_at(r))
-        return out
+        return 0
 
     # --- Python API -------------------------------------------------------------------------------
     def __len__(self):
@@ -1126,6 +1131,15 @@ cdef class Table:
         """(key, value | None) for every key starting with ``prefix``, in key order."""
         cdef bytes p = _key_arg(prefix)
         return self._collect(p, _after_prefix(p), False)
+
+    def ranges(self, ranges):
+        """(key, value | None) with start <= key < stop for each (start, stop) of ``ranges``
+        (ascending and disjoint; stop None: no bound), in key order: one list, one call (a task's
+        due timers are one range per key group and kind)."""
+        cdef list out = []
+        for start, stop in ranges:
+            self._collect_into(out, _key_arg(start), None if stop is None else _key_arg(stop), False)
+        return out
 
     def keys(self):
         """Every key, in key order."""

@@ -58,6 +58,36 @@ def test_scan_range_equals_a_model(committed, changes, start, stop, limit):
     w.abort()
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(_keys, st.binary(max_size=3), max_size=40),
+       st.dictionaries(_keys, st.one_of(st.none(), st.binary(max_size=3)), max_size=10),
+       st.lists(_keys, max_size=8, unique=True), st.booleans(), st.one_of(st.none(), st.integers(0, 5)))
+def test_scan_ranges_equals_scan_range_of_each(committed, changes, bounds, open_end, limit):
+    """A version's ``scan_ranges`` (one call into the table while the version has no change) gives
+    what ``scan_range`` of each range gives, with changes or without, with a limit or without."""
+    b = sorted(bounds)
+    ranges: list = list(zip(b[0::2], b[1::2]))
+    if open_end and len(b) % 2:
+        ranges.append((b[-1], None))
+    s = VersionedStore(SID)
+    w = s.open(0)
+    w.put_many(committed.items())
+    w.commit()
+    w = s.open(1)
+    want = [kv for lo, hi in ranges for kv in _model(committed, {}, lo, hi, limit)]
+    assert w.scan_ranges(ranges, limit) == want
+    for k, v in changes.items():
+        if v is None:
+            w.remove(k)
+        else:
+            w.put(k, v)
+    want = [kv for lo, hi in ranges for kv in _model(committed, changes, lo, hi, limit)]
+    assert w.scan_ranges(ranges, limit) == want
+    w.abort()
+    with pytest.raises(errors.StoreStateError):
+        w.scan_ranges(ranges)
+
+
 def test_scan_range_refuses_a_bad_limit_and_a_finished_version():
     s = VersionedStore(SID)
     w = s.open(0)

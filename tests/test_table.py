@@ -713,6 +713,16 @@ class TableMachine(RuleBasedStateMachine):
     def items(self, start, stop):
         self._same([list(t.items(start, stop)) for t in self.tables] + [_model_items(self.model, start, stop)])
 
+    @rule(bounds=st.lists(short_keys, max_size=8, unique=True), open_end=st.booleans())
+    def ranges(self, bounds, open_end):
+        """Many ranges in one call: the same as ``items`` of each, in turn (an empty range gives none)."""
+        b = sorted(bounds)
+        rs: list = list(zip(b[0::2], b[1::2]))
+        if open_end and len(b) % 2:
+            rs.append((b[-1], None))
+        want = [kv for lo, hi in rs for kv in _model_items(self.model, lo, hi)]
+        self._same([t.ranges(rs) for t in self.tables] + [want])
+
     @precondition(lambda self: len(self.views) < 4)
     @rule()
     def freeze(self):

@@ -222,6 +222,19 @@ class Table:
         j = len(keys) if stop is None else bisect_left(keys, stop, i)
         return [(k, d[k]) for k in keys[i:j]]
 
+    def ranges(self, ranges: Iterable[tuple[BytesLike, BytesLike | None]]) -> list[tuple[bytes, bytes | None]]:
+        """(key, value | None) with start <= key < stop for each (start, stop) of ``ranges``
+        (ascending and disjoint; stop None: no bound), in key order, as one list."""
+        keys = self._order()
+        d = self._d
+        out: list[tuple[bytes, bytes | None]] = []
+        for start, stop in ranges:
+            lo = _key(start)
+            i = bisect_left(keys, lo)
+            j = len(keys) if stop is None else max(i, bisect_left(keys, _key(stop), i))
+            out += [(k, d[k]) for k in keys[i:j]]
+        return out
+
     def keys(self) -> list[bytes]:
         """Every key, in key order."""
         return list(self._order())

@@ -486,10 +486,7 @@ class _Connection(asyncio.Protocol):
     def _scan_ranges(self, ev: ScanRanges) -> None:
         """SCAN_RANGES: each range's records (at most ``ev.limit`` each), in key order, in chunks
         like SCAN. Costs O(ranges × log n + records returned)."""
-        w = self._writer(ev.handle, "scan")
-        pairs: list[tuple[bytes, bytes]] = []
-        for start, stop in ev.ranges:
-            pairs.extend(w.scan_range(start, stop, ev.limit))
+        pairs = self._writer(ev.handle, "scan").scan_ranges(ev.ranges, ev.limit)
         if len(pairs) <= SCAN_CHUNK_ITEMS:
             self._write(self.proto.send_scan_ranges_chunk(ev.request_id, pairs, False))
         else:

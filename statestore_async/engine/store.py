@@ -1053,6 +1053,20 @@ class StoreVersion:
         merged = merge_lazy(self._changes(start, stop), self._committed(start, stop))
         return list(merged if limit is None else itertools.islice(merged, limit))
 
+    def scan_ranges(self, ranges: Iterable[tuple[bytes, bytes | None]],
+                    limit: int | None = None) -> list[tuple[bytes, bytes]]:
+        """``scan_range`` of each of ``ranges`` (ascending and disjoint, as the protocol checks
+        them), concatenated. A version with no change yet, no flushed run and no cold level (a
+        task's first scan, of its due timers: one range per key group and kind) reads them all in
+        one call into its table."""
+        self._check_updating("scan")
+        if limit is None and self._cold is None and not self._runs and not len(self._overlay):
+            return cast("list[tuple[bytes, bytes]]", self._base.ranges(ranges))  # a committed table has no tombstone
+        out: list[tuple[bytes, bytes]] = []
+        for start, stop in ranges:
+            out += self.scan_range(start, stop, limit)
+        return out
+
     def __len__(self) -> int:
         self._check_updating("count")
         if self._cold is not None:

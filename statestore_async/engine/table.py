@@ -21,7 +21,8 @@ of ``bytes`` comparison (memcmp, a shorter prefix first).
     while iterating makes the iterator's next step raise ``RuntimeError`` (use ``freeze``).
 ``t.scan(prefix) -> list``
     (key, value | None) for every key starting with ``prefix``, in key order. ``t.keys()`` every
-    key in key order.
+    key in key order. ``t.ranges(ranges) -> list``: ``items`` of each (start, stop) of ``ranges``
+    (ascending and disjoint) as one list, in one call.
     The first ordered call (items, scan, keys) builds an order index that the table keeps from
     then on: later ordered calls cost O(log n + matches) and writes keep it up to date in
     amortized O(1). A table never read in order holds no order index; ``freeze`` on such a table
