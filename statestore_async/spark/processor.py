@@ -64,6 +64,8 @@ from statestore_async.errors import InterfaceError, StateDeclarationError
 from statestore_async.ids import _check_name
 from statestore_async.spark.timekeys import EVENT, KIND_BYTE, KIND_OF, PROCESSING, check_time, timer_record_columns
 
+_MIN_MS, _MAX_MS = -(1 << 63), (1 << 63) - 1  # ``check_time``'s range
+
 VALUE, LIST, MAP, VECTORIZED = "value", "list", "map", "vectorized"
 _PUT, _DEL = 1, 2  # what a batch did to a key's value (``_StateVar._dirty``)
 # a ttl_seconds this large (1000 days) was most likely meant in milliseconds
@@ -431,10 +433,20 @@ class Timers:
         self.time_mode = time_mode
         self.enabled = enabled
         self._i = -1
-        # key index -> {(kind, at_ms): True registered / False deleted} by this batch
-        self._changes: dict[int, dict[tuple[str, int], bool]] = {}
+        # (key index, kind byte, at_ms) -> True registered / False deleted, by this batch: one flat map,
+        # read as columns at the batch's end (``TaskTime.timer_changes``)
+        self._changes: dict[tuple[int, int, int], bool] = {}
+        # key index -> the (kind byte, at_ms) it changed, for ``list``: made by its first call, then kept
+        self._per_key: dict[int, list[tuple[int, int]]] | None = None
         self._existing: dict[int, set[tuple[str, int]]] | None = None  # key index -> stored timers (lazy)
         self._load: Callable[[], dict[int, set[tuple[str, int]]]] | None = None
+        # the runtime's: up to which time each kind (byte) is due in this batch, and (key index, kind
+        # byte, at_ms) of every timer registered at a due time (the ones that may fire after the rows)
+        self._due_by: dict[int, int] = {}
+        self._registered_due: list[tuple[int, int, int]] = []
+        # a timer of the time mode needs no checks but its time's (``register``/``delete``'s fast path)
+        self._default_ok = enabled and time_mode in (PROCESSING, EVENT)
+        self._default_kind = KIND_BYTE.get(time_mode, 0)
 
     def _kind(self, kind: str | None) -> str:
         if not self.enabled:
@@ -451,29 +463,63 @@ class Timers:
             raise InterfaceError(f'a timer\'s kind is "processing" or "event" (None: the time mode), got {kind!r}')
         return kind
 
+    def _set(self, at_ms: int, kind: str | None, on: bool) -> None:
+        i = self._i
+        if kind is None and self._default_ok and i >= 0 and type(at_ms) is int and _MIN_MS <= at_ms <= _MAX_MS:
+            kb = self._default_kind  # the common call, checked inline: the same outcome as the checks below
+        else:
+            kb = KIND_BYTE[self._kind(kind)]
+            at_ms = check_time(at_ms)
+        self._record(i, kb, at_ms, on)
+        if on:
+            lim = self._due_by.get(kb)
+            if lim is not None and at_ms <= lim:
+                self._registered_due.append((i, kb, at_ms))
+
+    def _record(self, i: int, kb: int, at_ms: int, on: bool) -> None:
+        key = (i, kb, at_ms)
+        if self._per_key is not None and key not in self._changes:
+            self._per_key.setdefault(i, []).append((kb, at_ms))
+        self._changes[key] = on
+
+    def _fired(self, i: int, kind: str, at_ms: int) -> None:
+        """The runtime's: key ``i``'s timer fires now (gone before its callback runs)."""
+        self._record(i, KIND_BYTE[kind], at_ms, False)
+
+    def _end(self) -> None:
+        """Forget the batch (the processor keeps its handle, and so these timers, until its next task)."""
+        self._changes, self._per_key, self._existing, self._load, self._registered_due = {}, None, None, None, []
+        self._i = -1
+
     def register(self, at_ms: int, kind: str | None = None) -> None:
         """A timer for the current key at ``at_ms`` (ms since the epoch)."""
-        k = self._kind(kind)
-        self._changes.setdefault(self._i, {})[(k, check_time(at_ms))] = True
+        self._set(at_ms, kind, True)
 
     def delete(self, at_ms: int, kind: str | None = None) -> None:
         """Remove the current key's timer at ``at_ms`` (nothing when there is none)."""
-        k = self._kind(kind)
-        self._changes.setdefault(self._i, {})[(k, check_time(at_ms))] = False
+        self._set(at_ms, kind, False)
 
     def list(self, kind: str | None = None) -> list[int]:
         """The times of the current key's timers of ``kind``, ascending."""
         k = self._kind(kind)
+        i = self._i
         if self._existing is None:
             self._existing = self._load() if self._load is not None else {}
-        have = set(self._existing.get(self._i, ()))
-        for t, on in self._changes.get(self._i, {}).items():
-            if on:
-                have.add(t)
-            else:
-                have.discard(t)
-        return sorted(at for kk, at in have if kk == k)
-
+        if self._per_key is None:
+            per_key: dict[int, list[tuple[int, int]]] = {}
+            for j, kb, at in self._changes:
+                per_key.setdefault(j, []).append((kb, at))
+            self._per_key = per_key
+        have = {at for kk, at in self._existing.get(i, ()) if kk == k}
+        want = KIND_BYTE[k]
+        changes = self._changes
+        for kb, at in self._per_key.get(i, ()):
+            if kb == want:
+                if changes[(i, kb, at)]:
+                    have.add(at)
+                else:
+                    have.discard(at)
+        return sorted(have)
 
 
 class StateHandle:

@@ -522,8 +522,9 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
                     handle.abort()  # nothing was due: the manifest keeps the partition's state
                     return out, None, states
             else:
-                out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs, handle,
-                                                          timings, partition, initial)
+                with _gc_paused():  # back on once the task's per-key objects are gone (freed as it returns)
+                    out, puts, removes, states = _run_per_key(processor, spec, keys_table, rows_table, offsets, kgs,
+                                                              handle, timings, partition, initial)
                 if idle and not len(puts[0]) and (removes is None or not len(removes)):
                     handle.abort()  # nothing was due: the manifest keeps the partition's state
                     return out, None, states
@@ -670,9 +671,11 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
         t = time.perf_counter()
         tt = TaskTime(handle, partition, spec.num_partitions, spec.num_key_groups, spec.now_ms, spec.watermark_ms,
                       h.timers)
+        if h.timers.enabled and not initial:
+            tt.start_scan()  # the daemon scans while the keys are made
         keys = list(zip(*[c.to_pylist() for c in keys_table.columns])) if n else []
         if h.timers.enabled:
-            tt.add_batch_keys(keys, kgs.tolist())
+            tt.add_batch_keys(keys_table.columns, kgs)
             extra_keys, extra_kgs = tt.scan_due() if not initial else ([], [])
             if extra_keys:
                 keys = keys + extra_keys
@@ -683,9 +686,11 @@ def _run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Ta
     t = time.perf_counter()
     raw = handle.get_many_arrow(skeys[0] if len(skeys) == 1 else pa.concat_arrays(skeys))
     timings["read"] = time.perf_counter() - t
-    with _gc_paused():  # turned back on once the per-key objects are gone (freed as _per_key returns)
-        table, puts, removes = _per_key(processor, spec, variables, skeys, raw, keys_table, rows_table, offsets, timings,
-                                        h, tt, keys, initial)
+    try:
+        table, puts, removes = _per_key(processor, spec, variables, skeys, raw, keys_table, rows_table, offsets,
+                                        timings, h, tt, keys, initial)
+    finally:
+        h.timers._end()
     return table, puts, removes, states
 
 
@@ -736,26 +741,28 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     put_keys, put_values = [c[0] for c in changes], [c[1] for c in changes]
     removes = [c[2] for c in changes]
     if tt is not None:
-        extra_puts: list[bytes] = []
-        extra_removes: list[bytes] = []
+        extra_puts: list[pa.Array] = []
+        extra_removes: list[pa.Array] = []
         if timers is not None:
-            extra_puts, extra_removes = tt.timer_changes()
+            timer_puts, timer_removes = tt.timer_changes()
+            extra_puts.append(timer_puts)
+            extra_removes.append(timer_removes)
         for v, c in zip(variables, changes):
             if v.ttl_ms is not None:
-                extra_puts += tt.ttl_index(v, c[0])
+                extra_puts.append(pa.array(tt.ttl_index(v, c[0]), pa.binary()))
         if any(v.ttl_ms is not None for v in variables) and not initial:
             handled = set(itertools.chain.from_iterable(sk.to_pylist() for sk in skeys))
             gone, rewritten, removed = tt.ttl_cleanup(handled, frozenset(v.name for v in variables if v.entries))
-            extra_removes += gone
+            extra_removes.append(pa.array(gone, pa.binary()))
             if rewritten:
                 put_keys.append(pa.array([k for k, _ in rewritten], pa.binary()))
                 put_values.append(pa.array([v for _, v in rewritten], pa.binary()))
             timings["ttl_removed"] = removed + sum(v._ttl_removed for v in variables)
-        if extra_puts:
-            put_keys.append(pa.array(extra_puts, pa.binary()))
-            put_values.append(pa.array([b""] * len(extra_puts), pa.binary()))
-        if extra_removes:
-            removes.append(pa.array(extra_removes, pa.binary()))
+        extra = _concat([pa.array([], pa.binary()), *extra_puts])
+        if len(extra):
+            put_keys.append(extra)
+            put_values.append(_empties(len(extra)))
+        removes += [r for r in extra_removes if len(r)]
     puts = (_concat(put_keys), _concat(put_values))
     table = (tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks() if tables
              else schema.empty_table())
@@ -781,7 +788,7 @@ def _fire_timers(processor: StatefulProcessor, variables: list[_StateVar], keys:
             for v in variables:
                 v._i = i
             timers._i = i
-            timers._changes.setdefault(i, {})[(kind, at)] = False
+            timers._fired(i, kind, at)
             key = keys[i]
             res = fn(key, ExpiredTimer(at, kind), state)
             results.append(res if type(res) is tuple else _rows_of(res, processor, key, "handle_expired_timer"))

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from statestore_async.codecs import keylayout, valuecodec
+from statestore_async.codecs import arrowcodec, keylayout, valuecodec
 from statestore_async.spark import timekeys as tk
 from statestore_async.spark.processor import Timers, _StateVar
 
@@ -39,98 +39,111 @@ class TaskTime:
             self.thresholds[tk.PROCESSING] = now_ms
             if watermark_ms is not None:
                 self.thresholds[tk.EVENT] = watermark_ms
-        self.enc: list[bytes] = []       # key index -> encode_key(grouping key)
-        self.kg: list[int] = []          # key index -> key group
-        self.index: dict[bytes, int] = {}
-        self.stored_due: list[tuple[str, int, int]] = []  # (kind, at_ms, key index), from the store
+        timers._due_by = {tk.KIND_BYTE[kind]: at for kind, at in self.thresholds.items()}
+        # key index -> encode_key(grouping key) / key group: the batch's keys, then the due timers' keys
+        # without rows (``scan_due``)
+        self.enc: pa.Array = pa.array([], pa.binary())
+        self.kg: np.ndarray = np.zeros(0, np.int64)
+        # the due timers the store holds, in store order: kind byte, at_ms, key index
+        self.stored_due: tuple[np.ndarray, np.ndarray, np.ndarray] = (np.zeros(0, np.uint8), np.zeros(0, np.int64),
+                                                                      np.zeros(0, np.int64))
+        self._scan: Callable[[], pa.Array] | None = None
         self.fired = 0
         self.ttl_removed = 0
 
     # -- keys ----------------------------------------------------------------------------------------
-    def add_batch_keys(self, keys: list[tuple], kgs: list[int]) -> None:
-        """The batch's keys, in key index order (their rows' order)."""
-        for enc, g in zip(valuecodec.encode_keys(keys), kgs):
-            self.index[enc] = len(self.enc)
-            self.enc.append(enc)
-            self.kg.append(g)
+    def start_scan(self) -> None:
+        """Send the scan of the due timers now (the daemon scans while the task encodes its keys);
+        ``scan_due`` reads it."""
+        if self.thresholds and self._scan is None:
+            self._scan = start_due_timer_scan(self.handle, self.kgs, self.now_ms, self.thresholds.get(tk.EVENT))
+
+    def add_batch_keys(self, key_columns: Sequence[pa.Array | pa.ChunkedArray], kgs: np.ndarray) -> None:
+        """The batch's keys (its key columns, one row per key, in key index order) and their key groups."""
+        n = len(kgs)
+        self.enc = arrowcodec.encode_tuples(key_columns, key=True).cast(pa.binary()) if n else pa.array([], pa.binary())
+        self.kg = np.asarray(kgs, np.int64)
 
     def scan_due(self) -> tuple[list[tuple], list[int]]:
         """Read the due timers the store holds; returns the keys (tuples) and key groups of those
-        that are not batch keys (the timers' keys without rows), which get the next key indexes.
-        The records are parsed as columns, the keys without rows decoded in one call."""
-        extra_enc: list[bytes] = []
-        extra_kgs: list[int] = []
-        if not self.thresholds:
-            return [], extra_kgs
-        recs = due_timer_records(self.handle, self.kgs, self.now_ms, self.thresholds.get(tk.EVENT))
+        that are not batch keys (the timers' keys without rows), which get the next key indexes, in
+        the order of their first timer. All as columns: the keys without rows decoded in one call."""
+        self.start_scan()
+        if self._scan is None:
+            return [], []
+        recs, self._scan = self._scan(), None
         if not len(recs):
-            return [], extra_kgs
+            return [], []
         kgs, kinds, ats, encs = tk.parse_timer_columns(recs)
-        index, enc_of, kg_of, due = self.index, self.enc, self.kg, self.stored_due
-        for e, kb, at, g in zip(encs.to_pylist(), kinds.tolist(), ats.tolist(), kgs.tolist()):
-            i = index.get(e)
-            if i is None:
-                i = index[e] = len(enc_of)
-                enc_of.append(e)
-                kg_of.append(g)
-                extra_enc.append(e)
-                extra_kgs.append(g)
-            due.append((tk.KIND_OF[kb], at, i))
-        return [tuple(k) for k in valuecodec.decode_rows(extra_enc)] if extra_enc else [], extra_kgs
+        encs = encs.cast(pa.binary())
+        n = len(self.enc)
+        found = pc.index_in(encs, value_set=self.enc)  # the batch's keys are distinct
+        idx = found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        missing = idx < 0
+        extra_keys: list[tuple] = []
+        extra_kgs: list[int] = []
+        if missing.any():
+            where = np.flatnonzero(missing)
+            coded = encs.take(pa.array(where)).dictionary_encode()  # dictionary: first-timer order
+            codes = coded.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+            idx[where] = n + codes
+            _, first = np.unique(codes, return_index=True)
+            new_kgs = kgs[where[first]].astype(np.int64)
+            self.enc = pa.concat_arrays([self.enc, coded.dictionary.cast(pa.binary())])
+            self.kg = np.concatenate([self.kg, new_kgs])
+            extra_kgs = new_kgs.tolist()
+            extra_keys = [tuple(k) for k in valuecodec.decode_rows(coded.dictionary.to_pylist())]
+        self.stored_due = (np.asarray(kinds, np.uint8), ats, idx)
+        return extra_keys, extra_kgs
 
     def load_timers(self) -> dict[int, set[tuple[str, int]]]:
         """Every stored timer of every key of the task (one request), by key index: for ``list``."""
         out: dict[int, set[tuple[str, int]]] = {}
-        for i, kind, at in stored_timers(self.handle, self.prefixes, self.enc, self.kg):
+        for i, kind, at in stored_timers(self.handle, self.prefixes, self.enc.to_pylist(), self.kg.tolist()):
             out.setdefault(i, set()).add((kind, at))
         return out
 
     # -- firing ---------------------------------------------------------------------------------------
     def due_now(self) -> list[tuple[int, str, int]]:
-        """``(at_ms, kind, key index)`` of every timer to fire after the rows, in time order: the
-        stored due ones the rows did not delete, and the ones the rows registered at a due time."""
+        """``(at_ms, kind, key index)`` of every timer to fire after the rows, in time order (ties:
+        the store's order, by key group then key): the stored due ones the rows did not delete, and
+        the ones the rows registered at a due time."""
         changes = self.timers._changes
-        due = set()
-        for kind, at, i in self.stored_due:
-            ch = changes.get(i)
-            if ch is None or ch.get((kind, at)) is not False:
-                due.add((at, kind, i))
-        limits = self.thresholds
-        for i, per_key in changes.items():
-            for (kind, at), on in per_key.items():
-                if on:
-                    lim = limits.get(kind)
-                    if lim is not None and at <= lim:
-                        due.add((at, kind, i))
-        kind_byte, kg, enc = tk.KIND_BYTE, self.kg, self.enc
-        ordered = sorted([(at, kind_byte[kind], kg[i], enc[i], kind, i) for at, kind, i in due])
-        return [(t[0], t[4], t[5]) for t in ordered]
+        kinds, ats, idx = self.stored_due
+        keep = np.ones(len(idx), bool)
+        kind_of = tk.KIND_OF
+        if changes:
+            for j, key in enumerate(zip(idx.tolist(), kinds.tolist(), ats.tolist())):
+                if changes.get(key) is False:
+                    keep[j] = False
+        # store order is (key group, kind, at, key): a stable sort by (at, kind) keeps ties in it
+        order = np.lexsort((kinds, ats))
+        order = order[keep[order]]
+        out = list(zip(ats[order].tolist(), [kind_of[k] for k in kinds[order].tolist()], idx[order].tolist()))
+        added = {(at, kind_of[kb], i) for i, kb, at in self.timers._registered_due
+                 if changes[(i, kb, at)]}.difference(out)
+        if added:  # timers the rows registered at a due time: in the same order as the stored ones
+            kind_byte, kg, enc = tk.KIND_BYTE, self.kg, self.enc
+            both = sorted((at, kind_byte[kind], int(kg[i]), enc[i].as_py(), kind, i) for at, kind, i in [*out, *added])
+            out = [(t[0], t[4], t[5]) for t in both]
+        return out
 
     # -- what the batch writes ------------------------------------------------------------------------
-    def timer_changes(self) -> tuple[list[bytes], list[bytes]]:
-        """(keys to put with an empty value, keys to remove) of the timers' two indexes, built as
-        columns (``timekeys.timer_record_columns``)."""
-        idx: list[int] = []
-        kinds: list[int] = []
-        ats: list[int] = []
-        ons: list[bool] = []
-        kind_byte = tk.KIND_BYTE
-        for i, per_key in self.timers._changes.items():
-            for (kind, at), on in per_key.items():
-                idx.append(i)
-                kinds.append(kind_byte[kind])
-                ats.append(at)
-                ons.append(on)
-        if not idx:
-            return [], []
+    def timer_changes(self) -> tuple[pa.Array, pa.Array]:
+        """(keys to put with an empty value, keys to remove) of the timers' two indexes, as binary
+        arrays built column-wise (``timekeys.timer_record_columns``)."""
+        changes = self.timers._changes
+        if not changes:
+            empty = pa.array([], pa.binary())
+            return empty, empty
+        idx, kinds, ats = zip(*changes)
         where = np.array(idx, np.int64)
-        by_time, by_key = tk.timer_record_columns(np.array(self.kg, np.uint16)[where], np.array(kinds, np.uint8),
-                                                  np.array(ats, np.int64),
-                                                  pa.array(self.enc, pa.binary()).take(pa.array(where)))
-        on = pa.array(ons, pa.bool_())
+        by_time, by_key = tk.timer_record_columns(self.kg[where].astype(np.uint16), np.array(kinds, np.uint8),
+                                                  np.array(ats, np.int64), self.enc.take(pa.array(where)))
+        on = pa.array(np.fromiter(changes.values(), bool, len(changes)))
         off = pc.invert(on)
-        return ([*by_time.filter(on).to_pylist(), *by_key.filter(on).to_pylist()],
-                [*by_time.filter(off).to_pylist(), *by_key.filter(off).to_pylist()])
+        return (pa.concat_arrays([by_time.filter(on), by_key.filter(on)]),
+                pa.concat_arrays([by_time.filter(off), by_key.filter(off)]))
 
     def ttl_index(self, var: _StateVar, put_keys: pa.Array) -> list[bytes]:
         """The expiry index records of a TTL'd variable's values written this batch (all expire at
@@ -207,16 +220,12 @@ def thresholds(now_ms: int, watermark_ms: int | None) -> dict[str, int]:
     return out
 
 
-def due_timer_records(handle: StoreHandle, kgs: range, now_ms: int, watermark_ms: int | None) -> pa.Array:
-    """The by-time records of every due timer of the key groups ``kgs`` (one SCAN_RANGES), as a
-    binary array in store order (by key group, kind, time, key)."""
-    return start_due_timer_scan(handle, kgs, now_ms, watermark_ms)()
-
-
 def start_due_timer_scan(handle: StoreHandle, kgs: range, now_ms: int,
                          watermark_ms: int | None) -> Callable[[], pa.Array]:
-    """``due_timer_records`` sent now, read later (``StoreHandle.start_scan_ranges``): the daemon
-    scans while the task works; the function returned gives the records."""
+    """The by-time records of every due timer of the key groups ``kgs`` (one SCAN_RANGES), as a
+    binary array in store order (by key group, kind, time, key): the request goes out now
+    (``StoreHandle.start_scan_ranges``) and the function returned reads the answer, so the daemon
+    scans while the task works."""
     collect = handle.start_scan_ranges(tk.due_ranges(kgs, thresholds(now_ms, watermark_ms)))
     return lambda: pa.array([k for k, _ in collect()], pa.binary())
 
