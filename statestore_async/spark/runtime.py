@@ -16,6 +16,7 @@ import logging
 import operator
 import os
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -783,15 +784,18 @@ def _fire_timers(processor: StatefulProcessor, variables: list[_StateVar], keys:
     due = tt.due_now()
     for v in variables:
         v._bind()
+    add = results.append
+    fired = timers._fired
     try:
         for at, kind, i in due:
             for v in variables:
                 v._i = i
             timers._i = i
-            timers._fired(i, kind, at)
+            fired(i, kind, at)
             key = keys[i]
             res = fn(key, ExpiredTimer(at, kind), state)
-            results.append(res if type(res) is tuple else _rows_of(res, processor, key, "handle_expired_timer"))
+            add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
+                else _rows_of(res, processor, key, "handle_expired_timer"))
             fired_keys.append(key)
     finally:
         timers._i = -1
@@ -883,13 +887,22 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
                 for i, key, a, b in span:
                     v0._i = i
                     res = fn(key, rows[a:b], state)
-                    add(res if type(res) is tuple else _rows_of(res, processor, key, name))
+                    add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
+                        else _rows_of(res, processor, key, name))
+            elif len(variables) == 2:  # one state variable and the timers: the common case with time
+                v0, v1 = variables
+                for i, key, a, b in span:
+                    v0._i = v1._i = i
+                    res = fn(key, rows[a:b], state)
+                    add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
+                        else _rows_of(res, processor, key, name))
             else:
                 for i, key, a, b in span:
                     for v in variables:
                         v._i = i
                     res = fn(key, rows[a:b], state)
-                    add(res if type(res) is tuple else _rows_of(res, processor, key, name))
+                    add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
+                        else _rows_of(res, processor, key, name))
             if emit is not None:
                 emit(first, results)
                 results = []
@@ -900,6 +913,9 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
             else:
                 v._unbind()
     return results
+
+
+_Generator = types.GeneratorType  # what a handle_rows that yields gives: drained in the loop, no call
 
 
 def _rows_of(res: Any, processor: StatefulProcessor, key: tuple, method: str = "handle_rows") -> tuple:
