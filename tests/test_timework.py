@@ -44,23 +44,35 @@ kind_st, at_st = st.sampled_from(KINDS), st.integers(-5, 1_200)
 timer_st = st.tuples(kind_st, at_st)
 
 
+def _keys(data: st.DataObject, most: int) -> tuple[int, list[int], TaskTime, Timers, list[bytes]]:
+    """A task of 1..``most`` keys in random key groups: (n, their key groups, the task, its timers, keys)."""
+    n = data.draw(st.integers(1, most))
+    kgs = data.draw(st.lists(st.integers(0, G - 1), min_size=n, max_size=n))
+    return (n, kgs, *_task(n, kgs))
+
+
+def _rows(data: st.DataObject, timers: Timers, n: int, most: int) -> dict[tuple[int, str, int], bool]:
+    """The rows' calls: each registers or deletes a timer of its key; the last word per timer."""
+    final: dict[tuple[int, str, int], bool] = {}
+    for i, kind, at, on in data.draw(st.lists(st.tuples(st.integers(0, n - 1), kind_st, at_st, st.booleans()),
+                                              max_size=most)):
+        timers._i = i
+        (timers.register if on else timers.delete)(at, kind)
+        final[(i, kind, at)] = on
+    timers._i = -1
+    return final
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_due_now_fires_what_a_plain_model_fires_in_its_order(data):
-    n = data.draw(st.integers(1, 12))
-    kgs = data.draw(st.lists(st.integers(0, G - 1), min_size=n, max_size=n))
-    tt, timers, enc = _task(n, kgs)
+    n, kgs, tt, timers, enc = _keys(data, 12)
     limit = {tk.PROCESSING: NOW, tk.EVENT: WATERMARK}
     stored = data.draw(st.sets(st.tuples(st.sampled_from(KINDS), st.integers(-5, 1_000), st.integers(0, n - 1))))
     stored = {(k, a, i) for k, a, i in stored if a <= limit[k]}  # the scan reads only due ones
     _store_order(tt, enc, sorted(stored))
     state = {(i, k, a): True for k, a, i in stored}
-    # the rows: each call registers or deletes timers of its key, some due, some not
-    for i, kind, at, on in data.draw(st.lists(st.tuples(st.integers(0, n - 1), kind_st, at_st, st.booleans()), max_size=30)):
-        timers._i = i
-        (timers.register if on else timers.delete)(at, kind)
-        state[(i, kind, at)] = on
-    timers._i = -1
+    state.update(_rows(data, timers, n, 30))  # some due, some not; some of the stored ones deleted
     want = sorted(((a, tk.KIND_BYTE[k], kgs[i], enc[i], k, i) for (i, k, a), on in state.items()
                    if on and a <= limit[k]))
     assert tt.due_now() == [(a, k, i) for a, _, _, _, k, i in want]
@@ -69,14 +81,8 @@ def test_due_now_fires_what_a_plain_model_fires_in_its_order(data):
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_timer_changes_are_the_records_written_one_by_one(data):
-    n = data.draw(st.integers(1, 10))
-    kgs = data.draw(st.lists(st.integers(0, G - 1), min_size=n, max_size=n))
-    tt, timers, enc = _task(n, kgs)
-    final: dict[tuple[int, str, int], bool] = {}
-    for i, kind, at, on in data.draw(st.lists(st.tuples(st.integers(0, n - 1), kind_st, at_st, st.booleans()), max_size=40)):
-        timers._i = i
-        (timers.register if on else timers.delete)(at, kind)
-        final[(i, kind, at)] = on
+    n, kgs, tt, timers, enc = _keys(data, 10)
+    final = _rows(data, timers, n, 40)
     puts, removes = tt.timer_changes()
     prefixes = keylayout.prefixes(G)
 
