@@ -224,7 +224,7 @@ def op_for(root: str, daemon: Daemon, **kw) -> StatefulOperator:
 # -- one writer per state ---------------------------------------------------------------------------
 def test_owner_records_admit_one_writer_and_an_explicit_takeover(tmp_path):
     """The files layer: of eight claimers at once exactly one owns the state; its own claim again
-    is a no-op; a takeover must name the owner (or be True), and of two takers one wins."""
+    is a no-op; a takeover must name the owner (or be True), and of two takers of one owner one wins."""
     from statestore_async.files.manifest import claim_owner, read_owner
 
     async def main():
@@ -239,14 +239,19 @@ def test_owner_records_admit_one_writer_and_an_explicit_takeover(tmp_path):
             assert (await claim_owner(s, "op", first)) == won[0]  # a restart of the owner
             with pytest.raises(errors.OwnerConflictError, match=f"owned by {first!r}"):
                 await claim_owner(s, "op", "new", takeover="somebody-else")
+            # two takers of the same owner at once: one wins, whether their calls interleave or not
+            # (the second to run finds the first taker, not the owner it names, or loses the write)
             takers = await asyncio.gather(claim_owner(s, "op", "t1", takeover=first, from_version=7),
-                                          claim_owner(s, "op", "t2", takeover=True), return_exceptions=True)
+                                          claim_owner(s, "op", "t2", takeover=first), return_exceptions=True)
             new = [r for r in takers if not isinstance(r, BaseException)]
             assert len(new) == 1 and new[0].epoch == 1 and new[0].previous == first
             assert sum(isinstance(r, errors.OwnerConflictError) for r in takers) == 1
             assert (await read_owner(s, "op")) == new[0] == await read_owner(s, "op", won[0])
             with pytest.raises(errors.OwnerConflictError):
                 await claim_owner(s, "op", first)  # the old owner is refused now
+            last = await claim_owner(s, "op", "t3", takeover=True)  # True: from whichever owner
+            assert (last.epoch, last.previous, last.owner) == (2, new[0].owner, "t3")
+            assert (await read_owner(s, "op")) == last
 
     asyncio.run(main())
 
