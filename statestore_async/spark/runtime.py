@@ -759,10 +759,9 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
                 put_keys.append(pa.array([k for k, _ in rewritten], pa.binary()))
                 put_values.append(pa.array([v for _, v in rewritten], pa.binary()))
             timings["ttl_removed"] = removed + sum(v._ttl_removed for v in variables)
-        extra = _concat([pa.array([], pa.binary()), *extra_puts])
-        if len(extra):
-            put_keys.append(extra)
-            put_values.append(_empties(len(extra)))
+        extra = [p for p in extra_puts if len(p)]  # timer and expiry index records: empty values
+        put_keys += extra
+        put_values += [_empties(len(p)) for p in extra]
         removes += [r for r in extra_removes if len(r)]
     puts = (_concat(put_keys), _concat(put_values))
     table = (tables[0] if len(tables) == 1 else pa.concat_tables(tables).combine_chunks() if tables
