@@ -36,6 +36,7 @@ from libc.stdint cimport int64_t, intptr_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove
 
+from _bytes cimport ssa_eq, ssa_hash, ssa_prefetch  # with them, the C helpers they use (ssa_rd64, ssa_rd32x)
 from _wire cimport check_spans, payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
 
 from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
@@ -62,60 +63,6 @@ cdef extern from *:
 
     #define SSA_TOMB 1
     #define SSA_DEAD 2
-
-    static inline uint64_t ssa_rd64(const uint8_t* p) { uint64_t v; memcpy(&v, p, 8); return v; }
-    static inline uint64_t ssa_rd32x(const uint8_t* p) { uint32_t v; memcpy(&v, p, 4); return v; }
-
-    static inline void ssa_mul(uint64_t a, uint64_t b, uint64_t* lo, uint64_t* hi) {
-    #if defined(__SIZEOF_INT128__)
-        __uint128_t r = (__uint128_t)a * b;
-        *lo = (uint64_t)r;
-        *hi = (uint64_t)(r >> 64);
-    #else
-        uint64_t ha = a >> 32, hb = b >> 32, la = (uint32_t)a, lb = (uint32_t)b;
-        uint64_t rh = ha * hb, rm0 = ha * lb, rm1 = hb * la, rl = la * lb;
-        uint64_t t = rl + (rm0 << 32), c = t < rl;
-        uint64_t l = t + (rm1 << 32);
-        c += l < t;
-        *lo = l;
-        *hi = rh + (rm0 >> 32) + (rm1 >> 32) + c;
-    #endif
-    }
-
-    static inline uint64_t ssa_mix(uint64_t a, uint64_t b) {
-        uint64_t lo, hi;
-        ssa_mul(a, b, &lo, &hi);
-        return lo ^ hi;
-    }
-
-    /* a wyhash-style 64-bit hash of n bytes */
-    static inline uint64_t ssa_hash(const uint8_t* p, size_t n) {
-        const uint64_t s0 = 0xa0761d6478bd642fULL, s1 = 0xe7037ed1a0b428dbULL;
-        uint64_t seed = 0x8ebc6af09c88c6e3ULL, a, b, lo, hi;
-        if (n <= 16) {
-            if (n >= 4) {
-                size_t q = (n >> 3) << 2;
-                a = (ssa_rd32x(p) << 32) | ssa_rd32x(p + q);
-                b = (ssa_rd32x(p + n - 4) << 32) | ssa_rd32x(p + n - 4 - q);
-            } else if (n > 0) {
-                a = ((uint64_t)p[0] << 16) | ((uint64_t)p[n >> 1] << 8) | p[n - 1];
-                b = 0;
-            } else {
-                a = b = 0;
-            }
-        } else {
-            size_t i = n;
-            while (i > 16) {
-                seed = ssa_mix(ssa_rd64(p) ^ s1, ssa_rd64(p + 8) ^ seed);
-                p += 16;
-                i -= 16;
-            }
-            a = ssa_rd64(p + i - 16);
-            b = ssa_rd64(p + i - 8);
-        }
-        ssa_mul(a ^ s1, b ^ seed, &lo, &hi);
-        return ssa_mix(lo ^ s0 ^ (uint64_t)n, hi ^ s1);
-    }
 
     /* --- records ------------------------------------------------------------------------------ */
     static inline const uint8_t* ssa_var(const uint8_t* q, uint32_t* out) {
@@ -188,23 +135,6 @@ cdef extern from *:
         }
     }
 
-    /* whether n bytes at a and b are equal (short keys without a call to memcmp) */
-    static inline int ssa_eq(const uint8_t* a, const uint8_t* b, size_t n) {
-        if (n >= 8) {
-            if (n <= 16)
-                return ssa_rd64(a) == ssa_rd64(b) && ssa_rd64(a + n - 8) == ssa_rd64(b + n - 8);
-            if (n <= 32)
-                return ((ssa_rd64(a) ^ ssa_rd64(b)) | (ssa_rd64(a + 8) ^ ssa_rd64(b + 8))
-                        | (ssa_rd64(a + n - 16) ^ ssa_rd64(b + n - 16)) | (ssa_rd64(a + n - 8) ^ ssa_rd64(b + n - 8))) == 0;
-            return memcmp(a, b, n) == 0;
-        }
-        if (n >= 4)
-            return ssa_rd32x(a) == ssa_rd32x(b) && ssa_rd32x(a + n - 4) == ssa_rd32x(b + n - 4);
-        for (size_t i = 0; i < n; i++)
-            if (a[i] != b[i]) return 0;
-        return 1;
-    }
-
     static inline void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl,
                                  const uint8_t* v, uint32_t vl, int tomb) {
         uint8_t* q = p + 1;
@@ -254,14 +184,12 @@ cdef extern from *:
     }
 
     """
-    uint64_t ssa_hash(const uint8_t* p, size_t n) noexcept nogil
     const uint8_t* ssa_rec(const uint8_t* p, uint32_t* kl, uint32_t* vl) noexcept nogil
     size_t ssa_rsize(uint32_t kl, uint32_t vl, int tomb) noexcept nogil
     size_t ssa_rsize_at(const uint8_t* p) noexcept nogil
     void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl, const uint8_t* v, uint32_t vl,
                    int tomb) noexcept nogil
     int ssa_cmp(const uint8_t* a, size_t al, const uint8_t* b, size_t bl) noexcept nogil
-    int ssa_eq(const uint8_t* a, const uint8_t* b, size_t n) noexcept nogil
     void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) noexcept nogil
     const uint8_t* ssa_key_of(const uint8_t* arena, uint32_t ref, uint32_t* kl) noexcept nogil
     int ssa_cmp_refs(const uint8_t* arena, uint32_t x, uint32_t y) noexcept nogil
@@ -353,12 +281,6 @@ cdef extern from *:
     #endif
     }
 
-    static inline void ssa_prefetch(const void* p) {
-    #if defined(__GNUC__)
-        __builtin_prefetch(p);
-    #endif
-    }
-
     /* Sort n entries whose keys share their first two bytes: most significant differing prefix
        byte first (a counting pass per byte, tmp holding n entries), insertion sort for a few,
        the comparison sort when the 16-byte prefixes all tie. */
@@ -400,7 +322,6 @@ cdef extern from *:
     void ssa_xfill(ssa_xent* e, const uint8_t* arena, uint32_t ref) noexcept nogil
     void ssa_xsort(ssa_xent* v, size_t n, const uint8_t* arena) noexcept nogil
     void ssa_xradix(ssa_xent* v, ssa_xent* tmp, size_t n, const uint8_t* arena) noexcept nogil
-    void ssa_prefetch(const void* p) noexcept nogil
     size_t ssa_vsize(uint32_t x) noexcept nogil
     uint8_t* ssa_wvar(uint8_t* q, uint32_t x) noexcept nogil
 
