@@ -11,6 +11,8 @@ from libc.stdlib cimport malloc, realloc, free, calloc
 from libc.math cimport isinf
 from libc.string cimport memcpy
 
+from _bytes cimport ssa_eq, ssa_hash, ssa_prefetch
+
 from statestore_async.errors import EncodeError
 
 
@@ -549,3 +551,91 @@ def decode_columns(Py_ssize_t n, values, list kinds):
             free(outs[k].values)
             free(outs[k].data.p)
         free(outs)
+
+
+# --- grouping ------------------------------------------------------------------------------------
+cdef enum:
+    GROUP_CHUNK = 16
+
+def group_encoded(Py_ssize_t n, offsets, data, int width, int64_t[::1] order, int64_t[::1] bounds):
+    """See ``statestore_async._ref.arrowcodec.group_encoded``: one pass over the items with an
+    open-addressing table of the groups met so far (hash tag | group + 1; an item is compared with
+    its group's first item on a tag match), then a counting sort of the rows by group."""
+    if n < 0 or width not in (4, 8):
+        raise ValueError(f"group_encoded: {n} items with offsets {width} bytes wide")
+    if order.shape[0] < n or bounds.shape[0] < n + 1:
+        raise ValueError(f"group_encoded: room for {order.shape[0]} rows and {bounds.shape[0]} bounds, "
+                         f"{n} rows given")
+    cdef const uint8_t[::1] ov = memoryview(offsets).cast("B")
+    cdef const uint8_t[::1] dv = memoryview(data).cast("B")
+    cdef Py_ssize_t ndata = dv.shape[0], i
+    if ov.shape[0] < (n + 1) * width:
+        raise ValueError(f"group_encoded: {ov.shape[0]} bytes of offsets for {n} items")
+    bounds[0] = 0
+    if n == 0:
+        return 0
+    cdef const uint8_t* op = &ov[0]
+    cdef const uint8_t* dp = &dv[0] if ndata else <const uint8_t*>""
+    cdef int64_t s = _offset(op, width, 0), e
+    if s < 0 or s > ndata:
+        raise ValueError(f"group_encoded: item 0 starts at {s}, outside the {ndata} bytes of data")
+    for i in range(n):
+        e = _offset(op, width, i + 1)
+        if e < s or e > ndata:
+            raise ValueError(f"group_encoded: item {i} spans [{s}, {e}), outside the {ndata} bytes of data")
+        s = e
+    cdef size_t cap = 16, mask, pos
+    while cap < <size_t>(2 * n):
+        cap <<= 1
+    mask = cap - 1
+    cdef uint64_t* slots = <uint64_t*>calloc(cap, sizeof(uint64_t))
+    cdef int64_t* first = <int64_t*>malloc(n * sizeof(int64_t))
+    cdef int64_t* count = <int64_t*>calloc(n, sizeof(int64_t))
+    cdef uint32_t* code = <uint32_t*>malloc(n * sizeof(uint32_t))
+    cdef uint64_t h, sl
+    cdef uint64_t hs[GROUP_CHUNK]
+    cdef Py_ssize_t j
+    cdef int64_t fs, g, ng = 0
+    cdef const uint8_t* k
+    try:
+        if slots == NULL or first == NULL or count == NULL or code == NULL:
+            raise MemoryError()
+        for i in range(n):
+            if i % GROUP_CHUNK == 0:  # the next chunk's hashes, their slots prefetched: one wait per chunk
+                for j in range(i, min(i + GROUP_CHUNK, n)):
+                    hs[j - i] = ssa_hash(dp + _offset(op, width, j), <size_t>(_offset(op, width, j + 1)
+                                                                           - _offset(op, width, j)))
+                    ssa_prefetch(slots + (<size_t>hs[j - i] & mask))
+            s = _offset(op, width, i)
+            e = _offset(op, width, i + 1)
+            k = dp + s
+            h = hs[i % GROUP_CHUNK]
+            pos = <size_t>h & mask
+            while True:
+                sl = slots[pos]
+                if sl == 0:
+                    g = ng
+                    ng += 1
+                    first[g] = i
+                    slots[pos] = (h & 0xFFFFFFFF00000000ULL) | <uint64_t>(g + 1)
+                    break
+                if (sl >> 32) == (h >> 32):
+                    g = <int64_t>(sl & 0xFFFFFFFFULL) - 1
+                    fs = _offset(op, width, first[g])
+                    if _offset(op, width, first[g] + 1) - fs == e - s and ssa_eq(dp + fs, k, <size_t>(e - s)):
+                        break
+                pos = (pos + 1) & mask
+            code[i] = <uint32_t>g
+            count[g] += 1
+        for g in range(ng):  # bounds, and each group's next place in order
+            bounds[g + 1] = bounds[g] + count[g]
+            count[g] = bounds[g]
+        for i in range(n):
+            order[count[code[i]]] = i
+            count[code[i]] += 1
+        return ng
+    finally:
+        free(slots)
+        free(first)
+        free(count)
+        free(code)

@@ -221,3 +221,66 @@ def test_large_columns_round_trip_natively():
     assert skeys[12345].as_py() == (12345 % 4096).to_bytes(2, "big") + valuecodec.encode_key(("total", "k00012345"))
     enc = arrowcodec.encode_tuples(state.columns)
     assert arrowcodec.decode_tuples(enc, state.schema).equals(state)
+
+
+# --- grouping rows by their keys -----------------------------------------------------------------
+def _model_groups(items):
+    """Items grouped by their bytes: groups in the order of their first item, items in order."""
+    groups: dict[bytes, list[int]] = {}
+    for i, b in enumerate(items):
+        groups.setdefault(b, []).append(i)
+    return list(groups.values())
+
+
+def _groups_of(order, bounds):
+    return [order[bounds[g]:bounds[g + 1]].tolist() for g in range(len(bounds) - 1)]
+
+
+@SETTINGS
+@given(items=st.lists(st.sampled_from([b"", b"a", b"ab", b"b", b"k00000001", b"k00000002", b"x" * 40, b"x" * 41]),
+                      max_size=60) | st.lists(st.binary(max_size=20), max_size=60),
+       large=st.booleans())
+def test_group_encoded_agrees_with_the_model(ra, items, large):
+    n = len(items)
+    arr = pa.array(items, pa.large_binary() if large else pa.binary())
+    _, width, _, offsets, data, _ = arrowcodec.descriptor(arr)
+    order, bounds = np.full(n, -1, np.int64), np.full(n + 1, -1, np.int64)
+    g = ra.group_encoded(n, offsets, data if data is not None else b"", width, order, bounds)
+    assert _groups_of(order, bounds[:g + 1]) == _model_groups(items)
+
+
+@pytest.mark.parametrize("n, offsets, data, width, room", [
+    (1, b"\0\0\0\0\x09\0\0\0", b"abc", 4, (1, 2)),     # an item past the data
+    (2, b"\0\0\0\0\x02\0\0\0\x01\0\0\0", b"abc", 4, (2, 3)),  # offsets that run backwards
+    (2, b"\0\0\0\0\x01\0\0\0", b"abc", 4, (2, 3)),     # too few offsets
+    (1, b"\0" * 8, b"", 2, (1, 2)),                    # no such offset width
+    (2, b"\0" * 12, b"", 4, (1, 3)),                   # no room for the order
+    (2, b"\0" * 12, b"", 4, (2, 2)),                   # no room for the bounds
+])
+def test_group_encoded_refuses_bad_input_in_both(ra, n, offsets, data, width, room):
+    with pytest.raises(ValueError, match="group_encoded"):
+        ra.group_encoded(n, offsets, data, width, np.zeros(room[0], np.int64), np.zeros(room[1], np.int64))
+
+
+@SETTINGS
+@given(t=tables(max_rows=30), data=st.data())
+def test_group_puts_rows_with_equal_keys_together(t, data):
+    cols, n = t
+    if not cols:
+        assert arrowcodec.group(cols) is None
+        return
+    # few distinct values, so that groups have several rows
+    picks = data.draw(st.lists(st.integers(0, max(n - 1, 0)), min_size=n, max_size=n)) if n else []
+    cols = [c.take(pa.array(picks, pa.int64())) for c in cols]
+    order, bounds = arrowcodec.group(cols)
+    rows = list(zip(*[c.to_pylist() for c in cols])) if n else []
+    assert _groups_of(order, bounds) == _model_groups([valuecodec.encode_key(r) for r in rows])
+
+
+def test_group_equal_keys_as_spark_groups_them_and_other_types_are_left_to_the_caller():
+    a = pa.array(["x", None, "x", None, "y", "x"])
+    b = pa.array([0.0, 1.0, -0.0, 1.0, float("nan"), float("-nan")])
+    order, bounds = arrowcodec.group([a, b])
+    assert _groups_of(order, bounds) == [[0, 2], [1, 3], [4], [5]]  # -0.0 is 0.0; NaNs are one value
+    assert arrowcodec.group([pa.array([1, 2]), pa.array([[1], [2]])]) is None  # a list column
+    assert arrowcodec.group([pa.array([1, 2], pa.timestamp("us"))]) is None

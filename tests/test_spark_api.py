@@ -65,6 +65,27 @@ def test_group_rows_multi_column_nulls_and_float_normalization():
     assert len(order) == 0 and offsets.tolist() == [0]
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 40), st.lists(st.sampled_from(["int64", "string", "float64", "bool"]), min_size=1, max_size=3),
+       st.data())
+def test_group_rows_groups_as_the_dictionary_encoding_does(n, types, data):
+    from statestore_async.spark.runtime import _group_by_dictionary
+
+    values = {"int64": st.integers(-3, 3), "string": st.sampled_from(["a", "b", ""]),
+              "float64": st.sampled_from([0.0, -0.0, 1.5, float("nan")]), "bool": st.booleans()}
+    t = pa.table({f"c{i}": pa.array(data.draw(st.lists(st.none() | values[ty], min_size=n, max_size=n)),
+                                    getattr(pa, ty if ty != "bool" else "bool_")())
+                  for i, ty in enumerate(types)})
+    cols = list(t.column_names)
+
+    def groups(order, offsets):
+        return sorted(sorted(order[offsets[i]:offsets[i + 1]].tolist()) for i in range(len(offsets) - 1))
+
+    order, offsets = group_rows(t, cols)
+    assert sorted(order.tolist()) == list(range(n))
+    assert groups(order, offsets) == groups(*_group_by_dictionary(t, cols)) if n else offsets.tolist() == [0]
+
+
 class Profile(StatefulProcessor):
     """Uses every kind of state: a value with a TTL, a list and a map."""
 

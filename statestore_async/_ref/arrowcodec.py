@@ -15,6 +15,9 @@ from statestore_async.errors import DecodeError, EncodeError
 if TYPE_CHECKING:
     from typing import Any
 
+    import numpy as np
+    from numpy.typing import NDArray
+
     from statestore_async._ref import Buffer, ColumnDescriptor, FieldBuffers
 
 _INT = {1: "<b", 2: "<h", 4: "<i", 8: "<q"}
@@ -213,3 +216,41 @@ def decode_columns(n: int, values: ColumnDescriptor, kinds: list[tuple[str, int]
                 return None
             result.append((nulls, valid, b"".join(o.to_bytes(ow, "little", signed=True) for o in offs), b"".join(items)))
     return result
+
+
+def group_encoded(n: int, offsets: Buffer, data: Buffer, width: int, order: NDArray[np.int64],
+                  bounds: NDArray[np.int64]) -> int:
+    """Group the n items of a binary column ``(offsets, data, 0, width)`` (``encode_columns``'s
+    output) by their bytes: the number of groups g, with ``bounds[0..g]`` (int64) their bounds in
+    ``order`` (int64), which lists the items group by group, the groups in the order of their first
+    item and the items of a group in their order. ``ValueError`` for offsets that run backwards or
+    out of the data, or outputs too small."""
+    if n < 0 or width not in (4, 8):
+        raise ValueError(f"group_encoded: {n} items with offsets {width} bytes wide")
+    out, ends = memoryview(order).cast("B").cast("q"), memoryview(bounds).cast("B").cast("q")  # type: ignore[arg-type]
+    if len(out) < n or len(ends) < n + 1:
+        raise ValueError(f"group_encoded: room for {len(out)} rows and {len(ends)} bounds, {n} rows given")
+    raw = _bytes(offsets)
+    d = _bytes(data)
+    if len(raw) < (n + 1) * width:
+        raise ValueError(f"group_encoded: {len(raw)} bytes of offsets for {n} items")
+    ends[0] = 0
+    if n == 0:
+        return 0
+    offs = _offsets(raw, width, n + 1, 0)
+    if offs[0] < 0 or offs[0] > len(d):
+        raise ValueError(f"group_encoded: item 0 starts at {offs[0]}, outside the {len(d)} bytes of data")
+    for i in range(n):
+        if offs[i + 1] < offs[i] or offs[i + 1] > len(d):
+            raise ValueError(f"group_encoded: item {i} spans [{offs[i]}, {offs[i + 1]}), outside the "
+                             f"{len(d)} bytes of data")
+    groups: dict[bytes, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(d[offs[i]:offs[i + 1]], []).append(i)
+    at = 0
+    for g, rows in enumerate(groups.values()):
+        for i in rows:
+            out[at] = i
+            at += 1
+        ends[g + 1] = at
+    return len(groups)

@@ -8,6 +8,13 @@ The vectorized Spark path keeps keys and state as Arrow columns; the store holds
     when ``key``), preceded by the 2-byte big-endian key group ``key_groups[i]`` when given — the
     store keys of ``statestore_async.codecs.keylayout``. Byte for byte what encoding the rows' Python values
     gives (tests check it).
+``group(columns) -> (order, offsets) | None``
+    The rows grouped by their values in ``columns``, equal as keys are (their ``encode_key`` bytes:
+    -0.0 is 0.0, every NaN one value, null a value of its own): ``order`` (int64) lists the rows
+    group by group, the groups in the order of their first row and a group's rows in their order;
+    group i is ``order[offsets[i]:offsets[i + 1]]``. One pass over the rows' encoded keys with a
+    hash table, then a counting sort (``group_encoded``). None when a column's type is not one
+    handled below (the caller groups another way).
 ``decode_tuples(values, schema) -> pyarrow.Table``
     The rows of a binary array of encoded tuples (null: no row) as a table of ``schema``; an
     absent row is null in every column. Errors as ``valuecodec.decode_rows`` and ``pyarrow.array``.
@@ -135,6 +142,22 @@ def encode_tuples(
     if prefixes is not None:
         encoded = [keylayout.prefix(int(g)) + e for g, e in zip(prefixes.tolist(), encoded)]
     return pa.array(encoded, type=pa.large_binary() if sum(map(len, encoded)) > 0x7FFFFFFF else pa.binary())
+
+
+def group(columns: Iterable[pa.Array | pa.ChunkedArray]) -> tuple[NDArray[np.int64], NDArray[np.int64]] | None:
+    """See the module docstring."""
+    arrays = [_array(c) for c in columns]
+    if not arrays or any(kind_of(a.type) is None for a in arrays):
+        return None
+    n = len(arrays[0])
+    if any(len(a) != n for a in arrays):
+        raise ValueError(f"columns of different lengths {[len(a) for a in arrays]}")
+    keys = _array(encode_tuples(arrays, key=True))
+    _, width, _, offsets, data, start = cast("ColumnDescriptor", descriptor(keys))
+    assert start == 0  # a fresh array
+    order, bounds = np.empty(n, np.int64), np.empty(n + 1, np.int64)
+    groups = group_encoded(n, cast("Buffer", offsets), cast("Buffer", data), width, order, bounds)
+    return order, bounds[:groups + 1]
 
 
 def _field_array(typ: pa.DataType, n: int, kind: str, parts: FieldBuffers) -> pa.Array:

@@ -258,10 +258,21 @@ def _stable_order(codes: np.ndarray) -> np.ndarray:
 
 
 def group_rows(table: pa.Table, key_columns: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(order, offsets): ``table.take(order)`` is sorted by key; key i is rows offsets[i]:offsets[i+1]."""
+    """(order, offsets): ``table.take(order)`` has each key's rows together, in their order; key i is
+    rows offsets[i]:offsets[i+1]. Keys of the column codec's types are grouped in one pass over their
+    encoded keys (``arrowcodec.group``: the keys in the order of their first row), others by Arrow's
+    dictionary encoding."""
     n = table.num_rows
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(1, np.int64)
+    grouped = arrowcodec.group([table[c] for c in key_columns])  # keys of the column codec's types
+    return grouped if grouped is not None else _group_by_dictionary(table, key_columns)
+
+
+def _group_by_dictionary(table: pa.Table, key_columns: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``group_rows`` for keys of any type Arrow can dictionary-encode (the groups in the order of
+    their codes: for one column, of their first row)."""
+    n = table.num_rows
     codes = _codes(table[key_columns[0]])
     for c in key_columns[1:]:
         more = _codes(table[c])
