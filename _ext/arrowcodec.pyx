@@ -561,7 +561,7 @@ def group_encoded(Py_ssize_t n, offsets, data, int width, int64_t[::1] order, in
     """See ``statestore_async._ref.arrowcodec.group_encoded``: one pass over the items with an
     open-addressing table of the groups met so far (hash tag | group + 1; an item is compared with
     its group's first item on a tag match), then a counting sort of the rows by group."""
-    if n < 0 or width not in (4, 8):
+    if n < 0 or n > 0xFFFFFFFE or width not in (4, 8):  # a group's number is a u32
         raise ValueError(f"group_encoded: {n} items with offsets {width} bytes wide")
     if order.shape[0] < n or bounds.shape[0] < n + 1:
         raise ValueError(f"group_encoded: room for {order.shape[0]} rows and {bounds.shape[0]} bounds, "

@@ -256,6 +256,7 @@ def test_group_encoded_agrees_with_the_model(ra, items, large):
     (1, b"\0" * 8, b"", 2, (1, 2)),                    # no such offset width
     (2, b"\0" * 12, b"", 4, (1, 3)),                   # no room for the order
     (2, b"\0" * 12, b"", 4, (2, 2)),                   # no room for the bounds
+    (-1, b"\0" * 4, b"", 4, (1, 1)),                   # a negative count
 ])
 def test_group_encoded_refuses_bad_input_in_both(ra, n, offsets, data, width, room):
     with pytest.raises(ValueError, match="group_encoded"):

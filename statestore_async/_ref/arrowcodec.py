@@ -225,7 +225,7 @@ def group_encoded(n: int, offsets: Buffer, data: Buffer, width: int, order: NDAr
     ``order`` (int64), which lists the items group by group, the groups in the order of their first
     item and the items of a group in their order. ``ValueError`` for offsets that run backwards or
     out of the data, or outputs too small."""
-    if n < 0 or width not in (4, 8):
+    if n < 0 or n > 0xFFFFFFFE or width not in (4, 8):  # at most 2**32 - 2 items
         raise ValueError(f"group_encoded: {n} items with offsets {width} bytes wide")
     out, ends = memoryview(order).cast("B").cast("q"), memoryview(bounds).cast("B").cast("q")  # type: ignore[arg-type]
     if len(out) < n or len(ends) < n + 1:
