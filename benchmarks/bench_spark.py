@@ -142,6 +142,8 @@ def merge_repeats(results: list[dict]) -> list[dict]:
                  ref_name=peer)
         cms = [r["commit_ms"] for r in rs if r.get("commit_ms") is not None]
         m["commit_ms"] = statistics.median(cms) if cms else None
+        if any(r.get("per_batch") for r in rs):  # the split below: every run's batches
+            m["per_batch"] = [b for r in rs for b in r.get("per_batch", ())]
         out.append(m)
     return out
 
