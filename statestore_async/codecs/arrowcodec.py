@@ -150,9 +150,7 @@ def group(columns: Iterable[pa.Array | pa.ChunkedArray]) -> tuple[NDArray[np.int
     if not arrays or any(kind_of(a.type) is None for a in arrays):
         return None
     n = len(arrays[0])
-    if any(len(a) != n for a in arrays):
-        raise ValueError(f"columns of different lengths {[len(a) for a in arrays]}")
-    keys = _array(encode_tuples(arrays, key=True))
+    keys = _array(encode_tuples(arrays, key=True))  # ValueError for columns of different lengths
     _, width, _, offsets, data, start = cast("ColumnDescriptor", descriptor(keys))
     assert start == 0  # a fresh array
     order, bounds = np.empty(n, np.int64), np.empty(n + 1, np.int64)
