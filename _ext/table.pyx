@@ -1634,8 +1634,9 @@ def apply(Table base not None, Table changes not None):
     """See ``statestore_async._ref.table.apply``.
 
     The changes are applied in chunks of ``APPLY_CHUNK`` records: their hashes first, with the
-    base's slot of each prefetched, then the record each slot names, then the chunk's work; a big
-    base then costs about one memory latency per chunk rather than two per record."""
+    base's and the undo table's slot of each prefetched, then the record each base slot names, then
+    the chunk's work; a big base then costs about one memory latency per chunk rather than three
+    per record."""
     if base is changes:
         raise InterfaceError("apply: the changes are the base table itself")
     cdef Table undo = Table()
@@ -1666,6 +1667,8 @@ def apply(Table base not None, Table changes not None):
                     hs[n] = ssa_hash(k, kl)
                     if cap:
                         ssa_prefetch(base.slots + (((hs[n] >> 32) * cap) >> 32))
+                    # the undo table's slot too: its index was sized for every change up front
+                    ssa_prefetch(undo.slots + (((hs[n] >> 32) * undo.cap) >> 32))
                     n += 1
                 off += (<size_t>(k - p) + kl + vl + 3) & ~(<size_t>3)
             if cap:
