@@ -7,7 +7,11 @@
 Rows ``(key 'k%08d', value int64 in [0, 1000))``, parquet input (2 files per batch) read by the file
 source with ``maxFilesPerTrigger=2`` and ``Trigger.AvailableNow``; local[2], 2 state partitions;
 state (count, sum) per key; every batch emits ``(key, count, sum)`` for its keys; sink ``noop``.
-Figure: input rows / ``durationMs.triggerExecution``, median of the measured batches.
+Figure: input rows / ``durationMs.triggerExecution``, median of the measured batches. Beside it, the
+CPU seconds per batch each streaming peer's query took, by process (Spark's JVM, PySpark's Python
+workers, our daemon, P4's redis, this driver process; from /proc, over all of the query's batches):
+on the 2 cores of local[2] a batch is mostly bound by the CPU all of them share, so this says where
+a peer's time goes and moves less with the machine's load than rows/s.
 
   ours per-key     StatefulOperator + examples.CountSum (a Python call per key, ValueState)
   ours vectorized  StatefulOperator + examples.VectorizedCountSum (numpy per partition)
@@ -98,18 +102,69 @@ def gen(folder: str, keys: int, rows: int, batches: int) -> dict:
     return {"keys": int(seen.sum()), "count": rows * batches, "sum": total}
 
 
-def run_query(spark, src: str, ckpt: str, build, timeout: float) -> list[dict]:
+# the processes a run uses, by role, from their command lines (``cpu_seconds``)
+ROLES = (("daemon", "statestore_async.cli serve"), ("python", "pyspark.daemon"), ("python", "pyspark/worker"),
+         ("redis", "redis-server"))
+
+
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far: user + system, every thread) of the processes a run uses:
+    this process (``driver``), Spark's JVM (``jvm``), PySpark's Python workers (``python``), our
+    daemon (``daemon``), P4's ``redis``. From /proc (Linux; empty elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    out: dict[int, tuple[str, float]] = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        cmd = b" ".join(argv).decode(errors="replace")
+        if pid == me:
+            role = "driver"
+        elif os.path.basename(argv[0]) == b"java":
+            role = "jvm"
+        else:
+            role = next((r for r, needle in ROLES if needle in cmd), "")
+        if role:
+            out[pid] = (role, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def cpu_used(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by role between two ``cpu_seconds`` (a process started meanwhile from 0; one that
+    ended meanwhile is not counted)."""
+    used: dict[str, float] = {}
+    for pid, (role, t) in after.items():
+        used[role] = used.get(role, 0.0) + t - before.get(pid, (role, 0.0))[1]
+    return used
+
+
+def run_query(spark, src: str, ckpt: str, build, timeout: float) -> tuple[list[dict], dict[str, float]]:
+    """The progress of each batch that had input rows, and the CPU seconds by role the query took."""
     df = spark.readStream.schema("key string, value bigint").option("maxFilesPerTrigger", 2).parquet(src)
+    before = cpu_seconds()
     q = build(df).option("checkpointLocation", ckpt).trigger(availableNow=True).start()
     q.awaitTermination(timeout)
     if q.isActive:
         q.stop()
+    cpu = cpu_used(before, cpu_seconds())
     if q.exception() is not None:
         raise RuntimeError(str(q.exception())[:2000])
-    return [p for p in q.recentProgress if p["numInputRows"]]
+    return [p for p in q.recentProgress if p["numInputRows"]], cpu
 
 
-def figure(progress: list[dict], warmup: int = 1) -> dict:
+def figure(query: tuple[list[dict], dict[str, float]], warmup: int = 1) -> dict:
+    """``run_query``'s result as figures: rows/s (median of the measured batches), batch times, P1's
+    commit, ``durationMs``; ``cpu``: CPU seconds per batch by role, over all of the query's batches
+    (the warm-up batch included: the processes are sampled before and after the whole query)."""
+    progress, cpu = query
     measured = progress[warmup:] or progress
     rates = [p["numInputRows"] / max(p["durationMs"]["triggerExecution"], 1) * 1000 for p in measured]
     commit = [op.get("commitTimeMs", 0) for p in measured for op in p.get("stateOperators", [])]
@@ -118,7 +173,17 @@ def figure(progress: list[dict], warmup: int = 1) -> dict:
             "batch_ms": statistics.median(p["durationMs"]["triggerExecution"] for p in measured) if measured else 0,
             "commit_ms": statistics.median(commit) if commit else None,
             "duration_ms": {k: statistics.median(p["durationMs"].get(k, 0) for p in measured)
-                            for k in measured[0]["durationMs"]} if measured else {}}
+                            for k in measured[0]["durationMs"]} if measured else {},
+            "cpu": {role: t / len(progress) for role, t in cpu.items()} if progress else {}}
+
+
+def cpu_text(cpu: dict[str, float]) -> str:
+    """``cpu`` (seconds per batch by role) as ``4.21 (jvm 2.90, python 0.48, daemon 0.61, driver 0.22)``."""
+    if not cpu:
+        return "-"
+    order = ("jvm", "python", "daemon", "redis", "driver")
+    parts = ", ".join(f"{r} {cpu[r]:.2f}" for r in order if cpu.get(r, 0) >= 0.005)
+    return f"{sum(cpu.values()):.2f} ({parts})"
 
 
 def merge_repeats(results: list[dict]) -> list[dict]:
@@ -142,6 +207,8 @@ def merge_repeats(results: list[dict]) -> list[dict]:
                  ref_name=peer)
         cms = [r["commit_ms"] for r in rs if r.get("commit_ms") is not None]
         m["commit_ms"] = statistics.median(cms) if cms else None
+        cpus = [r["cpu"] for r in rs if r.get("cpu")]
+        m["cpu"] = {role: statistics.fmean(c.get(role, 0.0) for c in cpus) for role in {x for c in cpus for x in c}}
         if any(r.get("per_batch") for r in rs):  # the split below: every run's batches
             m["per_batch"] = [b for r in rs for b in r.get("per_batch", ())]
         out.append(m)
@@ -208,9 +275,10 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None, mater
         op = StatefulOperator("file://" + root, "w", ["key"], processor, OUT, 2, 4096, socket_path=sock,
                               fence_timeout=120, pre_aggregate=pre_aggregate, materialize=materialize)
         sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
-        prog = run_query(spark, src, os.path.join(work, "ckpt"),
-                         lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
-        fig = figure(prog)
+        query = run_query(spark, src, os.path.join(work, "ckpt"),
+                          lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
+        fig = figure(query)
+        prog = query[0]
         hist = op.history[1:] or op.history
         fig["commit_ms"] = statistics.median(p.fence * 1000 for p in hist) if hist else None
         fig["phases"] = {ph: round(statistics.median(getattr(p, ph) for p in hist) * 1000) for ph in
@@ -246,13 +314,13 @@ def p1(spark, src, work, oracle, timeout, rocksdb: bool):
         spark.conf.set(k, v)
     ckpt = os.path.join(work, "ckpt")
     try:
-        prog = run_query(spark, src, ckpt, lambda df: df.groupBy("key").agg(F.count("*").alias("count"),
-                                                                           F.sum("value").alias("sum"))
-                         .writeStream.outputMode("update").format("noop"), timeout)
+        query = run_query(spark, src, ckpt, lambda df: df.groupBy("key").agg(F.count("*").alias("count"),
+                                                                            F.sum("value").alias("sum"))
+                          .writeStream.outputMode("update").format("noop"), timeout)
     finally:
         spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
         spark.conf.unset("spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled")
-    fig = figure(prog)
+    fig = figure(query)
     try:
         st = spark.read.format("statestore").load(ckpt).select("value.*").agg(
             F.count("*").alias("n"), F.sum("count").alias("c"), F.sum("sum").alias("s")).collect()[0]
@@ -278,12 +346,12 @@ def p2(spark, src, work, timeout):
     spark.conf.set("spark.sql.streaming.stateStore.providerClass",
                    "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
     try:
-        prog = run_query(spark, src, os.path.join(work, "ckpt"), lambda df: df.groupBy("key").applyInPandasWithState(
+        query = run_query(spark, src, os.path.join(work, "ckpt"), lambda df: df.groupBy("key").applyInPandasWithState(
             fn, OUT, "count long, sum long", "Update", GroupStateTimeout.NoTimeout).writeStream.outputMode("update")
             .format("noop"), timeout)
     finally:
         spark.conf.unset("spark.sql.streaming.stateStore.providerClass")
-    fig = figure(prog)
+    fig = figure(query)
     fig["correct"] = "unchecked (bounded run)"
     return fig
 
@@ -428,8 +496,8 @@ def p4(spark, src, work, oracle, timeout):
         def batch(df, batch_id):
             df.repartition(2, "key").mapInArrow(part, OUT).write.format("noop").mode("overwrite").save()
 
-        prog = run_query(spark, src, os.path.join(work, "ckpt"), lambda df: df.writeStream.foreachBatch(batch), timeout)
-        fig = figure(prog)
+        fig = figure(run_query(spark, src, os.path.join(work, "ckpt"), lambda df: df.writeStream.foreachBatch(batch),
+                               timeout))
         c = s = 0
         keys = list(r.scan_iter(count=50000))
         n = len(keys)
@@ -558,7 +626,7 @@ def main() -> int:
             print(f"  {name:28s} {fig['rows_s']:>12,.0f} rows/s  ({fig.get('batches', 0)} batches, "
                   f"median {fig.get('batch_ms', 0):,.0f} ms, correct={fig.get('correct')}, "
                   f"wall {fig['wall']:.0f}s) {fig.get('phases', '')} tasks {fig.get('task_ms', '')} {fig.get('error', '')}"
-                  f"\n    durationMs {fig.get('duration_ms', '')}",
+                  f"\n    durationMs {fig.get('duration_ms', '')}\n    CPU s per batch {cpu_text(fig.get('cpu', {}))}",
                   flush=True)
             shutil.rmtree(d, ignore_errors=True)
         shutil.rmtree(src, ignore_errors=True)
@@ -587,8 +655,9 @@ def main() -> int:
     print()
     print(f"workload W: B={rows:,} rows/batch, 1 warm-up + {measured} measured batches (P2: {p2_rows:,} rows/batch, "
           f"1 + 2), local[2], 2 state partitions; JVM warmed by {a.warmup_rounds} discarded round(s) of every peer")
-    print("| K | peer | rows/s | × P1 hdfs | × P4 | × P2 | batch ms | commit/fence ms | checkpoint | correct |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| K | peer | rows/s | × P1 hdfs | × P4 | × P2 | batch ms | commit/fence ms | CPU s per batch | checkpoint "
+          "| correct |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for K in keys:
         by = {r.get("ref_name", r["peer"]): r for r in results if r["K"] == K}
         ref1 = by.get("P1 hdfs (default)", {}).get("rows_s") or 0
@@ -601,7 +670,8 @@ def main() -> int:
             cm = r.get("commit_ms")
             print(f"| {K:,} | {r['peer']} | {rs:,.0f} | {rs / ref1 if ref1 else 0:.2f} | {rs / ref4 if ref4 else 0:.2f} "
                   f"| {rs / ref2 if ref2 else 0:.1f} | {r.get('batch_ms', 0):,.0f} | "
-                  f"{'-' if cm is None else f'{cm:,.0f}'} | {ckpt} | {r.get('correct', r.get('error'))} |")
+                  f"{'-' if cm is None else f'{cm:,.0f}'} | {cpu_text(r.get('cpu', {}))} | {ckpt} "
+                  f"| {r.get('correct', r.get('error'))} |")
     split_of = {"ours vectorized + JVM pre-agg": "Spark floor, pre-aggregated input (no state)",
                 "ours vectorized + JVM pre-agg, sink job": "Spark floor, pre-aggregated input (no state)",
                 "ours vectorized": "Spark floor, vectorized input (no state)",
