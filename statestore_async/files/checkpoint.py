@@ -65,6 +65,10 @@ FORMAT_VERSION = 1
 KIND_CODES = {DELTA: 1, SNAPSHOT: 2}
 KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
 CODECS = {"none": blockcodec.CODEC_NONE, "zstd": blockcodec.CODEC_ZSTD}
+#: The zstd level of the files' blocks. Level 1 measured both faster and smaller than 3 on records
+#: of workload W's shape in the <= 64 KiB blocks files are cut into (``benchmarks/bench_encode.py``;
+#: docs/ARCHITECTURE.md). Files of any level read the same.
+ZSTD_LEVEL = 1
 FOOTER_MARK = b"\xf0\x07"
 
 _HEAD = struct.Struct("<4sHBBIQ")  # magic, format, kind, reserved, json length, json checksum
@@ -218,7 +222,7 @@ class CheckpointWriter:
         lineage: Iterable[CheckpointRef],
         *,
         codec: str = "zstd",
-        level: int = 3,
+        level: int = ZSTD_LEVEL,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
     ):
         if kind not in KIND_CODES:
@@ -384,7 +388,7 @@ class CheckpointWriter:
         return parts
 
 
-def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = 3, block_bytes: int | None = None,
+def encode_delta(delta: Delta, *, codec: str = "zstd", level: int = ZSTD_LEVEL, block_bytes: int | None = None,
                  threads: bool = True) -> bytes:
     """The delta file of an engine ``Delta``: its records in key order, written straight from its
     table (``Table.freeze``), blocks compressed in parallel threads unless ``threads``
@@ -447,7 +451,7 @@ def write_flushed(path: str, store_id: StoreId, ref: CheckpointRef, changes: Pac
     return size
 
 
-def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = 3, block_bytes: int | None = None,
+def snapshot_steps(view: FrozenView, *, codec: str = "zstd", level: int = ZSTD_LEVEL, block_bytes: int | None = None,
                    ) -> Iterator[list[bytes] | None]:
     """Write the snapshot of a frozen engine view in small steps.
 
