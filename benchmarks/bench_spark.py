@@ -108,23 +108,36 @@ ROLES = (("daemon", "statestore_async.cli serve"), ("python", "pyspark.daemon"),
 
 
 def cpu_seconds() -> dict[int, tuple[str, float]]:
-    """pid -> (role, CPU seconds so far: user + system, every thread) of the processes a run uses:
-    this process (``driver``), Spark's JVM (``jvm``), PySpark's Python workers (``python``), our
-    daemon (``daemon``), P4's ``redis``. From /proc (Linux; empty elsewhere)."""
+    """pid -> (role, CPU seconds so far: user + system, every thread) of this process (``driver``)
+    and the processes it started, directly or not: Spark's JVM (``jvm``), PySpark's Python workers
+    (``python``), our daemon (``daemon``), P4's ``redis``. From /proc (Linux; empty elsewhere)."""
     tick = os.sysconf("SC_CLK_TCK")
     me = os.getpid()
-    out: dict[int, tuple[str, float]] = {}
+    seen: dict[int, tuple[int, bytes, float]] = {}  # pid -> (parent, command line, CPU seconds)
     for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
         if not name.isdigit():
             continue
-        pid = int(name)
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{pid}/stat") as f:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{name}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
+        seen[int(name)] = (int(fields[1]), cmdline, (int(fields[11]) + int(fields[12])) / tick)
+
+    def ours(pid: int) -> bool:
+        while pid > 1 and pid in seen:
+            if pid == me:
+                return True
+            pid = seen[pid][0]
+        return False
+
+    out: dict[int, tuple[str, float]] = {}
+    for pid, (_, cmdline, t) in seen.items():
+        if not ours(pid):
+            continue
+        argv = cmdline.split(b"\0")
         cmd = b" ".join(argv).decode(errors="replace")
         if pid == me:
             role = "driver"
@@ -133,7 +146,7 @@ def cpu_seconds() -> dict[int, tuple[str, float]]:
         else:
             role = next((r for r, needle in ROLES if needle in cmd), "")
         if role:
-            out[pid] = (role, (int(fields[11]) + int(fields[12])) / tick)
+            out[pid] = (role, t)
     return out
 
 
