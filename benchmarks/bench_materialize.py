@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from bench_spark import cpu_seconds, cpu_used
+from local_spark import local_session
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -55,18 +56,12 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000, help="rows per batch")
     ap.add_argument("--repeat", type=int, default=7, help="measured batches per way (one more discarded)")
     a = ap.parse_args()
-    os.environ["PYSPARK_PYTHON"] = sys.executable
+    work = tempfile.mkdtemp(prefix="bench-materialize-")
+    spark = local_session("bench_materialize", work)
     from pyspark import StorageLevel
-    from pyspark.sql import SparkSession
 
     from statestore_async.spark.operator import materialize_cache, materialize_checkpoint
 
-    work = tempfile.mkdtemp(prefix="bench-materialize-")
-    spark = (SparkSession.builder.master("local[2]").appName("bench_materialize").config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
-             .getOrCreate())
     try:
         rng = np.random.default_rng(1)
         os.makedirs(f"{work}/in")

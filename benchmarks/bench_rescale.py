@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from bench_spark import run_query
+from local_spark import local_session
 
 OUT = "key string, count bigint, sum bigint"
 G = 4096
@@ -116,9 +117,6 @@ def main() -> int:
     charts.add_chart_args(ap, "bench_rescale")
     a = ap.parse_args()
     n0, n1 = a.from_partitions, a.to_partitions
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     from statestore_async.files.repartition import repartition
@@ -127,12 +125,7 @@ def main() -> int:
     from statestore_async.spark.examples import VectorizedCountSum
 
     work = tempfile.mkdtemp(prefix="bench-rescale-")
-    spark = (SparkSession.builder.master("local[2]").appName("bench_rescale").config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session("bench_rescale", work)
     sockdir = tempfile.mkdtemp(prefix="ssr-", dir="/tmp")
     sock = os.path.join(sockdir, "d.sock")
     placement.start_daemon(sock, args=["--log-level", "warning"])

@@ -55,6 +55,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import charts
+from local_spark import local_session
 
 from statestore_async.testing import sessions as S
 
@@ -208,17 +209,8 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown peers {unknown}; choose from {sorted(PEERS)}")
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
     work = tempfile.mkdtemp(prefix="bench-sessions-")
-    spark = (SparkSession.builder.master("local[2]").appName("bench_sessions").config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session("bench_sessions", work)
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(S)  # the workers import it by value (no install needed)

@@ -75,6 +75,7 @@ import charts
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from local_spark import local_session
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -569,19 +570,8 @@ def main() -> int:
             print(f"# {exc}: P4 is not run", file=sys.stderr, flush=True)
             peers.remove("p4")
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark.sql import SparkSession
-
     work = tempfile.mkdtemp(prefix="bench-spark-")
-    builder = (SparkSession.builder.master("local[2]").appName("bench_spark").config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", "8g").config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp")))
-    for key, value in confs:
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session("bench_spark", work, conf=confs)
     from pyspark.sql import functions as F
 
     from statestore_async.spark.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum

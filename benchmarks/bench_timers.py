@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+from local_spark import local_session
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 BASE_MS = 2_000_000_000_000        # key i's timer is at BASE_MS + i
@@ -166,18 +168,9 @@ def main() -> int:
     if any(round(k * sum(FRACTIONS)) * a.repeat + a.rows >= k for k in sizes):
         ap.error("too few keys for the cases: the measured batches would fire the timers of the keys with rows")
 
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
-
     work = tempfile.mkdtemp(prefix="bench-timers-")
-    spark = (SparkSession.builder.master("local[2]").appName("bench_timers").config("spark.ui.enabled", "false")
-             .config("spark.driver.memory", "4g").config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.sql.shuffle.partitions", "2")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.local.dir", os.path.join(work, "tmp"))
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_session("bench_timers", work, driver_memory="4g")
+    from pyspark import cloudpickle
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers get the processors by value
     results = []
     try:
