@@ -18,6 +18,12 @@ import uuid
 from typing import Self
 
 ACCESS_KEY = "statestore-test"
+# SeaweedFS keeps each bucket's objects in a volume of its own and by default caps the volumes at
+# free disk / volume size (1 GiB in ``weed mini``): ~60 written buckets on a disk with 60 GB free,
+# fewer on a fuller one, after which every write to a new bucket fails ("No writable volumes and no
+# free volumes left", an InternalError to the client, so uploads retry until their deadline). The
+# volumes are not preallocated, so a fixed high cap costs nothing until used.
+MAX_VOLUMES = 4000
 SECRET_KEY = "statestore-test-secret"
 
 
@@ -99,7 +105,8 @@ class SeaweedFS:
         cmd = [weed_binary(), f"-logdir={d}/logs", "mini", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-s3.port={self.port}", f"-s3.config={config}", "-admin.ui=false", "-webdav=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false", f"-s3.localSocket={d}/s3.sock",
-               f"-filer.localSocket={d}/filer.sock", "-metricsPort=0"] + [f"-{k}={v}" for k, v in ports.items()]
+               f"-filer.localSocket={d}/filer.sock", "-metricsPort=0", f"-volume.max={MAX_VOLUMES}",
+               ] + [f"-{k}={v}" for k, v in ports.items()]
         env = dict(os.environ, GOMEMLIMIT=self.memory_limit)
         self._log = open(os.path.join(d, "weed.out"), "wb")  # noqa: SIM115 - the server's log while it runs; stop() closes it
         # a session of its own (signals to the test's process group do not hit it), but it dies with
