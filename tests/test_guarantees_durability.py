@@ -496,3 +496,22 @@ async def test_a_cancelled_multipart_upload_is_aborted(proxy, seaweedfs, s3, s3_
         with pytest.raises(asyncio.CancelledError):
             await task
     assert not s3.list_multipart_uploads(Bucket=s3_bucket, Prefix="ckpt/").get("Uploads")
+
+
+def test_selftest_says_what_the_uploads_do_when_a_version_is_not_durable(daemon_process, aws_env):
+    """The object store's endpoint does not answer (nothing listens there): uploads are retried
+    (not a degraded root), so the Helm test's selftest waits out its timeout; it then exits 1 and
+    says what the daemon's uploads are doing and where to read the object store's answers, not
+    only "not durable"."""
+    from statestore_async.testing.seaweedfs import _free_port
+
+    endpoint = f"http://127.0.0.1:{_free_port()}"
+    d = daemon_process(*s3_args(endpoint, "--drain-timeout", "1"))
+    r = subprocess.run([sys.executable, "-m", "statestore_async.cli", "selftest", "--socket", d.socket,
+                        "--root", "s3://nobody-answers/ckpt", "--timeout", "3"],
+                       env=dict(os.environ, STATESTORE_S3_ENDPOINT_URL=endpoint, STATESTORE_S3_REGION="us-east-1"),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r
+    said = re.search(r"was not durable within 3.0s \(the daemon's uploads: (\d+) waiting or in flight, \d+ attempts "
+                     r"failed and retried, 0 durable\); its log names each failed attempt", r.stderr)
+    assert said and int(said.group(1)) >= 1, r.stderr

@@ -164,7 +164,12 @@ def selftest(socket_path: str | None, root: str, timeout: float) -> None:
         if got != [value, None]:
             raise StateStoreError(f"read back {got!r}, expected {[value, None]!r}")
         if not client.await_durable(store_id, ref, timeout):
-            raise StateStoreError(f"checkpoint {ref} was not durable within {timeout}s")
+            up = client.stats().get("uploader", {})
+            pending = sum(n for state, n in up.get("states", {}).items() if state in ("queued", "uploading"))
+            raise StateStoreError(
+                f"checkpoint {ref} was not durable within {timeout}s (the daemon's uploads: {pending} waiting or "
+                f"in flight, {up.get('retries', '?')} attempts failed and retried, {up.get('durable', '?')} durable); "
+                "its log names each failed attempt and the object store's answer")
         click.echo(f"ok: {path} served a round trip on {store_id} ({ref})")
     except (StateStoreError, OSError) as exc:
         click.echo(f"selftest failed: {path}: {type(exc).__name__}: {exc}", err=True)
@@ -185,9 +190,11 @@ def _cleanup(store_id: StoreId, refs: list[CheckpointRef], file_key: Callable[[S
 
     async def go() -> None:
         try:
-            s3 = load_config().s3_options()
+            s3: dict[str, Any] = load_config().s3_options()
         except Exception:  # no readable daemon config here: the AWS chain's defaults
-            s3 = None
+            s3 = {}
+        # best effort: a few seconds, not the daemon's patient retries, when the root does not answer
+        s3.update(max_attempts=2, connect_timeout=2.0, read_timeout=10.0)
         store = open_object_store(store_id.root, s3_options=s3)
         try:
             for ref in refs:
