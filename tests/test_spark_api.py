@@ -397,6 +397,48 @@ def test_output_is_computed_once_and_released(spark, daemon, tmp_path, materiali
         assert not list((tmp_path / "out").iterdir())
 
 
+@pytest.mark.spark
+def test_the_stateful_stage_runs_without_sparks_per_row_arrow_byte_check_unless_asked(spark, daemon, tmp_path):
+    """spark.sql.execution.arrow.maxBytesPerBatch while the stage runs (seen from a
+    materialize="none" sink, which runs inside it) and after (from a "checkpoint" sink, which runs
+    after it): no byte cap by default, the session's own when it sets one, the operator's when given;
+    the session's setting is as before once the batch is over. A cap of one byte (an Arrow batch per
+    row) gives the same state and output."""
+    from statestore_async.spark.operator import ARROW_BYTES_UNLIMITED, ARROW_MAX_BYTES_KEY
+
+    def run(name, materialize, **kw):
+        op = StatefulOperator(f"file://{tmp_path}/{name}", name, ["key"], CountSum(), OUT, 2, 16,
+                              socket_path=daemon.socket, materialize=materialize, **kw)
+        seen = {}
+
+        def sink(df, b):
+            seen["cap"] = spark.conf.get(ARROW_MAX_BYTES_KEY, None)
+            seen["rows"] = sorted(tuple(r) for r in df.collect())
+
+        for b in range(2):
+            op.process_batch(spark.createDataFrame([(f"k{i % 7}", i) for i in range(70)], "key string, value bigint"),
+                             b, sink)
+        return seen
+
+    expected = [(f"k{j}", 20, 2 * sum(range(j, 70, 7))) for j in range(7)]
+    assert spark.conf.get(ARROW_MAX_BYTES_KEY, None) is None
+    assert run("a", "none") == {"cap": str(ARROW_BYTES_UNLIMITED), "rows": expected}
+    assert spark.conf.get(ARROW_MAX_BYTES_KEY, None) is None
+    assert run("b", "checkpoint") == {"cap": None, "rows": expected}
+    assert run("c", "none", arrow_max_bytes_per_batch=1) == {"cap": "1", "rows": expected}
+    spark.conf.set(ARROW_MAX_BYTES_KEY, "1048576")
+    try:
+        assert run("d", "none")["cap"] == "1048576"
+        assert run("e", "none", arrow_max_bytes_per_batch=4096)["cap"] == "4096"
+        assert run("f", "checkpoint", arrow_max_bytes_per_batch=4096)["cap"] == "1048576"
+        assert spark.conf.get(ARROW_MAX_BYTES_KEY) == "1048576"
+    finally:
+        spark.conf.unset(ARROW_MAX_BYTES_KEY)
+    for bad in (0, -1, True, 1.5, ARROW_BYTES_UNLIMITED + 1):
+        with pytest.raises(errors.InterfaceError, match="arrow_max_bytes_per_batch"):
+            StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 2, arrow_max_bytes_per_batch=bad)
+
+
 def test_faults_need_the_testing_hook_maker(tmp_path):
     """Without faults every hook point is a no-op; faults need ``statestore_async.testing.faults``
     installed, whose hook pickles by reference (Spark's workers import it) and fires only where armed."""
