@@ -144,14 +144,16 @@ def spark_floor(spark, src: str, work: str, timeout: int) -> dict:
     output to materialize: a bound no version of ours can pass."""
     import pyarrow as pa
 
+    from statestore_async.spark.operator import arrow_batch_bytes
     from statestore_async.spark.routing import with_routing
 
     def count(batches):
         yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
 
     def sink(df, batch_id):
-        (with_routing(df, ["user"], 2, 4096, columns=["user", "et"]).mapInArrow(count, "n long")
-         .write.format("noop").mode("overwrite").save())
+        with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
+            (with_routing(df, ["user"], 2, 4096, columns=["user", "et"]).mapInArrow(count, "n long")
+             .write.format("noop").mode("overwrite").save())
 
     fig = figure(run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), sink, timeout))
     fig["out"] = None

@@ -375,6 +375,7 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
     aggregation in the same harness ("jvm"); see the module docstring."""
     from pyspark.sql import functions as F
 
+    from statestore_async.spark.operator import arrow_batch_bytes
     from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 
     def count(batches):
@@ -392,7 +393,8 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
             routed = df.groupBy("key").agg(*aggs)
         else:
             routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
-        routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
+        with arrow_batch_bytes(spark, None):  # as the operator runs its stage
+            routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
         times.append(time.perf_counter() - t)
     measured = times[1:] or times
     ms = statistics.median(measured) * 1000
@@ -410,6 +412,7 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
 
     from statestore_async.spark import StatefulOperator, placement
     from statestore_async.spark.examples import PreAggregatedCountSum
+    from statestore_async.spark.operator import arrow_batch_bytes
     from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
@@ -423,7 +426,8 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
     def floor(i: int) -> tuple[float, None]:
         t = time.perf_counter()
         routed = with_routing(read(i), ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs())
-        routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
+        with arrow_batch_bytes(spark, None):  # as the operator runs its stage
+            routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
         return (time.perf_counter() - t) * 1000, None
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
