@@ -30,6 +30,9 @@ Not run unless named in ``--peers``: ``floor-vec`` and ``floor-pre``, Spark's pa
 alone — each batch's files read as a static DataFrame, our routing shuffle (``floor-pre``: and the
 pre-aggregation), handed to a Python function that only counts the rows, noop write. No state, no
 streaming bookkeeping: a bound that neither ``ours vectorized`` nor ``ours … pre-agg`` can pass.
+``floor-pre-out``: ``floor-pre`` whose Python function returns its rows (one per key, the schema of
+ours: key, count, sum), so Spark also carries the output back from Python to the JVM as it does for
+ours — the tighter bound for ``ours … pre-agg``.
 A floor peer may be named twice (``--peers floor-pre,ours-pre,floor-pre,p1``: before and after ours,
 against the machine's drift); the split below takes the median of all its measured batches.
 Any other peer may be named more than once too (``--peers ours-vec,p1,p1,ours-vec``): the order of
@@ -42,7 +45,8 @@ With a floor peer beside ours, each of our measured batches is printed split: th
 ``addBatch``: offsets, WAL, commit log — P1 pays it too), and ours over the floor (``addBatch`` less
 the floor: our own time per batch — planning, the tasks' state work and commit, fence, manifest,
 the sink's job), beside ``foreachBatch``'s phases (with ``materialize="none"`` the sink's job is in
-``compute``, and ``sink`` is its part of it).
+``compute``, and ``sink`` is its part of it); with P1 in the run, then the most that peer could reach
+if our own time were nothing (P1's batch over the floor plus the bookkeeping).
 ``--split`` measures that figure without the streaming query's noise: each batch's files go, back
 to back in a shuffled order, through ``floor-pre`` and through ours with ``pre_aggregate`` called
 directly (``process_batch`` on the same static DataFrame, noop sink; ``materialize`` "checkpoint"
@@ -381,20 +385,26 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
     def count(batches):
         yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
 
+    def rows_out(batches):  # one output row per key, as ours returns for W: Arrow back to the JVM
+        for b in batches:
+            yield pa.RecordBatch.from_arrays([b.column("key"), b.column("n"), b.column("s")],
+                                             names=["key", "count", "sum"])
+
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
     aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
     times = []
     for i in range(0, len(files), 2):  # a micro-batch is 2 files (maxFilesPerTrigger)
         t = time.perf_counter()
         df = spark.read.schema("key string, value bigint").parquet(*files[i:i + 2])
-        if plan == "pre":
+        if plan in ("pre", "pre-out"):
             routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
         elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
             routed = df.groupBy("key").agg(*aggs)
         else:
             routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
         with arrow_batch_bytes(spark, None):  # as the operator runs its stage
-            routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
+            out = routed.mapInArrow(rows_out, OUT) if plan == "pre-out" else routed.mapInArrow(count, "n long")
+            out.write.format("noop").mode("overwrite").save()
         times.append(time.perf_counter() - t)
     measured = times[1:] or times
     ms = statistics.median(measured) * 1000
@@ -585,6 +595,7 @@ def main() -> int:
               "p1": "P1 hdfs (default)", "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
               "p4": "P4 redis pre-aggregated", "floor-vec": "Spark floor, vectorized input (no state)",
               "floor-pre": "Spark floor, pre-aggregated input (no state)",
+              "floor-pre-out": "Spark floor, pre-aggregated input, rows out (no state)",
               "floor-jvm": "Spark floor, Spark's own aggregation (no state)"}
     unknown = [p for p in peers if p not in wanted]
     if unknown:
@@ -616,6 +627,8 @@ def main() -> int:
             "P4 redis pre-aggregated": lambda d: p4(spark, src, d, oracle, a.timeout),
             "Spark floor, vectorized input (no state)": lambda d: spark_floor(spark, src, batch_rows, "vec"),
             "Spark floor, pre-aggregated input (no state)": lambda d: spark_floor(spark, src, batch_rows, "pre"),
+            "Spark floor, pre-aggregated input, rows out (no state)":
+                lambda d: spark_floor(spark, src, batch_rows, "pre-out"),
             "Spark floor, Spark's own aggregation (no state)": lambda d: spark_floor(spark, src, batch_rows, "jvm"),
         }
         out = []
@@ -679,13 +692,14 @@ def main() -> int:
                   f"| {rs / ref2 if ref2 else 0:.1f} | {r.get('batch_ms', 0):,.0f} | "
                   f"{'-' if cm is None else f'{cm:,.0f}'} | {cpu_text(r.get('cpu', {}))} | {ckpt} "
                   f"| {r.get('correct', r.get('error'))} |")
-    split_of = {"ours vectorized + JVM pre-agg": "Spark floor, pre-aggregated input (no state)",
-                "ours vectorized + JVM pre-agg, sink job": "Spark floor, pre-aggregated input (no state)",
-                "ours vectorized": "Spark floor, vectorized input (no state)",
-                "ours vectorized, sink job": "Spark floor, vectorized input (no state)"}
+    pre, pre_out, vec = ("Spark floor, pre-aggregated input (no state)",
+                         "Spark floor, pre-aggregated input, rows out (no state)", "Spark floor, vectorized input (no state)")
+    split_of = [("ours vectorized + JVM pre-agg", pre), ("ours vectorized + JVM pre-agg, sink job", pre),
+                ("ours vectorized + JVM pre-agg", pre_out), ("ours vectorized + JVM pre-agg, sink job", pre_out),
+                ("ours per-key", vec), ("ours vectorized", vec), ("ours vectorized, sink job", vec)]
     for K in keys:
         by = {r.get("ref_name", r["peer"]): r for r in results if r["K"] == K}
-        for ours_name, floor_name in split_of.items():
+        for ours_name, floor_name in split_of:
             o = by.get(ours_name)
             floors = [t for r in results if r["K"] == K and r["peer"] == floor_name for t in r.get("batch_times", ())]
             if not o or not o.get("per_batch") or not floors:
@@ -702,6 +716,11 @@ def main() -> int:
             for i, row in enumerate(rows, 1):
                 print(f"| {i} | " + " | ".join(f"{v:,.0f}" for v in row) + " |")
             print("| median | " + " | ".join(f"{statistics.median(col):,.0f}" for col in zip(*rows)) + " |")
+            p1_ms = by.get("P1 hdfs (default)", {}).get("batch_ms")
+            if p1_ms:  # what this peer could reach if our own time per batch were nothing
+                bound = floor + statistics.median(row[1] for row in rows)
+                print(f"With no time of ours at all, a batch would take the floor plus the bookkeeping: {bound:,.0f} ms, "
+                      f"at most {p1_ms / bound:.2f}× P1 hdfs (its batch {p1_ms:,.0f} ms in this run).")
     if charts.chart_path(a):
         by_k = {K: {r.get("ref_name", r["peer"]): r["rows_s"] or None for r in results if r["K"] == K} for K in keys}
         names = list(dict.fromkeys(r.get("ref_name", r["peer"]) for r in results))
