@@ -48,10 +48,10 @@ the sink's job), beside ``foreachBatch``'s phases (with ``materialize="none"`` t
 ``compute``, and ``sink`` is its part of it); with P1 in the run, then the most that peer could reach
 if our own time were nothing (P1's batch over the floor plus the bookkeeping).
 ``--split`` measures that figure without the streaming query's noise: each batch's files go, back
-to back in a shuffled order, through ``floor-pre`` and through ours with ``pre_aggregate`` called
+to back in a shuffled order, through ``floor-pre-out`` and through ours with ``pre_aggregate`` called
 directly (``process_batch`` on the same static DataFrame, noop sink; ``materialize`` "checkpoint"
 and "none"), and each of ours is taken less that batch's floor; it prints those per batch, their
-medians and our phases (no P1: it has no static form).
+medians, our phases and the CPU seconds per batch each took by process (no P1: it has no static form).
 ``floor-jvm``: the same harness with Spark's own ``groupBy(key).agg(count, sum)`` in place of our
 routing — Spark aggregates each input task's rows before one shuffle by its hash of the key, as
 P1 does; our routing by key group has to shuffle every row first. ``floor-jvm`` over ``floor-pre``
@@ -413,9 +413,10 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
 
 
 def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
-    """``--split``: per batch, the pre-aggregated floor and ours (``process_batch`` on the same static
-    batch, noop sink) for each materialize mode, back to back in a shuffled order; prints ours less
-    the floor per batch and the medians (see the module docstring)."""
+    """``--split``: per batch, the pre-aggregated floor with its rows out (``floor-pre-out``) and
+    ours (``process_batch`` on the same static batch, noop sink) for each materialize mode, back to
+    back in a shuffled order; prints ours less the floor per batch and the medians, and the CPU
+    seconds each took by process (see the module docstring)."""
     import random
 
     from pyspark.sql import functions as F
@@ -430,14 +431,16 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
     read = lambda i: spark.read.schema("key string, value bigint").parquet(*files[2 * i:2 * i + 2])
     sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
 
-    def count(parts):
-        yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in parts)]})
+    def rows_out(parts):  # one row per key back to the JVM, as ours returns
+        for b in parts:
+            yield pa.RecordBatch.from_arrays([b.column("key"), b.column("n"), b.column("s")],
+                                             names=["key", "count", "sum"])
 
     def floor(i: int) -> tuple[float, None]:
         t = time.perf_counter()
         routed = with_routing(read(i), ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs())
         with arrow_batch_bytes(spark, None):  # as the operator runs its stage
-            routed.mapInArrow(count, "n long").write.format("noop").mode("overwrite").save()
+            routed.mapInArrow(rows_out, OUT).write.format("noop").mode("overwrite").save()
         return (time.perf_counter() - t) * 1000, None
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
@@ -453,13 +456,18 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
             prog = op.process_batch(read(i), i, sink)
             return (time.perf_counter() - t) * 1000, prog
 
+        def measured(run, i: int):
+            before = cpu_seconds()
+            ms, prog = run(i)
+            return ms, prog, cpu_used(before, cpu_seconds())
+
         runs = {"floor": floor, **{m: (lambda i, op=op: ours(op, i)) for m, op in ops.items()}}
         rng = random.Random(seed)
         got: dict[str, list] = {k: [] for k in runs}
         for i in range(batches):
             order = list(runs)
             rng.shuffle(order)
-            row = {k: runs[k](i) for k in order}
+            row = {k: measured(runs[k], i) for k in order}
             if i == 0:  # the first batch of each (a cold state, the plans' first run) is not measured
                 continue
             for k, v in row.items():
@@ -467,22 +475,27 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
     finally:
         placement.stop_daemon(sock)
         shutil.rmtree(sockdir, ignore_errors=True)
-    fl = [ms for ms, _ in got["floor"]]
+    fl = [ms for ms, _, _ in got["floor"]]
+
+    def cpu(k: str) -> str:
+        roles = sorted({r for _, _, c in got[k] for r in c})
+        return ", ".join(f"{r} {statistics.median(c.get(r, 0.0) for _, _, c in got[k]):.2f}" for r in roles)
+
     print(f"\n--split: ours (pre_aggregate, process_batch on static batches, noop sink) less the pre-aggregated floor "
-          f"on the same batch, ms; {len(fl)} batches, floor median {statistics.median(fl):,.0f} ms, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+          f"with its rows out on the same batch, ms; {len(fl)} batches, floor median {statistics.median(fl):,.0f} ms "
+          f"(CPU s per batch: {cpu('floor')}), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("| materialize | ours over floor (median) | min | max | batch | plan | compute (job) | fence | manifest "
-          "| sink | slower task: total / read / write |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| sink | slower task: total / read / write | CPU s per batch |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for mode in ops:
-        over = [ms - f for (ms, _), f in zip(got[mode], fl)]
-        progs = [p for _, p in got[mode]]
+        over = [ms - f for (ms, _, _), f in zip(got[mode], fl)]
+        progs = [p for _, p, _ in got[mode]]
         ph = {k: statistics.median(getattr(p, k) * 1000 for p in progs)
               for k in ("total", "plan", "compute", "fence", "manifest", "sink")}
         slow = [max(p.tasks.values(), key=lambda t: t.get("total", 0)) for p in progs]
         tk = "/".join(f"{statistics.median(t.get(k, 0) * 1000 for t in slow):.0f}" for k in ("total", "read", "write"))
         print(f"| {mode} | {statistics.median(over):,.0f} | {min(over):,.0f} | {max(over):,.0f} | "
-              + " | ".join(f"{ph[k]:,.0f}" for k in ph) + f" | {tk} |")
+              + " | ".join(f"{ph[k]:,.0f}" for k in ph) + f" | {tk} | {cpu(mode)} |")
 
 
 def p4(spark, src, work, oracle, timeout):
