@@ -374,9 +374,9 @@ def p2(spark, src, work, timeout):
     return fig
 
 
-def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
-    """Our operator's Spark side alone on each batch of ``src`` (``plan``: "vec", "pre"), or Spark's own
-    aggregation in the same harness ("jvm"); see the module docstring."""
+def floor_stage(df, plan: str) -> None:
+    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out"), or Spark's own
+    aggregation in the same harness ("jvm"), run as a noop write; see the module docstring."""
     from pyspark.sql import functions as F
 
     from statestore_async.spark.operator import arrow_batch_bytes
@@ -390,21 +390,25 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
             yield pa.RecordBatch.from_arrays([b.column("key"), b.column("n"), b.column("s")],
                                              names=["key", "count", "sum"])
 
-    files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
     aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
+    if plan in ("pre", "pre-out"):
+        routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
+    elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
+        routed = df.groupBy("key").agg(*aggs)
+    else:
+        routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
+    with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
+        out = routed.mapInArrow(rows_out, OUT) if plan == "pre-out" else routed.mapInArrow(count, "n long")
+        out.write.format("noop").mode("overwrite").save()
+
+
+def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
+    """``floor_stage`` on each batch of ``src``: its figure, from the batches after the first."""
+    files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
     times = []
     for i in range(0, len(files), 2):  # a micro-batch is 2 files (maxFilesPerTrigger)
         t = time.perf_counter()
-        df = spark.read.schema("key string, value bigint").parquet(*files[i:i + 2])
-        if plan in ("pre", "pre-out"):
-            routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
-        elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
-            routed = df.groupBy("key").agg(*aggs)
-        else:
-            routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
-        with arrow_batch_bytes(spark, None):  # as the operator runs its stage
-            out = routed.mapInArrow(rows_out, OUT) if plan == "pre-out" else routed.mapInArrow(count, "n long")
-            out.write.format("noop").mode("overwrite").save()
+        floor_stage(spark.read.schema("key string, value bigint").parquet(*files[i:i + 2]), plan)
         times.append(time.perf_counter() - t)
     measured = times[1:] or times
     ms = statistics.median(measured) * 1000
@@ -423,24 +427,15 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
 
     from statestore_async.spark import StatefulOperator, placement
     from statestore_async.spark.examples import PreAggregatedCountSum
-    from statestore_async.spark.operator import arrow_batch_bytes
-    from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
     aggs = lambda: [F.count("*").alias("n"), F.sum("value").alias("s")]
     read = lambda i: spark.read.schema("key string, value bigint").parquet(*files[2 * i:2 * i + 2])
     sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
 
-    def rows_out(parts):  # one row per key back to the JVM, as ours returns
-        for b in parts:
-            yield pa.RecordBatch.from_arrays([b.column("key"), b.column("n"), b.column("s")],
-                                             names=["key", "count", "sum"])
-
     def floor(i: int) -> tuple[float, None]:
         t = time.perf_counter()
-        routed = with_routing(read(i), ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs())
-        with arrow_batch_bytes(spark, None):  # as the operator runs its stage
-            routed.mapInArrow(rows_out, OUT).write.format("noop").mode("overwrite").save()
+        floor_stage(read(i), "pre-out")
         return (time.perf_counter() - t) * 1000, None
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
