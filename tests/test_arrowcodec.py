@@ -249,6 +249,31 @@ def test_group_encoded_agrees_with_the_model(ra, items, large):
     assert _groups_of(order, bounds[:g + 1]) == _model_groups(items)
 
 
+@pytest.mark.parametrize("distinct", [1, 2047, 2048, 2049, 40_000])
+def test_group_encoded_agrees_with_the_model_as_its_table_grows(ra, distinct):
+    # the table starts at 4096 slots and is rebuilt 4x larger when half full: around the first
+    # rebuild and across several, every group keeps its rows and its place
+    rng = np.random.default_rng(distinct)
+    items = [b"k%d" % i for i in rng.integers(0, distinct, 3 * distinct + 10)]
+    arr = pa.array(items, pa.binary())
+    _, width, _, offsets, data, _ = arrowcodec.descriptor(arr)
+    n = len(items)
+    order, bounds = np.full(n, -1, np.int64), np.full(n + 1, -1, np.int64)
+    g = ra.group_encoded(n, offsets, data, width, order, bounds)
+    assert _groups_of(order, bounds[:g + 1]) == _model_groups(items)
+
+
+@pytest.mark.parametrize("typ", [pa.string(), pa.large_string(), pa.binary(), pa.large_binary()])
+def test_group_of_one_string_column_uses_its_bytes_also_when_sliced_and_keeps_null_apart(typ):
+    values = ["b", "a", "", "b", None, "a", "", None, "ccc", "b"]
+    items = [v if v is None or typ in (pa.string(), pa.large_string()) else v.encode() for v in values]
+    whole = pa.array(items, typ)
+    for col in (whole, whole.slice(3), whole.slice(1, 6), pa.chunked_array([whole.slice(0, 4), whole.slice(4)]),
+                pa.array([v for v in items if v is not None], typ).slice(2)):
+        order, bounds = arrowcodec.group([col])
+        assert _groups_of(order, bounds) == _model_groups([valuecodec.encode_key((v,)) for v in col.to_pylist()])
+
+
 @pytest.mark.parametrize("n, offsets, data, width, room", [
     (1, b"\0\0\0\0\x09\0\0\0", b"abc", 4, (1, 2)),     # an item past the data
     (2, b"\0\0\0\0\x02\0\0\0\x01\0\0\0", b"abc", 4, (2, 3)),  # offsets that run backwards

@@ -12,8 +12,9 @@ The vectorized Spark path keeps keys and state as Arrow columns; the store holds
     The rows grouped by their values in ``columns``, equal as keys are (their ``encode_key`` bytes:
     -0.0 is 0.0, every NaN one value, null a value of its own): ``order`` (int64) lists the rows
     group by group, the groups in the order of their first row and a group's rows in their order;
-    group i is ``order[offsets[i]:offsets[i + 1]]``. One pass over the rows' encoded keys with a
-    hash table, then a counting sort (``group_encoded``). None when a column's type is not one
+    group i is ``order[offsets[i]:offsets[i + 1]]``. One pass over the rows' encoded keys (a lone
+    string or binary column without nulls: its own bytes) with a hash table, then a counting sort
+    (``group_encoded``). None when a column's type is not one
     handled below (the caller groups another way).
 ``decode_tuples(values, schema) -> pyarrow.Table``
     The rows of a binary array of encoded tuples (null: no row) as a table of ``schema``; an
@@ -150,9 +151,16 @@ def group(columns: Iterable[pa.Array | pa.ChunkedArray]) -> tuple[NDArray[np.int
     if not arrays or any(kind_of(a.type) is None for a in arrays):
         return None
     n = len(arrays[0])
-    keys = _array(encode_tuples(arrays, key=True))  # ValueError for columns of different lengths
+    one = arrays[0]
+    if len(arrays) == 1 and kind_of(one.type)[0] in ("s", "y") and not one.null_count:  # type: ignore[index]
+        # one string or binary key column without nulls: its values' bytes are as distinct as their
+        # encoded keys, so it is grouped as it is (no encoding: ~35 ns a row less)
+        keys = one
+    else:
+        keys = _array(encode_tuples(arrays, key=True))  # ValueError for columns of different lengths
     _, width, _, offsets, data, start = cast("ColumnDescriptor", descriptor(keys))
-    assert start == 0  # a fresh array
+    if start:  # a slice: its offsets from its first item's on
+        offsets = memoryview(cast("Buffer", offsets))[start * width:]
     order, bounds = np.empty(n, np.int64), np.empty(n + 1, np.int64)
     groups = group_encoded(n, cast("Buffer", offsets), cast("Buffer", data), width, order, bounds)
     return order, bounds[:groups + 1]
