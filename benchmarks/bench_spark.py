@@ -52,6 +52,9 @@ to back in a shuffled order, through ``floor-pre-out`` and through ours with ``p
 directly (``process_batch`` on the same static DataFrame, noop sink; ``materialize`` "checkpoint"
 and "none"), and each of ours is taken less that batch's floor; it prints those per batch, their
 medians, our phases and the CPU seconds per batch each took by process (no P1: it has no static form).
+``floor-per-key``: ``floor-vec`` whose Python function does what any per-key Python API must:
+groups the rows by key, makes them tuples, calls ``examples.CountSum``'s body once per key with a
+dict in place of the store, and returns one row per key — the bound for ``ours per-key``.
 ``floor-jvm``: the same harness with Spark's own ``groupBy(key).agg(count, sum)`` in place of our
 routing — Spark aggregates each input task's rows before one shuffle by its hash of the key, as
 P1 does; our routing by key group has to shuffle every row first. ``floor-jvm`` over ``floor-pre``
@@ -68,6 +71,7 @@ read back (ours: ``load_state``; P1: Spark's ``statestore`` reader; P4: Redis).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -374,8 +378,20 @@ def p2(spark, src, work, timeout):
     return fig
 
 
+_PER_KEY_STATE: dict = {}  # floor-per-key's state, in each Python worker (a floor: it need not be exact)
+
+
+def _count_sum(key, rows, state):
+    """``examples.CountSum.handle_rows`` with a dict in place of the store's ``ValueState``."""
+    count, total = state.get(key) or (0, 0)
+    count += len(rows)
+    total += sum(r[0] for r in rows)
+    state[key] = (count, total)
+    return ((*key, count, total),)
+
+
 def floor_stage(df, plan: str) -> None:
-    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out"), or Spark's own
+    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "per-key"), or Spark's own
     aggregation in the same harness ("jvm"), run as a noop write; see the module docstring."""
     from pyspark.sql import functions as F
 
@@ -390,6 +406,24 @@ def floor_stage(df, plan: str) -> None:
             yield pa.RecordBatch.from_arrays([b.column("key"), b.column("n"), b.column("s")],
                                              names=["key", "count", "sum"])
 
+    def per_key(batches):  # a Python call per key with a dict for its state: no store, no commit
+        from statestore_async.codecs import arrowcodec
+
+        table = pa.Table.from_batches(batches) if batches else None
+        if table is None or not table.num_rows:
+            return
+        order, bounds = arrowcodec.group([table["key"]])
+        firsts = order[bounds[:-1]]
+        keys = [(k,) for k in table["key"].take(pa.array(firsts)).to_pylist()]
+        rows = list(zip(table["value"].take(pa.array(order)).to_numpy().tolist()))
+        out = []
+        add = out.append
+        for key, a, b in zip(keys, bounds[:-1].tolist(), bounds[1:].tolist()):
+            add(_count_sum(key, rows[a:b], _PER_KEY_STATE))
+        cols = list(zip(*itertools.chain.from_iterable(out)))
+        yield pa.RecordBatch.from_arrays([pa.array(cols[0], pa.string()), pa.array(cols[1], pa.int64()),
+                                          pa.array(cols[2], pa.int64())], names=["key", "count", "sum"])
+
     aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
     if plan in ("pre", "pre-out"):
         routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
@@ -398,7 +432,8 @@ def floor_stage(df, plan: str) -> None:
     else:
         routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
     with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
-        out = routed.mapInArrow(rows_out, OUT) if plan == "pre-out" else routed.mapInArrow(count, "n long")
+        fn, schema = {"pre-out": (rows_out, OUT), "per-key": (per_key, OUT)}.get(plan, (count, "n long"))
+        out = routed.mapInArrow(fn, schema)
         out.write.format("noop").mode("overwrite").save()
 
 
@@ -604,7 +639,8 @@ def main() -> int:
               "p4": "P4 redis pre-aggregated", "floor-vec": "Spark floor, vectorized input (no state)",
               "floor-pre": "Spark floor, pre-aggregated input (no state)",
               "floor-pre-out": "Spark floor, pre-aggregated input, rows out (no state)",
-              "floor-jvm": "Spark floor, Spark's own aggregation (no state)"}
+              "floor-jvm": "Spark floor, Spark's own aggregation (no state)",
+              "floor-per-key": "Spark floor, per-key Python calls (no store)"}
     unknown = [p for p in peers if p not in wanted]
     if unknown:
         ap.error(f"unknown peers {unknown}; choose from {sorted(wanted)}")
@@ -638,6 +674,7 @@ def main() -> int:
             "Spark floor, pre-aggregated input, rows out (no state)":
                 lambda d: spark_floor(spark, src, batch_rows, "pre-out"),
             "Spark floor, Spark's own aggregation (no state)": lambda d: spark_floor(spark, src, batch_rows, "jvm"),
+            "Spark floor, per-key Python calls (no store)": lambda d: spark_floor(spark, src, batch_rows, "per-key"),
         }
         out = []
         for short in peers:
@@ -704,7 +741,8 @@ def main() -> int:
                          "Spark floor, pre-aggregated input, rows out (no state)", "Spark floor, vectorized input (no state)")
     split_of = [("ours vectorized + JVM pre-agg", pre), ("ours vectorized + JVM pre-agg, sink job", pre),
                 ("ours vectorized + JVM pre-agg", pre_out), ("ours vectorized + JVM pre-agg, sink job", pre_out),
-                ("ours per-key", vec), ("ours vectorized", vec), ("ours vectorized, sink job", vec)]
+                ("ours per-key", vec), ("ours per-key", "Spark floor, per-key Python calls (no store)"),
+                ("ours vectorized", vec), ("ours vectorized, sink job", vec)]
     for K in keys:
         by = {r.get("ref_name", r["peer"]): r for r in results if r["K"] == K}
         for ours_name, floor_name in split_of:
