@@ -52,6 +52,9 @@ to back in a shuffled order, through ``floor-pre-out`` and through ours with ``p
 directly (``process_batch`` on the same static DataFrame, noop sink; ``materialize`` "checkpoint"
 and "none"), and each of ours is taken less that batch's floor; it prints those per batch, their
 medians, our phases and the CPU seconds per batch each took by process (no P1: it has no static form).
+It also runs ``floor-pre-out`` with its output kept as our default keeps it in local mode (a local
+checkpoint, its own job, then the sink's job reading it): what that costs Spark alone, and ours
+with ``"checkpoint"`` over that floor.
 ``floor-per-key``: ``floor-vec`` whose Python function does what any per-key Python API must:
 groups the rows by key, makes them tuples, calls ``examples.CountSum``'s body once per key with a
 dict in place of the store, and returns one row per key — the bound for ``ours per-key``.
@@ -391,11 +394,11 @@ def _count_sum(key, rows, state):
 
 
 def floor_stage(df, plan: str) -> None:
-    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "per-key"), or Spark's own
+    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "pre-out-ck", "per-key"), or Spark's own
     aggregation in the same harness ("jvm"), run as a noop write; see the module docstring."""
     from pyspark.sql import functions as F
 
-    from statestore_async.spark.operator import arrow_batch_bytes
+    from statestore_async.spark.operator import arrow_batch_bytes, materialize_checkpoint
     from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 
     def count(batches):
@@ -425,16 +428,26 @@ def floor_stage(df, plan: str) -> None:
                                           pa.array(cols[2], pa.int64())], names=["key", "count", "sum"])
 
     aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
-    if plan in ("pre", "pre-out"):
+    if plan in ("pre", "pre-out", "pre-out-ck"):
         routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
     elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
         routed = df.groupBy("key").agg(*aggs)
     else:
         routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
     with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
-        fn, schema = {"pre-out": (rows_out, OUT), "per-key": (per_key, OUT)}.get(plan, (count, "n long"))
+        fn, schema = {"pre-out": (rows_out, OUT), "pre-out-ck": (rows_out, OUT), "per-key": (per_key, OUT)}.get(
+            plan, (count, "n long"))
         out = routed.mapInArrow(fn, schema)
-        out.write.format("noop").mode("overwrite").save()
+        if plan != "pre-out-ck":
+            out.write.format("noop").mode("overwrite").save()
+            return
+        # as the operator's default in local mode: the output kept by a local checkpoint (its own
+        # job), then the sink's job reads it
+        held = materialize_checkpoint(out)
+        try:
+            held.result.write.format("noop").mode("overwrite").save()
+        finally:
+            held.release()
 
 
 def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
@@ -468,9 +481,9 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
     read = lambda i: spark.read.schema("key string, value bigint").parquet(*files[2 * i:2 * i + 2])
     sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
 
-    def floor(i: int) -> tuple[float, None]:
+    def floor(i: int, plan: str = "pre-out") -> tuple[float, None]:
         t = time.perf_counter()
-        floor_stage(read(i), "pre-out")
+        floor_stage(read(i), plan)
         return (time.perf_counter() - t) * 1000, None
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
@@ -491,7 +504,8 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
             ms, prog = run(i)
             return ms, prog, cpu_used(before, cpu_seconds())
 
-        runs = {"floor": floor, **{m: (lambda i, op=op: ours(op, i)) for m, op in ops.items()}}
+        runs = {"floor": floor, "floor-ck": lambda i: floor(i, "pre-out-ck"),
+                **{m: (lambda i, op=op: ours(op, i)) for m, op in ops.items()}}
         rng = random.Random(seed)
         got: dict[str, list] = {k: [] for k in runs}
         for i in range(batches):
@@ -506,6 +520,7 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
         placement.stop_daemon(sock)
         shutil.rmtree(sockdir, ignore_errors=True)
     fl = [ms for ms, _, _ in got["floor"]]
+    fl_ck = [ms for ms, _, _ in got["floor-ck"]]
 
     def cpu(k: str) -> str:
         roles = sorted({r for _, _, c in got[k] for r in c})
@@ -514,17 +529,22 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
     print(f"\n--split: ours (pre_aggregate, process_batch on static batches, noop sink) less the pre-aggregated floor "
           f"with its rows out on the same batch, ms; {len(fl)} batches, floor median {statistics.median(fl):,.0f} ms "
           f"(CPU s per batch: {cpu('floor')}), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print("| materialize | ours over floor (median) | min | max | batch | plan | compute (job) | fence | manifest "
-          "| sink | slower task: total / read / write | CPU s per batch |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    ck_cost = [c - f for c, f in zip(fl_ck, fl)]
+    print(f"The same floor kept by a local checkpoint and read by a second job, as our default keeps its output: median "
+          f"{statistics.median(fl_ck):,.0f} ms, {statistics.median(ck_cost):,.0f} ms over the floor (min "
+          f"{min(ck_cost):,.0f}, max {max(ck_cost):,.0f}; CPU s per batch: {cpu('floor-ck')})")
+    print("| materialize | ours over floor (median) | min | max | over the floor with the same materialize | batch "
+          "| plan | compute (job) | fence | manifest | sink | slower task: total / read / write | CPU s per batch |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for mode in ops:
         over = [ms - f for (ms, _, _), f in zip(got[mode], fl)]
+        same = statistics.median(ms - f for (ms, _, _), f in zip(got[mode], fl_ck if mode == "checkpoint" else fl))
         progs = [p for _, p, _ in got[mode]]
         ph = {k: statistics.median(getattr(p, k) * 1000 for p in progs)
               for k in ("total", "plan", "compute", "fence", "manifest", "sink")}
         slow = [max(p.tasks.values(), key=lambda t: t.get("total", 0)) for p in progs]
         tk = "/".join(f"{statistics.median(t.get(k, 0) * 1000 for t in slow):.0f}" for k in ("total", "read", "write"))
-        print(f"| {mode} | {statistics.median(over):,.0f} | {min(over):,.0f} | {max(over):,.0f} | "
+        print(f"| {mode} | {statistics.median(over):,.0f} | {min(over):,.0f} | {max(over):,.0f} | {same:,.0f} | "
               + " | ".join(f"{ph[k]:,.0f}" for k in ph) + f" | {tk} | {cpu(mode)} |")
 
 
