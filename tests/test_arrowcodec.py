@@ -249,17 +249,19 @@ def test_group_encoded_agrees_with_the_model(ra, items, large):
     assert _groups_of(order, bounds[:g + 1]) == _model_groups(items)
 
 
-@pytest.mark.parametrize("distinct", [1, 2047, 2048, 2049, 40_000])
-def test_group_encoded_agrees_with_the_model_as_its_table_grows(ra, distinct):
-    # the table starts at 4096 slots and is rebuilt 4x larger when half full: around the first
-    # rebuild and across several, every group keeps its rows and its place
+@pytest.mark.parametrize("distinct", [1, 7, 8, 9, 40_000])
+@pytest.mark.parametrize("expected", [-1, 1, 5_000])
+def test_group_encoded_agrees_with_the_model_whatever_its_table_size(ra, distinct, expected):
+    # the table is sized from an estimate of the groups (-1) or from ``expected``, and rebuilt 4x
+    # larger when half full: sized right, around the first rebuild (16 slots: 8 groups) and across
+    # several, every group keeps its rows and its place
     rng = np.random.default_rng(distinct)
     items = [b"k%d" % i for i in rng.integers(0, distinct, 3 * distinct + 10)]
     arr = pa.array(items, pa.binary())
     _, width, _, offsets, data, _ = arrowcodec.descriptor(arr)
     n = len(items)
     order, bounds = np.full(n, -1, np.int64), np.full(n + 1, -1, np.int64)
-    g = ra.group_encoded(n, offsets, data, width, order, bounds)
+    g = ra.group_encoded(n, offsets, data, width, order, bounds, expected)
     assert _groups_of(order, bounds[:g + 1]) == _model_groups(items)
 
 

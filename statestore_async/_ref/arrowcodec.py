@@ -219,12 +219,13 @@ def decode_columns(n: int, values: ColumnDescriptor, kinds: list[tuple[str, int]
 
 
 def group_encoded(n: int, offsets: Buffer, data: Buffer, width: int, order: NDArray[np.int64],
-                  bounds: NDArray[np.int64]) -> int:
+                  bounds: NDArray[np.int64], expected_groups: int = -1) -> int:
     """Group the n items of a binary column ``(offsets, data, 0, width)`` (``encode_columns``'s
     output) by their bytes: the number of groups g, with ``bounds[0..g]`` (int64) their bounds in
     ``order`` (int64), which lists the items group by group, the groups in the order of their first
     item and the items of a group in their order. ``ValueError`` for offsets that run backwards or
-    out of the data, or outputs too small."""
+    out of the data, or outputs too small. ``expected_groups`` sizes the compiled module's hash
+    table in place of its estimate (tests use it to make the table grow); it changes no result."""
     if n < 0 or n > 0xFFFFFFFE or width not in (4, 8):  # at most 2**32 - 2 items
         raise ValueError(f"group_encoded: {n} items with offsets {width} bytes wide")
     out, ends = memoryview(order).cast("B").cast("q"), memoryview(bounds).cast("B").cast("q")  # type: ignore[arg-type]
