@@ -381,7 +381,10 @@ def p2(spark, src, work, timeout):
     return fig
 
 
-_PER_KEY_STATE: dict = {}  # floor-per-key's state, in each Python worker (a floor: it need not be exact)
+# floor-per-key's state. Pickled with the task's function, so each task starts with it empty: every
+# key misses, and a miss plus an insert costs about what a hit plus an update does (a floor need
+# not be exact)
+_PER_KEY_STATE: dict = {}
 
 
 def _count_sum(key, rows, state):
@@ -394,8 +397,9 @@ def _count_sum(key, rows, state):
 
 
 def floor_stage(df, plan: str) -> None:
-    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "pre-out-ck", "per-key"), or Spark's own
-    aggregation in the same harness ("jvm"), run as a noop write; see the module docstring."""
+    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "pre-out-ck",
+    "per-key"), or Spark's own aggregation in the same harness ("jvm"), run as a noop write; see the
+    module docstring."""
     from pyspark.sql import functions as F
 
     from statestore_async.spark.operator import arrow_batch_bytes, materialize_checkpoint
