@@ -57,7 +57,8 @@ checkpoint, its own job, then the sink's job reading it): what that costs Spark 
 with ``"checkpoint"`` over that floor.
 ``floor-per-key``: ``floor-vec`` whose Python function does what any per-key Python API must:
 groups the rows by key, makes them tuples, calls ``examples.CountSum``'s body once per key with a
-dict in place of the store, and returns one row per key — the bound for ``ours per-key``.
+dict in place of the store, and returns one row per key — the bound for ``ours per-key`` (with the
+garbage collector paused and the tuples made a chunk of keys at a time, as ours does).
 ``floor-jvm``: the same harness with Spark's own ``groupBy(key).agg(count, sum)`` in place of our
 routing — Spark aggregates each input task's rows before one shuffle by its hash of the key, as
 P1 does; our routing by key group has to shuffle every row first. ``floor-jvm`` over ``floor-pre``
@@ -414,21 +415,37 @@ def floor_stage(df, plan: str) -> None:
                                              names=["key", "count", "sum"])
 
     def per_key(batches):  # a Python call per key with a dict for its state: no store, no commit
+        # with what makes our per-key runtime cheap that any per-key API could do too: the cyclic
+        # garbage collector paused, each chunk of 2,048 keys' row tuples made just before their
+        # calls (freed while still in cache), the key column of the output taken from the input
+        import gc
+
         from statestore_async.codecs import arrowcodec
 
-        table = pa.Table.from_batches(batches) if batches else None
-        if table is None or not table.num_rows:
+        batches = [b for b in batches if b.num_rows]
+        if not batches:
             return
-        order, bounds = arrowcodec.group([table["key"]])
-        firsts = order[bounds[:-1]]
-        keys = [(k,) for k in table["key"].take(pa.array(firsts)).to_pylist()]
-        rows = list(zip(table["value"].take(pa.array(order)).to_numpy().tolist()))
-        out = []
-        add = out.append
-        for key, a, b in zip(keys, bounds[:-1].tolist(), bounds[1:].tolist()):
-            add(_count_sum(key, rows[a:b], _PER_KEY_STATE))
-        cols = list(zip(*itertools.chain.from_iterable(out)))
-        yield pa.RecordBatch.from_arrays([pa.array(cols[0], pa.string()), pa.array(cols[1], pa.int64()),
+        table = pa.Table.from_batches(batches)
+        gc.disable()
+        try:
+            order, bounds = arrowcodec.group([table["key"]])
+            firsts = order[bounds[:-1]]
+            key_column = table["key"].take(pa.array(firsts))  # the output's key column (one row per key, in order)
+            keys = [(k,) for k in key_column.to_pylist()]
+            values = table["value"].take(pa.array(order)).to_numpy().tolist()
+            offs = bounds.tolist()
+            out = []
+            add = out.append
+            for first in range(0, len(keys), 2048):
+                last = min(len(keys), first + 2048)
+                lo = offs[first]
+                rows = list(zip(values[lo:offs[last]]))
+                for i in range(first, last):
+                    add(_count_sum(keys[i], rows[offs[i] - lo:offs[i + 1] - lo], _PER_KEY_STATE))
+            cols = list(zip(*itertools.chain.from_iterable(out)))
+        finally:
+            gc.enable()
+        yield pa.RecordBatch.from_arrays([key_column.combine_chunks(), pa.array(cols[1], pa.int64()),
                                           pa.array(cols[2], pa.int64())], names=["key", "count", "sum"])
 
     aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
