@@ -17,7 +17,7 @@ a peer's time goes and moves less with the machine's load than rows/s.
   ours vectorized  StatefulOperator + examples.VectorizedCountSum (numpy per partition)
   ours … pre-agg   StatefulOperator(pre_aggregate=[count, sum]) + examples.PreAggregatedCountSum: the
                    JVM combines each key's rows of the batch before they cross to Python
-  ours … sink job  ``ours-pre-none`` / ``ours-vec-none``: the same with ``materialize="none"`` (the
+  ours … sink job  ``ours-none`` / ``ours-pre-none`` / ``ours-vec-none``: the same with ``materialize="none"`` (the
                    sink's write runs the stateful stage: one Spark job per batch, not a local
                    checkpoint and then the sink's job)
   P1 hdfs          Spark groupBy(key).agg(count, sum), HDFSBackedStateStoreProvider (default)
@@ -675,7 +675,8 @@ def main() -> int:
     from statestore_async.spark.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum
 
     wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
-              "ours-vec-none": "ours vectorized, sink job", "ours-pre-none": "ours vectorized + JVM pre-agg, sink job",
+              "ours-none": "ours per-key, sink job", "ours-vec-none": "ours vectorized, sink job",
+              "ours-pre-none": "ours vectorized + JVM pre-agg, sink job",
               "p1": "P1 hdfs (default)", "p1-rocks": "P1 rocksdb+changelog", "p2": "P2 applyInPandasWithState",
               "p4": "P4 redis pre-aggregated", "floor-vec": "Spark floor, vectorized input (no state)",
               "floor-pre": "Spark floor, pre-aggregated input (no state)",
@@ -701,6 +702,7 @@ def main() -> int:
             "ours vectorized": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout),
             "ours vectorized + JVM pre-agg": lambda d: ours(spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
                                                             [F.count("*").alias("n"), F.sum("value").alias("s")]),
+            "ours per-key, sink job": lambda d: ours(spark, src, d, CountSum(), oracle, a.timeout, materialize="none"),
             "ours vectorized, sink job": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout,
                                                         materialize="none"),
             "ours vectorized + JVM pre-agg, sink job": lambda d: ours(
@@ -783,6 +785,7 @@ def main() -> int:
     split_of = [("ours vectorized + JVM pre-agg", pre), ("ours vectorized + JVM pre-agg, sink job", pre),
                 ("ours vectorized + JVM pre-agg", pre_out), ("ours vectorized + JVM pre-agg, sink job", pre_out),
                 ("ours per-key", vec), ("ours per-key", "Spark floor, per-key Python calls (no store)"),
+                ("ours per-key, sink job", "Spark floor, per-key Python calls (no store)"),
                 ("ours vectorized", vec), ("ours vectorized, sink job", vec)]
     for K in keys:
         by = {r.get("ref_name", r["peer"]): r for r in results if r["K"] == K}
