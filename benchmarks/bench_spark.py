@@ -416,11 +416,12 @@ def floor_stage(df, plan: str) -> None:
 
     def per_key(batches):  # a Python call per key with a dict for its state: no store, no commit
         # with what makes our per-key runtime cheap that any per-key API could do too: the cyclic
-        # garbage collector paused, each chunk of 2,048 keys' row tuples made just before their
-        # calls (freed while still in cache), the key column of the output taken from the input
+        # garbage collector paused, each chunk of keys' row tuples made just before their calls
+        # (freed while still in cache), the key column of the output taken from the input
         import gc
 
         from statestore_async.codecs import arrowcodec
+        from statestore_async.spark.runtime import PER_KEY_CHUNK
 
         batches = [b for b in batches if b.num_rows]
         if not batches:
@@ -436,8 +437,8 @@ def floor_stage(df, plan: str) -> None:
             offs = bounds.tolist()
             out = []
             add = out.append
-            for first in range(0, len(keys), 2048):
-                last = min(len(keys), first + 2048)
+            for first in range(0, len(keys), PER_KEY_CHUNK):
+                last = min(len(keys), first + PER_KEY_CHUNK)
                 lo = offs[first]
                 rows = list(zip(values[lo:offs[last]]))
                 for i in range(first, last):
@@ -456,9 +457,8 @@ def floor_stage(df, plan: str) -> None:
     else:
         routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
     with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
-        fn, schema = {"pre-out": (rows_out, OUT), "pre-out-ck": (rows_out, OUT), "per-key": (per_key, OUT)}.get(
-            plan, (count, "n long"))
-        out = routed.mapInArrow(fn, schema)
+        rows_fn = {"pre-out": rows_out, "pre-out-ck": rows_out, "per-key": per_key}.get(plan)
+        out = routed.mapInArrow(rows_fn, OUT) if rows_fn else routed.mapInArrow(count, "n long")
         if plan != "pre-out-ck":
             out.write.format("noop").mode("overwrite").save()
             return
@@ -780,12 +780,11 @@ def main() -> int:
                   f"| {rs / ref2 if ref2 else 0:.1f} | {r.get('batch_ms', 0):,.0f} | "
                   f"{'-' if cm is None else f'{cm:,.0f}'} | {cpu_text(r.get('cpu', {}))} | {ckpt} "
                   f"| {r.get('correct', r.get('error'))} |")
-    pre, pre_out, vec = ("Spark floor, pre-aggregated input (no state)",
-                         "Spark floor, pre-aggregated input, rows out (no state)", "Spark floor, vectorized input (no state)")
+    pre, pre_out, vec, per_key = (wanted["floor-pre"], wanted["floor-pre-out"], wanted["floor-vec"],
+                                  wanted["floor-per-key"])
     split_of = [("ours vectorized + JVM pre-agg", pre), ("ours vectorized + JVM pre-agg, sink job", pre),
                 ("ours vectorized + JVM pre-agg", pre_out), ("ours vectorized + JVM pre-agg, sink job", pre_out),
-                ("ours per-key", vec), ("ours per-key", "Spark floor, per-key Python calls (no store)"),
-                ("ours per-key, sink job", "Spark floor, per-key Python calls (no store)"),
+                ("ours per-key", vec), ("ours per-key", per_key), ("ours per-key, sink job", per_key),
                 ("ours vectorized", vec), ("ours vectorized, sink job", vec)]
     for K in keys:
         by = {r.get("ref_name", r["peer"]): r for r in results if r["K"] == K}
