@@ -17,9 +17,10 @@ a peer's time goes and moves less with the machine's load than rows/s.
   ours vectorized  StatefulOperator + examples.VectorizedCountSum (numpy per partition)
   ours … pre-agg   StatefulOperator(pre_aggregate=[count, sum]) + examples.PreAggregatedCountSum: the
                    JVM combines each key's rows of the batch before they cross to Python
-  ours … sink job  ``ours-none`` / ``ours-pre-none`` / ``ours-vec-none``: the same with ``materialize="none"`` (the
-                   sink's write runs the stateful stage: one Spark job per batch, not a local
-                   checkpoint and then the sink's job)
+  ours … sink job  ``ours-none`` / ``ours-pre-none`` / ``ours-vec-none``: the same with the sink
+                   ``write_sink("noop")``, marked as reading its output once, so that the default
+                   ``materialize="auto"`` is ``"none"`` (the sink's write runs the stateful stage: one
+                   Spark job per batch, not a local checkpoint and then the sink's job)
   P1 hdfs          Spark groupBy(key).agg(count, sum), HDFSBackedStateStoreProvider (default)
   P1 rocksdb+cl    the same, RocksDBStateStoreProvider with changelog checkpointing
   P2 pandas        applyInPandasWithState (RocksDB), on ``--p2-rows`` rows per batch (it is slow)
@@ -290,8 +291,12 @@ def raw_state_bytes(root: str, operator_id: str) -> int:
 DAEMON_ARGS: list[str] = []  # extra daemon settings for our peers (--memory-budget)
 
 
-def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None, materialize="auto"):
-    from statestore_async.spark import StatefulOperator, load_state, placement
+def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None, sink_once=False):
+    """Our operator with the default ``materialize="auto"``; its sink writes to ``noop``, as an
+    unmarked function (the output is kept in a local checkpoint, then the sink's job reads it) or,
+    ``sink_once``, as ``write_sink("noop")``, marked as reading the output once (its write runs the
+    stateful stage: one job)."""
+    from statestore_async.spark import StatefulOperator, load_state, placement, write_sink
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
     sock = os.path.join(sockdir, "d.sock")
@@ -299,8 +304,9 @@ def ours(spark, src, work, processor, oracle, timeout, pre_aggregate=None, mater
     root = os.path.join(work, "state")
     try:
         op = StatefulOperator("file://" + root, "w", ["key"], processor, OUT, 2, 4096, socket_path=sock,
-                              fence_timeout=120, pre_aggregate=pre_aggregate, materialize=materialize)
-        sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
+                              fence_timeout=120, pre_aggregate=pre_aggregate)
+        sink = write_sink("noop", mode="overwrite") if sink_once else (
+            lambda df, b: df.write.format("noop").mode("overwrite").save())
         query = run_query(spark, src, os.path.join(work, "ckpt"),
                           lambda df: df.writeStream.foreachBatch(op.foreach_batch(sink)), timeout)
         fig = figure(query)
@@ -702,12 +708,12 @@ def main() -> int:
             "ours vectorized": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout),
             "ours vectorized + JVM pre-agg": lambda d: ours(spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
                                                             [F.count("*").alias("n"), F.sum("value").alias("s")]),
-            "ours per-key, sink job": lambda d: ours(spark, src, d, CountSum(), oracle, a.timeout, materialize="none"),
+            "ours per-key, sink job": lambda d: ours(spark, src, d, CountSum(), oracle, a.timeout, sink_once=True),
             "ours vectorized, sink job": lambda d: ours(spark, src, d, VectorizedCountSum(), oracle, a.timeout,
-                                                        materialize="none"),
+                                                        sink_once=True),
             "ours vectorized + JVM pre-agg, sink job": lambda d: ours(
                 spark, src, d, PreAggregatedCountSum(), oracle, a.timeout,
-                [F.count("*").alias("n"), F.sum("value").alias("s")], materialize="none"),
+                [F.count("*").alias("n"), F.sum("value").alias("s")], sink_once=True),
             "P1 hdfs (default)": lambda d: p1(spark, src, d, oracle, a.timeout, False),
             "P1 rocksdb+changelog": lambda d: p1(spark, src, d, oracle, a.timeout, True),
             "P2 applyInPandasWithState": lambda d: p2(spark, src_p2, d, a.timeout),

@@ -1,4 +1,6 @@
-"""``materialize="none"``: the sink's action runs the stateful stage (one Spark job per batch).
+"""``materialize="none"``, and ``"auto"`` with a sink marked as reading its output once
+(``sinks.one_action``, ``sinks.write_sink``): the sink's action runs the stateful stage (one Spark
+job per batch).
 
 The state stays exactly-once: every partition's task must run to its end exactly once inside the
 sink's action (else ``OutputReadError`` and nothing is committed), the fence and the manifest
@@ -17,6 +19,7 @@ from statestore_async import errors
 from statestore_async.spark import StatefulOperator, load_state
 from statestore_async.spark.examples import CountSum
 from statestore_async.spark.operator import OutputReadError
+from statestore_async.spark.sinks import one_action, write_sink
 
 OUT = "key string, count bigint, sum bigint"
 pytestmark = pytest.mark.spark
@@ -153,3 +156,84 @@ def test_output_path_and_no_materialization_exclude_each_other(tmp_path):
     with pytest.raises(errors.InterfaceError, match="output_path"):
         StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 2, output_path=str(tmp_path / "o"),
                          materialize="none")
+
+
+# -- sinks marked as reading their output once: materialize="auto" (the default) keeps no copy --
+
+def test_auto_resolves_to_the_sink_job_only_for_a_marked_sink(spark, tmp_path):
+    plain = lambda df, b: None  # noqa: E731
+    marked = one_action(plain)
+    auto = StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2)
+    assert auto.materialize_mode(spark, marked) == "none" and auto.materialize_mode(spark, write_sink("noop")) == "none"
+    assert auto.materialize_mode(spark, plain) == "checkpoint" and auto.materialize_mode(spark) == "checkpoint"
+    # an explicit mode, or output_path (parquet files for the sink), is kept whatever the sink says
+    assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2,
+                            materialize="cache").materialize_mode(spark, marked) == "cache"
+    assert StatefulOperator(str(tmp_path), "m", ["k"], CountSum(), OUT, 2,
+                            output_path=str(tmp_path / "o")).materialize_mode(spark, marked) == "checkpoint"
+    assert one_action(marked) is marked and repr(marked).startswith("one_action(")
+
+
+def test_a_marked_sink_runs_the_stage_once_and_the_state_commits_after_it(spark, daemon, tmp_path):
+    runs = tmp_path / "runs"
+    op = StatefulOperator(f"file://{tmp_path}/s", "marked", ["key"], _Runs(str(runs)), OUT, 2, 16,
+                          socket_path=daemon.socket)
+    seen, manifests_at_sink = {}, {}
+
+    @one_action
+    def sink(df, b):
+        manifests_at_sink[b] = _manifests(tmp_path, "marked")
+        seen[b] = sorted(tuple(r) for r in df.collect())
+
+    for b in range(2):
+        assert op.process_batch(_batch(spark), b, sink).partitions_committed == 2
+    assert seen[1] == [(f"k{j}", 20, 2 * sum(range(j, 70, 7))) for j in range(7)]
+    assert runs.read_text().count("run") == 2 * 2  # only the sink's action ran the tasks: no kept copy, no second job
+    assert manifests_at_sink == {0: [], 1: [1]}
+    assert _state(tmp_path, "marked") == {f"k{j}": (20, 2 * sum(range(j, 70, 7))) for j in range(7)}
+
+
+def test_a_marked_sink_that_reads_twice_commits_nothing_and_says_to_drop_the_mark(spark, daemon, tmp_path):
+    op = StatefulOperator(f"file://{tmp_path}/s", "twice", ["key"], CountSum(), OUT, 2, 16, socket_path=daemon.socket)
+
+    @one_action
+    def sink(df, b):
+        df.collect()
+        df.collect()
+
+    with pytest.raises(OutputReadError, match="marked one_action.*drop the one_action mark"):
+        op.process_batch(_batch(spark), 0, sink)
+    assert _manifests(tmp_path, "twice") == []
+    op.process_batch(_batch(spark), 0, lambda df, b: (df.collect(), df.collect()))  # unmarked: the output is kept
+    assert _state(tmp_path, "twice") == {f"k{j}": (10, sum(range(j, 70, 7))) for j in range(7)}
+
+
+def test_write_sink_writes_each_batch_once_with_its_options_and_partitions(spark, daemon, tmp_path):
+    out = tmp_path / "out"
+    runs = tmp_path / "runs"
+    op = StatefulOperator(f"file://{tmp_path}/s", "written", ["key"], _Runs(str(runs)), OUT, 2, 16,
+                          socket_path=daemon.socket)
+    sink = write_sink("parquet", str(out), mode="append", partition_by="key",
+                      options=lambda b: {"compression": "gzip" if b else "snappy"})
+    for b in range(2):
+        op.process_batch(_batch(spark), b, sink)
+    assert runs.read_text().count("run") == 2 * 2
+    rows = sorted(tuple(r) for r in spark.read.parquet(str(out)).select("key", "count", "sum").collect())
+    assert rows == sorted([(f"k{j}", 10, sum(range(j, 70, 7))) for j in range(7)]
+                          + [(f"k{j}", 20, 2 * sum(range(j, 70, 7))) for j in range(7)])
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [f"key=k{j}" for j in range(7)]
+    files = [p.name for p in out.rglob("*.parquet")]
+    assert any(".gz." in f for f in files) and any(".snappy." in f for f in files)  # batch 1's and batch 0's options
+
+
+def test_write_sink_refuses_what_cannot_be_written():
+    with pytest.raises(errors.InterfaceError, match="path or to a table"):
+        write_sink("parquet", "/tmp/x", table="t")
+    with pytest.raises(errors.InterfaceError, match="mode must be one of"):
+        write_sink("parquet", "/tmp/x", mode="upsert")
+    with pytest.raises(errors.InterfaceError, match="format name"):
+        write_sink("")
+    with pytest.raises(errors.InterfaceError, match="mapping or a function"):
+        write_sink("parquet", "/tmp/x", options=["compression"])
+    with pytest.raises(errors.InterfaceError, match="wraps a sink function"):
+        one_action("not a function")

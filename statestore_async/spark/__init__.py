@@ -7,7 +7,8 @@
 * ``read_state`` / ``load_state_table`` / ``load_state`` — an operator's committed state as typed
   rows (a DataFrame / a pyarrow Table) or a dict; ``read_changes`` / ``load_changes_table`` — the
   change feed between two versions; ``read_metadata`` — operators, versions, partitions, sizes;
-* ``placement.connect`` — this node's daemon, started on demand.
+* ``placement.connect`` — this node's daemon, started on demand;
+* ``one_action`` / ``write_sink`` — sinks that read a batch's output once (one Spark job per batch) — ``sinks``.
 
 Spark is imported only inside this package (and lazily: importing it does not start a JVM).
 See ``docs/SPARK.md``.
@@ -47,6 +48,7 @@ from statestore_async.spark.runtime import (
     open_partition_store,
     store_keys,
 )
+from statestore_async.spark.sinks import OneActionSink, one_action, write_sink
 
 __all__ = [
     "BatchProgress",
@@ -58,6 +60,7 @@ __all__ = [
     "KeyState",
     "ListState",
     "MapState",
+    "OneActionSink",
     "OperatorConfigError",
     "OutputReadError",
     "RoutingError",
@@ -74,6 +77,7 @@ __all__ = [
     "load_state",
     "load_state_table",
     "murmur3_int",
+    "one_action",
     "open_partition_store",
     "read_changes",
     "read_metadata",
@@ -83,4 +87,5 @@ __all__ = [
     "stop_daemon",
     "store_keys",
     "with_routing",
+    "write_sink",
 ]

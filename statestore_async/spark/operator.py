@@ -30,7 +30,8 @@ steps, one method each:
 3. materialize (``_materialize``, which runs the job): the output is computed once (a local
    checkpoint of its blocks, ``persist`` + a ``noop`` write, or a parquet folder when
    ``output_path`` is set: ``MATERIALIZERS``, ``materialize_parquet``), so the sink cannot re-run
-   the stateful stage; with ``materialize="none"`` nothing is kept: the sink's own action runs the
+   the stateful stage; with ``materialize="none"`` (and ``"auto"`` for a sink marked as reading
+   its output once: ``sinks``) nothing is kept: the sink's own action runs the
    job, here, before steps 4–6 (``_compute_in_sink``: one job per batch instead of two); without a
    sink the job is a ``noop`` write (``run_unkept``);
 4. the reports (``_collect_reports``): the checkpoint each partition with rows committed;
@@ -122,6 +123,7 @@ from statestore_async.spark.runtime import (
     run_partition,
 )
 from statestore_async.spark.runtime import checkpoint_root as checkpoint_root_uri
+from statestore_async.spark.sinks import reads_output_once
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -343,8 +345,9 @@ class StatefulOperator:
     never recomputed, so an executor lost before the sink has read them fails the batch (Spark
     replays it; state stays exactly-once); ``"cache"`` — ``persist(MEMORY_AND_DISK)``, whose lost
     blocks Spark recomputes by running the stateful stage again (that run's commit is in no
-    manifest); ``"auto"`` (default) — ``"checkpoint"`` in local mode (an executor is lost only with
-    the driver), ``"cache"`` on a cluster; ``"none"`` — nothing is kept: the sink's one action on
+    manifest); ``"auto"`` (default) — ``"none"`` for a sink marked as reading its output once with
+    one action (``sinks.one_action``, ``sinks.write_sink``), else ``"checkpoint"`` in local mode (an
+    executor is lost only with the driver), ``"cache"`` on a cluster; ``"none"`` — nothing is kept: the sink's one action on
     the output runs the stateful stage (one Spark job per batch instead of two; the sink must read
     the whole output exactly once, else ``OutputReadError``), and the sink runs *before* the
     batch's state is fenced and its manifest written (``_compute_in_sink``). Without a sink the
@@ -557,7 +560,7 @@ class StatefulOperator:
         try:
             output: Materialized | None = None
             with arrow_batch_bytes(spark, self.arrow_max_bytes_per_batch):
-                if sink is not None and self.materialize == "none":
+                if sink is not None and self.materialize_mode(spark, sink) == "none":
                     reports, refs = self._compute_in_sink(plan, spark, prog, t0, sink)
                 else:
                     output, reports, refs = self._compute(plan, spark, prog, t0, keep=sink is not None)
@@ -828,11 +831,13 @@ class StatefulOperator:
             twice = sorted({p for p in ran if ran.count(p) > 1})
             missing = sorted(set(range(self.num_partitions)) - set(ran))
             raise OutputReadError(
-                f"batch {plan.batch_id} of operator {self.operator_id!r}: with materialize='none' the sink must read "
-                f"the whole output exactly once, with one action (its action computes the state); "
+                f"batch {plan.batch_id} of operator {self.operator_id!r}: "
+                + ("the sink is marked one_action" if self.materialize == "auto" else "with materialize='none' the sink")
+                + " and must read the whole output exactly once, with one action (its action computes the state); "
                 + (f"partitions {twice} ran more than once" if twice else f"partitions {missing} were not read to the end")
-                + ". Nothing is committed. Write the DataFrame once in the sink, or use materialize='checkpoint' "
-                "(the output is kept for any number of reads)")
+                + ". Nothing is committed. Write the DataFrame once in the sink, or "
+                + ("drop the one_action mark" if self.materialize == "auto" else "use materialize='checkpoint'")
+                + " (the output is then kept for any number of reads)")
         reports: list[TaskReport] = acc.value
         refs = self._collect_reports(reports, prog)
         fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
@@ -887,11 +892,15 @@ class StatefulOperator:
             return materialize_parquet(out, spark, folder, self.output_schema)
         return MATERIALIZERS[self._holding_mode(spark)](out)
 
-    def materialize_mode(self, spark: SparkSession) -> str:
-        """``"checkpoint"`` or ``"cache"`` (or ``"none"``): ``materialize``, with ``"auto"`` resolved
-        for this session."""
+    def materialize_mode(self, spark: SparkSession, sink: Sink | None = None) -> str:
+        """``"checkpoint"``, ``"cache"`` or ``"none"``: ``materialize``, with ``"auto"`` resolved for
+        this session and ``sink``: ``"none"`` for a sink marked as reading its output once
+        (``sinks.one_action``, ``sinks.write_sink``; unless ``output_path`` is set), else
+        ``"checkpoint"`` in local mode, ``"cache"`` on a cluster."""
         if self.materialize != "auto":
             return self.materialize
+        if sink is not None and not self.output_path and reads_output_once(sink):
+            return "none"
         return self._holding_mode(spark)
 
     def _holding_mode(self, spark: SparkSession) -> str:
