@@ -50,12 +50,14 @@ the sink's job), beside ``foreachBatch``'s phases (with ``materialize="none"`` t
 if our own time were nothing (P1's batch over the floor plus the bookkeeping).
 ``--split`` measures that figure without the streaming query's noise: each batch's files go, back
 to back in a shuffled order, through ``floor-pre-out`` and through ours with ``pre_aggregate`` called
-directly (``process_batch`` on the same static DataFrame, noop sink; ``materialize`` "checkpoint"
-and "none"), and each of ours is taken less that batch's floor; it prints those per batch, their
+directly (``process_batch`` on the same static DataFrame, a noop sink: a plain function with
+``materialize="checkpoint"``, and ``write_sink("noop")`` under the default ``"auto"``, which then
+keeps nothing), and each of ours is taken less that batch's floor; it prints those per batch, their
 medians, our phases and the CPU seconds per batch each took by process (no P1: it has no static form).
-It also runs ``floor-pre-out`` with its output kept as our default keeps it in local mode (a local
-checkpoint, its own job, then the sink's job reading it): what that costs Spark alone, and ours
-with ``"checkpoint"`` over that floor.
+It also runs the floor with its output kept as our default keeps it for a plain sink function in
+local mode (a local checkpoint, its own job, then the sink's job reading it): what that costs Spark
+alone, and ours with ``"checkpoint"`` over that floor. ``--split per-key``: the same for ours
+per-key against ``floor-per-key``.
 ``floor-per-key``: ``floor-vec`` whose Python function does what any per-key Python API must:
 groups the rows by key, makes them tuples, calls ``examples.CountSum``'s body once per key with a
 dict in place of the store, and returns one row per key — the bound for ``ours per-key`` (with the
@@ -404,9 +406,12 @@ def _count_sum(key, rows, state):
 
 
 def floor_stage(df, plan: str) -> None:
-    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "pre-out-ck",
-    "per-key"), or Spark's own aggregation in the same harness ("jvm"), run as a noop write; see the
-    module docstring."""
+    """Our operator's Spark side alone on ``df`` (``plan``: "vec", "pre", "pre-out", "per-key"), or
+    Spark's own aggregation in the same harness ("jvm"), run as a noop write; see the module
+    docstring. ``plan`` + "-ck" ("pre-out-ck", "per-key-ck"): the output is kept by a local
+    checkpoint (its own job) and then read by the noop write, as our default keeps it."""
+    keep = plan.endswith("-ck")
+    plan = plan.removesuffix("-ck")
     from pyspark.sql import functions as F
 
     from statestore_async.spark.operator import arrow_batch_bytes, materialize_checkpoint
@@ -456,16 +461,16 @@ def floor_stage(df, plan: str) -> None:
                                           pa.array(cols[2], pa.int64())], names=["key", "count", "sum"])
 
     aggs = (F.count("*").alias("n"), F.sum("value").alias("s"))
-    if plan in ("pre", "pre-out", "pre-out-ck"):
+    if plan in ("pre", "pre-out"):
         routed = with_routing(df, ["key"], 2, 4096).groupBy(ROUTE_COLUMN, KG_COLUMN, "key").agg(*aggs)
     elif plan == "jvm":  # spark.sql.shuffle.partitions is 2: one task per state partition, as ours
         routed = df.groupBy("key").agg(*aggs)
     else:
         routed = with_routing(df, ["key"], 2, 4096, columns=["key", "value"])
     with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
-        rows_fn = {"pre-out": rows_out, "pre-out-ck": rows_out, "per-key": per_key}.get(plan)
+        rows_fn = {"pre-out": rows_out, "per-key": per_key}.get(plan)
         out = routed.mapInArrow(rows_fn, OUT) if rows_fn else routed.mapInArrow(count, "n long")
-        if plan != "pre-out-ck":
+        if not keep:
             out.write.format("noop").mode("overwrite").save()
             return
         # as the operator's default in local mode: the output kept by a local checkpoint (its own
@@ -491,24 +496,28 @@ def spark_floor(spark, src, batch_rows: int, plan: str) -> dict:
             "batch_times": [t * 1000 for t in measured]}
 
 
-def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
-    """``--split``: per batch, the pre-aggregated floor with its rows out (``floor-pre-out``) and
-    ours (``process_batch`` on the same static batch, noop sink) for each materialize mode, back to
-    back in a shuffled order; prints ours less the floor per batch and the medians, and the CPU
-    seconds each took by process (see the module docstring)."""
+def split(spark, src: str, work: str, batches: int, seed: int = 7, api: str = "pre") -> None:
+    """``--split``: per batch, the floor (``api`` "pre": the pre-aggregated floor with its rows out,
+    ``floor-pre-out``; "per-key": ``floor-per-key``) and ours with that API (``process_batch`` on
+    the same static batch, noop sink: a plain function with ``materialize="checkpoint"``, and
+    ``write_sink("noop")`` under the default ``"auto"``, which keeps nothing), back to back in a
+    shuffled order; prints ours less the floor per batch and the medians, and the CPU seconds each
+    took by process (see the module docstring)."""
     import random
 
     from pyspark.sql import functions as F
 
-    from statestore_async.spark import StatefulOperator, placement
-    from statestore_async.spark.examples import PreAggregatedCountSum
+    from statestore_async.spark import StatefulOperator, placement, write_sink
+    from statestore_async.spark.examples import CountSum, PreAggregatedCountSum
 
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
     aggs = lambda: [F.count("*").alias("n"), F.sum("value").alias("s")]
     read = lambda i: spark.read.schema("key string, value bigint").parquet(*files[2 * i:2 * i + 2])
     sink = lambda df, b: df.write.format("noop").mode("overwrite").save()
 
-    def floor(i: int, plan: str = "pre-out") -> tuple[float, None]:
+    plan = "pre-out" if api == "pre" else "per-key"
+
+    def floor(i: int, plan: str = plan) -> tuple[float, None]:
         t = time.perf_counter()
         floor_stage(read(i), plan)
         return (time.perf_counter() - t) * 1000, None
@@ -517,13 +526,15 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
     sock = os.path.join(sockdir, "d.sock")
     placement.start_daemon(sock, args=["--log-level", "warning", *DAEMON_ARGS])
     try:
+        sinks = {"checkpoint": sink, "none": write_sink("noop", mode="overwrite")}
         ops = {mode: StatefulOperator("file://" + os.path.join(work, f"state-{mode}"), "w", ["key"],
-                                      PreAggregatedCountSum(), OUT, 2, 4096, socket_path=sock, fence_timeout=120,
-                                      pre_aggregate=aggs(), materialize=mode) for mode in ("checkpoint", "none")}
+                                      PreAggregatedCountSum() if api == "pre" else CountSum(), OUT, 2, 4096,
+                                      socket_path=sock, fence_timeout=120, pre_aggregate=aggs() if api == "pre" else None,
+                                      materialize="checkpoint" if mode == "checkpoint" else "auto") for mode in sinks}
 
-        def ours(op, i: int):
+        def ours(mode: str, i: int):
             t = time.perf_counter()
-            prog = op.process_batch(read(i), i, sink)
+            prog = ops[mode].process_batch(read(i), i, sinks[mode])
             return (time.perf_counter() - t) * 1000, prog
 
         def measured(run, i: int):
@@ -531,8 +542,8 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
             ms, prog = run(i)
             return ms, prog, cpu_used(before, cpu_seconds())
 
-        runs = {"floor": floor, "floor-ck": lambda i: floor(i, "pre-out-ck"),
-                **{m: (lambda i, op=op: ours(op, i)) for m, op in ops.items()}}
+        runs = {"floor": floor, "floor-ck": lambda i: floor(i, plan + "-ck"),
+                **{m: (lambda i, m=m: ours(m, i)) for m in ops}}
         rng = random.Random(seed)
         got: dict[str, list] = {k: [] for k in runs}
         for i in range(batches):
@@ -553,14 +564,16 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
         roles = sorted({r for _, _, c in got[k] for r in c})
         return ", ".join(f"{r} {statistics.median(c.get(r, 0.0) for _, _, c in got[k]):.2f}" for r in roles)
 
-    print(f"\n--split: ours (pre_aggregate, process_batch on static batches, noop sink) less the pre-aggregated floor "
-          f"with its rows out on the same batch, ms; {len(fl)} batches, floor median {statistics.median(fl):,.0f} ms "
+    what = ("ours (pre_aggregate", "the pre-aggregated floor with its rows out") if api == "pre" else (
+        "ours (per-key", "floor-per-key")
+    print(f"\n--split: {what[0]}, process_batch on static batches, noop sink) less {what[1]} on the same batch, ms; "
+          f"{len(fl)} batches, floor median {statistics.median(fl):,.0f} ms "
           f"(CPU s per batch: {cpu('floor')}), load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     ck_cost = [c - f for c, f in zip(fl_ck, fl)]
     print(f"The same floor kept by a local checkpoint and read by a second job, as our default keeps its output: median "
           f"{statistics.median(fl_ck):,.0f} ms, {statistics.median(ck_cost):,.0f} ms over the floor (min "
           f"{min(ck_cost):,.0f}, max {max(ck_cost):,.0f}; CPU s per batch: {cpu('floor-ck')})")
-    print("| materialize | ours over floor (median) | min | max | over the floor with the same materialize | batch "
+    print("| materialize (sink) | ours over floor (median) | min | max | over the floor with the same materialize | batch "
           "| plan | compute (job) | fence | manifest | sink | slower task: total / read / write | CPU s per batch |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for mode in ops:
@@ -571,7 +584,8 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7) -> None:
               for k in ("total", "plan", "compute", "fence", "manifest", "sink")}
         slow = [max(p.tasks.values(), key=lambda t: t.get("total", 0)) for p in progs]
         tk = "/".join(f"{statistics.median(t.get(k, 0) * 1000 for t in slow):.0f}" for k in ("total", "read", "write"))
-        print(f"| {mode} | {statistics.median(over):,.0f} | {min(over):,.0f} | {max(over):,.0f} | {same:,.0f} | "
+        label = "checkpoint (a function)" if mode == "checkpoint" else "auto: none (write_sink)"
+        print(f"| {label} | {statistics.median(over):,.0f} | {min(over):,.0f} | {max(over):,.0f} | {same:,.0f} | "
               + " | ".join(f"{ph[k]:,.0f}" for k in ph) + f" | {tk} | {cpu(mode)} |")
 
 
@@ -645,9 +659,10 @@ def main() -> int:
     ap.add_argument("--memory-budget", default=None, metavar="SIZE",
                     help="our daemon's memory budget (e.g. 64MiB: state larger than memory); prints its peak RSS, "
                          "spills and the raw state size after each of our runs")
-    ap.add_argument("--split", action="store_true",
-                    help="instead of the peers: ours with pre_aggregate less the pre-aggregated floor, batch by batch, "
-                         "interleaved (see the module docstring); --keys takes the first K, --batches the batches")
+    ap.add_argument("--split", nargs="?", const="pre", default=None, choices=("pre", "per-key"),
+                    help="instead of the peers: ours with pre_aggregate less the pre-aggregated floor ('pre', the "
+                         "default), or ours per-key less floor-per-key ('per-key'), batch by batch, interleaved (see "
+                         "the module docstring); --keys takes the first K, --batches the batches")
     ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
                     help="an extra Spark setting for the session every peer shares (repeatable)")
     charts.add_chart_args(ap, "bench_spark")
@@ -751,7 +766,7 @@ def main() -> int:
         try:
             src = os.path.join(work, "in-split")
             gen(src, keys[0], rows, measured + 1)
-            split(spark, src, os.path.join(work, "split"), measured + 1)
+            split(spark, src, os.path.join(work, "split"), measured + 1, api=a.split)
         finally:
             spark.stop()
             shutil.rmtree(work, ignore_errors=True)
