@@ -347,8 +347,8 @@ class StatefulOperator:
     blocks Spark recomputes by running the stateful stage again (that run's commit is in no
     manifest); ``"auto"`` (default) — ``"none"`` for a sink marked as reading its output once with
     one action (``sinks.one_action``, ``sinks.write_sink``), else ``"checkpoint"`` in local mode (an
-    executor is lost only with the driver), ``"cache"`` on a cluster; ``"none"`` — nothing is kept: the sink's one action on
-    the output runs the stateful stage (one Spark job per batch instead of two; the sink must read
+    executor is lost only with the driver), ``"cache"`` on a cluster; ``"none"`` — nothing is kept:
+    the sink's one action on the output runs the stateful stage (one Spark job per batch instead of two; the sink must read
     the whole output exactly once, else ``OutputReadError``), and the sink runs *before* the
     batch's state is fenced and its manifest written (``_compute_in_sink``). Without a sink the
     stage runs as a ``noop`` write whatever the mode.
@@ -832,8 +832,8 @@ class StatefulOperator:
             missing = sorted(set(range(self.num_partitions)) - set(ran))
             raise OutputReadError(
                 f"batch {plan.batch_id} of operator {self.operator_id!r}: "
-                + ("the sink is marked one_action" if self.materialize == "auto" else "with materialize='none' the sink")
-                + " and must read the whole output exactly once, with one action (its action computes the state); "
+                + ("the sink is marked one_action, so it" if self.materialize == "auto" else "with materialize='none' the sink")
+                + " must read the whole output exactly once, with one action (its action computes the state); "
                 + (f"partitions {twice} ran more than once" if twice else f"partitions {missing} were not read to the end")
                 + ". Nothing is committed. Write the DataFrame once in the sink, or "
                 + ("drop the one_action mark" if self.materialize == "auto" else "use materialize='checkpoint'")
