@@ -410,12 +410,13 @@ def floor_stage(df, plan: str) -> None:
     Spark's own aggregation in the same harness ("jvm"), run as a noop write; see the module
     docstring. ``plan`` + "-ck" ("pre-out-ck", "per-key-ck"): the output is kept by a local
     checkpoint (its own job) and then read by the noop write, as our default keeps it."""
-    keep = plan.endswith("-ck")
-    plan = plan.removesuffix("-ck")
     from pyspark.sql import functions as F
 
     from statestore_async.spark.operator import arrow_batch_bytes, materialize_checkpoint
     from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
+
+    keep = plan.endswith("-ck")
+    plan = plan.removesuffix("-ck")
 
     def count(batches):
         yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
