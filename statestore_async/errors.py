@@ -56,6 +56,15 @@ class StoreStateError(InterfaceError):
     code = 11
 
 
+class StoreBrokenError(StateStoreError):
+    """A commit's changes, or a switch to another version, failed part-way in memory (the daemon ran
+    out of memory for the store's map): the map is neither the old state nor the new one. The store
+    refuses every later request; the daemon drops it from memory, and the next open of a version a
+    manifest names loads it again from its files. The version whose changes failed is not durable."""
+
+    code = 18
+
+
 class VersionIdleTimeoutError(StoreStateError):
     """The daemon aborted an open version that had no request for ``open_version_idle_timeout``
     seconds: its changes are gone and its store's writer slot is free; open the store again."""

@@ -105,7 +105,7 @@ class StoreRegistry:
                          "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
                          "cold_loads": 0, "deltas_stacked": 0, "delta_runs_loaded": 0, "deltas_downloaded": 0,
                          "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0,
-                         "flushes": 0, "flushed_bytes": 0, "flush_errors": 0}
+                         "flushes": 0, "flushed_bytes": 0, "flush_errors": 0, "broken_dropped": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -121,6 +121,9 @@ class StoreRegistry:
         if store_id in self._loading:
             return None
         store = self._stores.get(store_id)
+        if store is not None and store.broken:
+            self._drop_broken(store)  # loaded again from its files, below (or made empty: version 0)
+            store = None
         if store is None:
             if version == 0 and not ckptid:
                 store = self._stores[store_id] = VersionedStore(store_id, history=self._history)
@@ -255,7 +258,8 @@ class StoreRegistry:
     def _spillable(self, store: VersionedStore) -> bool:
         # a store in use may spill: an open version reads on through the cold level, a frozen
         # view keeps the tables it froze
-        return store.store_id not in self._loading and self._uploader.will_settle(store.store_id, store.head)
+        return (store.store_id not in self._loading and not store.broken
+                and self._uploader.will_settle(store.store_id, store.head))
 
     def enforce_budget(self) -> int:
         """Bring memory under budget: the block cache first, then idle stores (least
@@ -265,6 +269,8 @@ class StoreRegistry:
         The budget covers the stores, the block cache and the deltas waiting for upload
         (``Uploader.queued_bytes``): a delta older than its store's history is held by the upload
         queue alone."""
+        for broken in [s for s in self._stores.values() if s.broken]:
+            self._drop_broken(broken)
         for store_id, ref in list(self._spill_later.items()):  # a new snapshot the store could not move onto yet
             store = self._stores.get(store_id)
             if store is None or store.head.version < ref.version:
@@ -273,7 +279,8 @@ class StoreRegistry:
                 self._spill_now(store, ref)
         for store in self._stores.values():
             cold = store.cold
-            if isinstance(cold, ColdStack) and cold.runs[0].flushed and store.store_id not in self._loading:
+            if (isinstance(cold, ColdStack) and cold.runs[0].flushed and store.store_id not in self._loading
+                    and not store.broken):
                 self._stack_deltas(store)  # the runs a version flushed give way to its durable delta file
         total = self.memory_bytes + self._uploader.queued_bytes
         if total <= self.memory_budget:
@@ -593,6 +600,15 @@ class StoreRegistry:
         if store.cold is not None or self.memory_bytes + self._uploader.queued_bytes > self.memory_budget:
             self._spill_now(store, ref)
             self.enforce_budget()
+
+    def _drop_broken(self, store: VersionedStore) -> None:
+        """Let go of a store whose changes failed part-way in memory (``VersionedStore.broken``: it
+        refuses every request); its next open loads it from the files the caller names."""
+        if store.store_id in self._loading or store.writer is not None:
+            return  # a broken store has no writer (a failed commit ended it); a load replaces it anyway
+        log.error("dropping %s from memory: %s", store.store_id, store.broken)
+        self.counters["broken_dropped"] += 1
+        self._drop(store.store_id)
 
     def _drop(self, store_id: StoreId) -> None:
         del self._stores[store_id]

@@ -308,8 +308,9 @@ class Uploader:
             # give the loop the time to sleep first, as the daemon does, then apply it here on the
             # loop if that has not happened yet — never in the encoding thread
             await asyncio.sleep(DEFERRED_APPLY_DELAY)
-            delta.apply()
         try:
+            if not getattr(delta, "applied", True):
+                delta.apply()  # StoreBrokenError when its changes fail part-way in the map
             data = await asyncio.to_thread(self._encode, delta)
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
             self._fail(up, exc)

@@ -40,11 +40,12 @@ snapshot older than it, goes through files.
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias, cast
+from typing import Protocol, TypeAlias, TypeVar, cast
 
 import numpy as np
 
@@ -56,11 +57,14 @@ from statestore_async.engine.lookup import KeyLookup
 from statestore_async.engine.table import Table, TableView
 from statestore_async.errors import (
     InterfaceError,
+    StoreBrokenError,
     StoreStateError,
     VersionNotFoundError,
     WriterConflictError,
 )
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
+
+T = TypeVar("T")
 
 DEFAULT_HISTORY = 4
 # commits a spilled store keeps (redo only; more while a state is pinned for a spill, see
@@ -486,6 +490,9 @@ class VersionedStore:
         self._views: list[FrozenView] = []
         # a deferred commit whose changes are not in the map yet: (changes, its _Commit, its Delta)
         self._pending: tuple[Table, _Commit, Delta] | None = None
+        # set when changes failed part-way in the map (``_mutating``): what failed; the store then
+        # refuses everything (``StoreBrokenError``) and its owner drops it
+        self._broken: str | None = None
     # --- what is committed ----------------------------------------------------------------------
     @property
     def head(self) -> CheckpointRef:
@@ -511,8 +518,8 @@ class VersionedStore:
     @property
     def memory_bytes(self) -> int:
         """Approximate bytes held: committed map (once spilled: its hot part and the cold level's
-        index), open overlay and the undo/redo history."""
-        self.apply_pending()
+        index), open overlay and the undo/redo history (a broken store's: as they are)."""
+        self._settle()
         total = self._data.nbytes + sum(c.nbytes for c in self._history)
         if self._cold is not None:
             total += self._cold.nbytes
@@ -547,13 +554,13 @@ class VersionedStore:
     @property
     def hot_records(self) -> int:
         """Entries of the committed map in memory (once spilled: of its hot part, tombstones included)."""
-        self.apply_pending()
+        self._settle()
         return len(self._data)
 
     @property
     def hot_bytes(self) -> int:
         """Memory the committed map takes (the hot part, once spilled)."""
-        self.apply_pending()
+        self._settle()
         return self._data.nbytes
 
     def spill(self, cold: ColdLevel) -> int:
@@ -721,12 +728,36 @@ class VersionedStore:
         undo, redo = path
         for c in undo:
             assert c.undo is not None  # applied: open() applies a pending commit first
-            self._mutate(c.undo)
+            self._mutating(f"undoing the commit of {c.child}", functools.partial(self._mutate, c.undo))
             self._head, self._lineage = c.parent, self._lineage_of(c.parent)
         for c in redo:
             assert c.redo is not None  # applied: open() applies a pending commit first
-            self._mutate(c.redo)
+            self._mutating(f"redoing the commit of {c.child}", functools.partial(self._mutate, c.redo))
             self._head, self._lineage = c.child, c.child_lineage
+
+    @property
+    def broken(self) -> str | None:
+        """What failed part-way in the map, or None: a broken store refuses everything
+        (``StoreBrokenError``)."""
+        return self._broken
+
+    def _mutating(self, what: str, change: Callable[[], T]) -> T:
+        """``change()``, which changes the map in place; should it fail part-way (the arena or the
+        index cannot grow), the map is neither state: the store is marked broken, and this and every
+        later call raise ``StoreBrokenError`` (the original error is its cause)."""
+        try:
+            return change()
+        except BaseException as exc:
+            self._broken = f"{what} failed part-way ({type(exc).__name__}: {exc})"
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like: as they are (the store stays broken)
+            raise self._broken_error() from exc
+
+    def _broken_error(self) -> StoreBrokenError:
+        return StoreBrokenError(
+            f"store {self.store_id} is broken in memory: {self._broken}; its map is neither state. Nothing more is "
+            "served from it: open a version a manifest names again (a daemon drops the store and loads it from "
+            "its files); the version whose changes failed is not durable")
 
     def _lineage_of(self, ref: CheckpointRef) -> tuple[CheckpointRef, ...]:
         if ref == self._head:
@@ -836,7 +867,7 @@ class VersionedStore:
             delta = Delta(self.store_id, child, lineage, None, bound, self, delta_runs)
             self._pending = (overlay, commit, delta)
             return delta
-        records = self._apply(overlay, commit)
+        records = self._mutating(f"applying the commit of {child}", lambda: self._apply(overlay, commit))
         return Delta(self.store_id, child, lineage, records, _upload_bytes(records) + run_bytes, runs=delta_runs)
 
     def _apply(self, overlay: Table, commit: _Commit) -> Table:
@@ -848,17 +879,28 @@ class VersionedStore:
         commit.undo, commit.redo = (undo if self._cold is None else None), records
         return records
 
+    def _settle(self) -> None:
+        """``apply_pending`` for the memory accounting, which never raises: a store that is broken,
+        or breaks here, is counted as it is (its owner drops it: see ``broken``)."""
+        if self._broken is None:
+            try:
+                self.apply_pending()
+            except StoreBrokenError:
+                pass
+
     def apply_pending(self) -> None:
         """Apply a deferred commit's changes to the map, if one waits (see ``StoreVersion.commit``).
 
         Every method that reads the map or the history calls it first, so a deferred commit is
         never seen half done; a caller may also call it when it is idle. Idempotent."""
+        if self._broken is not None:
+            raise self._broken_error()
         pending = self._pending
         if pending is None:
             return
         self._pending = None
         overlay, commit, delta = pending
-        records = self._apply(overlay, commit)
+        records = self._mutating(f"applying the deferred commit of {commit.child}", lambda: self._apply(overlay, commit))
         object.__setattr__(delta, "_records", records)
         object.__setattr__(delta, "_store", None)  # applied: the delta no longer keeps the store alive
 
@@ -1136,7 +1178,11 @@ class StoreVersion:
         """
         store = self._check_updating("commit")
         bound = _upload_bytes(self._overlay) + self._queued_run_bytes if defer else 0
-        delta = store._commit(self._overlay, ckptid, defer, bound, self._runs, self._stack, self._queued_run_bytes)
+        try:
+            delta = store._commit(self._overlay, ckptid, defer, bound, self._runs, self._stack, self._queued_run_bytes)
+        except StoreBrokenError:
+            self._finished(State.ABORTED)  # the store refuses everything now: free its writer slot
+            raise
         self._result = delta
         self._finished(State.COMMITTED)
         return delta
