@@ -88,6 +88,7 @@ DYNAMIC = frozenset({"requests_by_op", "object_stores"})
 METRICS = ("statestore_connections", "statestore_requests_total", "statestore_request_errors_total",
            "statestore_stores", "statestore_memory_bytes", "statestore_memory_budget_bytes",
            "statestore_loads_total", "statestore_load_errors_total", "statestore_evictions_total",
+           "statestore_broken_stores_dropped_total",
            "statestore_open_versions", "statestore_open_versions_expired_total",
            "statestore_upload_queue_bytes", "statestore_uploads_durable_total", "statestore_uploads_failed_total")
 

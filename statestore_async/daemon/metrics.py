@@ -49,6 +49,8 @@ _COUNTERS = (
     ("statestore_loads", "stores loaded from the object store", "registry", "loads"),
     ("statestore_load_errors", "loads that failed", "registry", "load_errors"),
     ("statestore_evictions", "stores evicted", "registry", "evictions"),
+    ("statestore_broken_stores_dropped", "stores dropped from memory after a change failed part-way in their map "
+     "(StoreBrokenError; reloaded from their files on their next open)", "registry", "broken_dropped"),
     ("statestore_rescales", "rescaled partitions' first states assembled from the old partitions' files",
      "registry", "rescales"),
     ("statestore_rescale_read_bytes", "bytes read from the object store to assemble rescaled partitions",
