@@ -3,8 +3,6 @@ is marked broken and refuses everything with ``StoreBrokenError`` (never serves 
 map), and the daemon drops it and loads it again from its files on the next open."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from statestore_async import errors
@@ -119,4 +117,3 @@ async def test_the_daemon_drops_a_broken_store_and_reloads_it_from_its_files(dae
         assert not d.registry.get(sid).broken
         stats = await c.stats()
         assert stats["registry"]["broken_dropped"] == 1
-    await asyncio.sleep(0)
