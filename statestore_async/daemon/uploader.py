@@ -303,14 +303,15 @@ class Uploader:
             # reported durable and still not load
             self._fail(up, _dependent_error(up, failed))
             return
-        if not getattr(delta, "applied", True):
+        deferred = not getattr(delta, "applied", True)
+        if deferred:
             # a deferred commit (the daemon answered it before applying its changes to the map):
             # give the loop the time to sleep first, as the daemon does, then apply it here on the
             # loop if that has not happened yet — never in the encoding thread
             await asyncio.sleep(DEFERRED_APPLY_DELAY)
         try:
-            if not getattr(delta, "applied", True):
-                delta.apply()  # StoreBrokenError when its changes fail part-way in the map
+            if deferred:
+                delta.apply()  # a no-op if applied meanwhile; StoreBrokenError if its changes fail part-way
             data = await asyncio.to_thread(self._encode, delta)
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
             self._fail(up, exc)
