@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/charts_from_docs.py            # every chart of docs/img/figures.json
     .venv/bin/python benchmarks/charts_from_docs.py bench_spark
 
-``docs/img/figures.json`` holds the figures copied exactly from README.md / docs/SPARK.md tables,
+``docs/img/figures.json`` holds the figures copied exactly from docs/PERFORMANCE.md / docs/SPARK.md tables,
 each chart with the table it comes from, the command that measured it and the date; the caption of
 every chart written here says so ("recorded figures, not re-measured"). Charts of a fresh run come
 from the benchmarks themselves (``--chart``).
