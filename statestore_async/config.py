@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from statestore_async.errors import InterfaceError
+from statestore_async.ids import RootParts, root_parts
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -53,6 +54,24 @@ def _uids(value: str | Iterable[str | int]) -> tuple[int, ...]:
         raise InterfaceError(f"allowed_uids is a list of integers, got {value!r}") from None
 
 
+def _roots(value: str | Iterable[str]) -> tuple[str, ...]:
+    """Checkpoint-root prefixes from ``"s3://b/p,file:///data/state"`` or a TOML list; each must be a
+    root the daemon would accept (``ids.root_parts``)."""
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",")]
+    if not isinstance(value, (list, tuple)):
+        raise InterfaceError(f"allowed_roots is a list of checkpoint roots, got {value!r}")
+    roots = tuple(v for v in value if v)
+    for r in roots:
+        if not isinstance(r, str):
+            raise InterfaceError(f"allowed_roots is a list of checkpoint roots, got {r!r}")
+        try:
+            root_parts(r)
+        except InterfaceError as exc:
+            raise InterfaceError(f"allowed_roots: {exc}") from None
+    return roots
+
+
 def _mode(value: int | str) -> int:
     if isinstance(value, int):
         return value
@@ -70,6 +89,10 @@ class DaemonConfig:
     socket_mode: int = field(default=0o660, metadata={"help": "socket file mode (octal)", "parse": _mode})
     allowed_uids: tuple[int, ...] = field(default=(), metadata={
         "help": "peer uids allowed (empty: the daemon's own uid)", "parse": _uids})
+    allowed_roots: tuple[str, ...] = field(default=(), metadata={
+        "help": "checkpoint roots the daemon serves, comma-separated prefixes matched on whole path segments "
+                "(e.g. s3://bucket/prefix,file:///data/state); empty: any well-formed root",
+        "parse": _roots})
     loop: str = field(default="uvloop", metadata={"help": "event loop: uvloop or asyncio", "choices": ("uvloop", "asyncio")})
     log_level: str = field(default="info", metadata={"help": "debug, info, warning, error",
                                                      "choices": ("debug", "info", "warning", "error")})
@@ -108,6 +131,10 @@ class DaemonConfig:
         "help": "seconds an open version may go without a request before the daemon aborts it, freeing its "
                 "store's writer slot (a stalled or vanished client); 0 = never",
         "parse": float})
+    open_wait_timeout: float = field(default=30.0, metadata={
+        "help": "seconds an OPEN waits at most for its store's earlier uploads to settle before it fails with "
+                "OpenTimeoutError (a root refusing uploads fails it at once); below the clients' 60 s timeout",
+        "parse": float})
     drain_timeout: float = field(default=60.0, metadata={
         "help": "seconds SIGTERM waits for queued uploads", "parse": float})
     exit_when_idle: float = field(default=0.0, metadata={
@@ -124,10 +151,13 @@ class DaemonConfig:
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "address the metrics port binds"})
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_roots", _roots(self.allowed_roots))  # checked, also when given directly
         if self.retention_versions < 2:
             raise InterfaceError("retention_versions must be at least 2")
         if self.exit_when_idle < 0:
             raise InterfaceError("exit_when_idle must be >= 0 (0: never)")
+        if self.open_wait_timeout <= 0:
+            raise InterfaceError("open_wait_timeout must be > 0 (seconds an OPEN waits for its store's uploads)")
         if self.open_version_idle_timeout < 0:
             raise InterfaceError("open_version_idle_timeout must be >= 0 (0: never)")
         for name in ("snapshot_interval", "upload_concurrency", "max_batch", "max_inflight"):
@@ -152,6 +182,11 @@ class DaemonConfig:
     def effective_allowed_uids(self) -> tuple[int, ...]:
         return self.allowed_uids or (os.getuid(),)
 
+    @property
+    def allowed_root_parts(self) -> tuple[RootParts, ...]:
+        """``allowed_roots`` taken apart (``ids.check_root`` matches roots against them)."""
+        return tuple(root_parts(r) for r in self.allowed_roots)
+
     def to_toml(self) -> str:
         """The settings as a TOML file (what ``--config`` reads)."""
         out = []
@@ -160,7 +195,7 @@ class DaemonConfig:
             if f.name == "socket_mode":
                 out.append(f'{f.name} = "{v:04o}"')
             elif isinstance(v, tuple):
-                out.append(f"{f.name} = [{', '.join(str(x) for x in v)}]")
+                out.append(f"{f.name} = [{', '.join(_toml_str(x) if isinstance(x, str) else str(x) for x in v)}]")
             elif isinstance(v, str):
                 out.append(f"{f.name} = {_toml_str(v)}")
             else:

@@ -305,3 +305,33 @@ class RetriesExhaustedError(ConnectionLostError):
     reconnected, restarting the daemon when needed); the last loss is the ``__cause__``."""
 
     code = 60
+
+
+# --- added for issue 40 (roots, bounded waits, partial frames) ------------------------------------
+class RootError(InterfaceError):
+    """A checkpoint root that is not an object-store location the daemon accepts: empty, relative,
+    with ``.`` or ``..`` segments, of an unknown scheme, or a ``file://`` URI naming another host.
+    The message names the root and the form to use."""
+
+    code = 70
+
+
+class RootNotAllowedError(RootError):
+    """A well-formed checkpoint root outside the daemon's ``allowed_roots``."""
+
+    code = 71
+
+
+class OpenTimeoutError(StateStoreError):
+    """An OPEN that had to wait (for its store's earlier uploads to settle) waited longer than the
+    daemon's ``open_wait_timeout``; the message says what it waited for and the last upload error."""
+
+    code = 72
+
+
+class FrameBudgetError(ProtocolError):
+    """A request frame the daemon cannot buffer: the partial frames of all connections share one
+    byte budget (``partial_frames_bytes``), and this frame is larger than it, or waited too long
+    for room in it. The connection is closed (the stream cannot be resynchronised)."""
+
+    code = 73

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
 
-from statestore_async.errors import InterfaceError
+from statestore_async.errors import InterfaceError, RootError, RootNotAllowedError
 
 DEFAULT_STORE_NAME = "default"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -113,3 +114,85 @@ class CheckpointRef:
 
 
 EMPTY_STATE = CheckpointRef(0, "")
+
+
+# --- checkpoint roots -------------------------------------------------------------------------------
+ROOT_FORMS = "file:///absolute/path or s3://bucket/prefix"
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+@dataclass(frozen=True)
+class RootParts:
+    """A checkpoint root taken apart: ``scheme`` (``file`` or ``s3``), ``bucket`` (``""`` for a
+    local folder) and the path's segments, without empty ones (``file:///a//b/`` is ``("a", "b")``)."""
+
+    scheme: str
+    bucket: str
+    segments: tuple[str, ...]
+
+    def within(self, prefix: RootParts) -> bool:
+        """Whether this root is ``prefix`` or under it, on whole segments (``/data/state2`` is not
+        under ``/data/state``)."""
+        n = len(prefix.segments)
+        return (self.scheme == prefix.scheme and self.bucket == prefix.bucket
+                and self.segments[:n] == prefix.segments)
+
+    def __str__(self) -> str:
+        path = "/" + "/".join(self.segments)
+        return f"file://{path}" if self.scheme == "file" else f"s3://{self.bucket}{path.rstrip('/')}"
+
+
+def root_parts(root: str) -> RootParts:
+    """Check a checkpoint root and take it apart; ``RootError`` names the root and the fix.
+
+    Accepted: ``file:///absolute/path`` (also ``file:/absolute/path``, ``file://localhost/…``, and a
+    plain absolute path) and ``s3://bucket[/prefix]``. Refused: an empty root, a relative path
+    (``file:relative/dir``, ``state``), a ``.`` or ``..`` segment (also percent-encoded, as a local
+    path is unquoted), another scheme (``ftp://``), a ``file://`` URI naming another host, a query,
+    fragment, user or port, and control characters."""
+    if not isinstance(root, str) or not root.strip():
+        raise RootError(f"an empty checkpoint root ({root!r}) names no location: use {ROOT_FORMS}")
+    if _CONTROL_RE.search(root):
+        raise RootError(f"checkpoint root {root!r} has control characters: use {ROOT_FORMS}")
+    parsed = urlparse(root)
+    scheme = parsed.scheme.lower()
+    if parsed.query or parsed.fragment or parsed.params:
+        raise RootError(f"checkpoint root {root!r} has a query, fragment or parameters: use {ROOT_FORMS}")
+    if scheme == "" and not root.startswith("/"):
+        raise RootError(f"checkpoint root {root!r} is a relative path (it would resolve under the daemon's "
+                        f"working folder): use {ROOT_FORMS}")
+    if scheme == "":
+        scheme, bucket, path = "file", "", root
+    elif scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise RootError(f"checkpoint root {root!r} names host {parsed.netloc!r}: a file root is a folder of "
+                            f"the daemon's node, file:///absolute/path (three slashes)")
+        bucket, path = "", unquote(parsed.path)
+        if not path.startswith("/"):
+            raise RootError(f"checkpoint root {root!r} is a relative path (it would resolve under the daemon's "
+                            f"working folder): use file:///absolute/path")
+    elif scheme == "s3":
+        bucket, path = parsed.netloc, parsed.path
+        if not bucket or "@" in bucket or ":" in bucket:
+            raise RootError(f"checkpoint root {root!r} names no bucket (or a user or port): use s3://bucket/prefix")
+    else:
+        raise RootError(f"checkpoint root {root!r} has unknown scheme {parsed.scheme!r}: use {ROOT_FORMS}")
+    segments = tuple(s for s in path.split("/") if s)
+    if any(s in (".", "..") for s in segments):
+        raise RootError(f"checkpoint root {root!r} has a '.' or '..' segment: name the folder itself, "
+                        f"{ROOT_FORMS}, without them")
+    if _CONTROL_RE.search(path):
+        raise RootError(f"checkpoint root {root!r} has control characters: use {ROOT_FORMS}")
+    return RootParts(scheme, bucket, segments)
+
+
+def check_root(root: str, allowed: tuple[RootParts, ...] = ()) -> RootParts:
+    """``root_parts(root)``, and with ``allowed`` (a daemon's ``allowed_roots``), ``RootNotAllowedError``
+    unless the root is one of them or under one."""
+    parts = root_parts(root)
+    if allowed and not any(parts.within(a) for a in allowed):
+        raise RootNotAllowedError(
+            f"checkpoint root {root!r} is outside this daemon's allowed roots "
+            f"({', '.join(str(a) for a in allowed)}): use a root under one of them, or add it to the daemon's "
+            f"allowed_roots (STATESTORE_ALLOWED_ROOTS, --allowed-roots)")
+    return parts

@@ -54,7 +54,7 @@ from statestore_async.daemon.objectstores import ObjectStores
 from statestore_async.daemon.uploader import Uploader, UploadState
 from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, FlushedRun, StoreVersion, VersionedStore
 from statestore_async.engine.table import Table
-from statestore_async.errors import StateStoreError, VersionNotFoundError, WriterConflictError
+from statestore_async.errors import OpenTimeoutError, StateStoreError, VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader
 from statestore_async.files.checkpoint import CheckpointWriter, write_flushed
 from statestore_async.files.coldrun import BlockCache, ColdRun, ColdStack
@@ -68,6 +68,10 @@ SPILL_MIN_BYTES = 1 << 20
 MAX_RUNS = 16
 # by default, an open version's changes smaller than this stay in memory (a flush costs a file and a run)
 FLUSH_MIN_BYTES = 1 << 20
+# how long an OPEN waits at most for its store's earlier uploads to settle (``open_wait_timeout``)
+OPEN_WAIT_TIMEOUT = 30.0
+# while it waits, it looks this often whether the root started refusing uploads
+OPEN_WAIT_RECHECK = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,9 @@ class StoreRegistry:
     def __init__(self, objstores: ObjectStores, uploader: Uploader, *, memory_budget: int = 2 << 30,
                  history: int = DEFAULT_HISTORY, block_cache_bytes: int | None = None,
                  spill_min_bytes: int = SPILL_MIN_BYTES, scratch_dir: str | None = None,
-                 flush_min_bytes: int = FLUSH_MIN_BYTES) -> None:
+                 flush_min_bytes: int = FLUSH_MIN_BYTES, open_wait_timeout: float = OPEN_WAIT_TIMEOUT) -> None:
         self._objstores = objstores
+        self.open_wait_timeout = open_wait_timeout
         self._uploader = uploader
         self.memory_budget = memory_budget
         self._history = history
@@ -105,7 +110,8 @@ class StoreRegistry:
                          "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
                          "cold_loads": 0, "deltas_stacked": 0, "delta_runs_loaded": 0, "deltas_downloaded": 0,
                          "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0,
-                         "flushes": 0, "flushed_bytes": 0, "flush_errors": 0, "broken_dropped": 0}
+                         "flushes": 0, "flushed_bytes": 0, "flush_errors": 0, "broken_dropped": 0,
+                         "opens_refused_uploads": 0, "opens_timed_out": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
         self.evict_listeners: list[Callable[[StoreId], None]] = []
 
@@ -188,7 +194,7 @@ class StoreRegistry:
                 # only once they are in the object store
                 if self._uploader.pending(store_id):
                     self.counters["loads_waited_for_uploads"] += 1
-                    await self._uploader.wait_settled(store_id)
+                    await self._wait_uploads(store_id, ref)
                 await self._admit_load()
                 try:
                     store, report = await loader.load_store(
@@ -241,6 +247,37 @@ class StoreRegistry:
             done.set_result(None)
         self.enforce_budget()
         return writer
+
+    async def _wait_uploads(self, store_id: StoreId, ref: CheckpointRef) -> None:
+        """Wait until the store's queued uploads settle, at most ``open_wait_timeout`` seconds:
+        the files of its last commits are complete only then. A root that refuses uploads
+        (degraded: credentials, permissions, a full disk) fails the open at once with that error,
+        and a wait past the bound with ``OpenTimeoutError``; both are logged with the reason."""
+        uploader = self._uploader
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.open_wait_timeout
+        while uploader.pending(store_id):
+            refusal = uploader.refusal(store_id.root)
+            if refusal is not None:
+                self.counters["opens_refused_uploads"] += 1
+                msg = (f"cannot open {store_id} at {ref}: {uploader.pending(store_id)} earlier commits of it are "
+                       f"still to be uploaded and its object store refuses this daemon's uploads "
+                       f"({type(refusal).__name__}: {refusal}); fix the credentials, permissions or space of "
+                       f"{store_id.root} (the uploads are retried), or open a version the daemon holds in memory")
+                log.warning("%s", msg)
+                raise type(refusal)(msg, refusal.key)
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not await uploader.wait_settled(store_id, min(remaining, OPEN_WAIT_RECHECK)):
+                if loop.time() < deadline:
+                    continue  # look at the root again
+                self.counters["opens_timed_out"] += 1
+                last = uploader.last_error(store_id)
+                why = f"; the last attempt failed with {type(last).__name__}: {last}" if last is not None else ""
+                msg = (f"cannot open {store_id} at {ref}: {uploader.pending(store_id)} earlier commits of it were "
+                       f"still not uploaded after {self.open_wait_timeout:g} s (open_wait_timeout){why}; the "
+                       f"uploads go on, open it again later")
+                log.warning("%s", msg)
+                raise OpenTimeoutError(msg)
 
     # --- memory ---------------------------------------------------------------------------------
     @property

@@ -338,6 +338,7 @@ class _Connection(asyncio.Protocol):
             elif cls is Open:
                 if d.stopping:
                     raise ShuttingDownError("the daemon is stopping; open the store elsewhere or later")
+                d.objstores.check(ev.store_id.root)  # RootError: malformed, or outside allowed_roots
                 registry = d.registry
                 assert registry is not None  # set by start(), before any connection
                 opened = registry.try_open(ev.store_id, ev.version, ev.ckptid)
@@ -350,6 +351,7 @@ class _Connection(asyncio.Protocol):
             elif cls is ScanRanges:
                 self._scan_ranges(ev)
             elif cls is AwaitDurable:
+                d.objstores.check(ev.store_id.root)
                 self._spawn(self._await_durable(ev))
             elif cls is Ping:
                 self._write(proto.send_pong(rid, ev.payload))
@@ -358,6 +360,7 @@ class _Connection(asyncio.Protocol):
             elif cls is Release:
                 registry = d.registry
                 assert registry is not None
+                d.objstores.check(ev.root)
                 self._write(proto.send_released(rid, registry.release(ev.root, ev.operator_id, ev.store_name,
                                                                       ev.partitions)))
             elif cls is Hello:
@@ -546,7 +549,7 @@ class Daemon:
             def open_objstore(uri: str) -> ObjectStore:
                 return open_root(uri, s3_options=s3, cache_dir=config.cache_dir, cache_bytes=config.cache_bytes)
 
-        self.objstores = ObjectStores(open_objstore)
+        self.objstores = ObjectStores(open_objstore, allowed=config.allowed_root_parts)
         self.uploader: Uploader | None = None
         self.registry: StoreRegistry | None = None
         self.maintenance: Maintenance | None = None
@@ -600,7 +603,7 @@ class Daemon:
                                       block_cache_bytes=cfg.block_cache_bytes or None,
                                       spill_min_bytes=cfg.spill_min_bytes,
                                       scratch_dir=os.path.join(cfg.cache_dir, "flushed") if cfg.cache_dir else None,
-                                      flush_min_bytes=cfg.flush_min_bytes)
+                                      flush_min_bytes=cfg.flush_min_bytes, open_wait_timeout=cfg.open_wait_timeout)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
             # the worker opens the same object stores from the same settings (a custom factory,

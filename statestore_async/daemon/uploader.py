@@ -426,13 +426,36 @@ class Uploader:
         up = self._status.get((store_id, ref))
         return isinstance(up, _Upload) and not up.finished
 
-    async def wait_settled(self, store_id: StoreId) -> None:
-        """Return once no upload of ``store_id`` is queued or running (each ends durable or failed)."""
+    async def wait_settled(self, store_id: StoreId, timeout: float | None = None) -> bool:
+        """Return once no upload of ``store_id`` is queued or running (each ends durable or failed):
+        True; False when ``timeout`` seconds passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         while self.pending(store_id):
             ev = self._changed.get(store_id)
             if ev is None:
                 ev = self._changed[store_id] = asyncio.Event()
-            await ev.wait()
+            if deadline is None:
+                await ev.wait()
+                continue
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(ev.wait(), remaining)
+            except TimeoutError:
+                return not self.pending(store_id)
+        return True
+
+    def refusal(self, root: str) -> ObjectStoreError | None:
+        """The error a degraded ``root`` refuses uploads with (None when it is not degraded)."""
+        deg = self._degraded.get(root)
+        return deg.error if deg is not None else None
+
+    def last_error(self, store_id: StoreId) -> BaseException | None:
+        """The last failed attempt's error of the store's oldest pending upload (None: none failed)."""
+        q = self._by_store.get(store_id)
+        return q[0].error if q else None
 
     def will_settle(self, store_id: StoreId, ref: CheckpointRef) -> bool:
         """True unless ``ref`` of ``store_id`` failed for good: it is durable, unknown here, or on
