@@ -111,6 +111,10 @@ class DaemonConfig:
                 "(the write buffer; in cache_dir/flushed, else a temporary folder)",
         "parse": parse_size})
     max_frame_bytes: int = field(default=64 << 20, metadata={"help": "largest protocol frame accepted", "parse": parse_size})
+    partial_frames_bytes: int = field(default=128 << 20, metadata={
+        "help": "bytes the frames still arriving on all connections may hold together (at least max_frame_bytes); "
+                "a connection whose frame does not fit waits (its reading paused) until others complete or go",
+        "parse": parse_size})
     max_batch: int = field(default=100_000, metadata={"help": "most keys in one batched request", "parse": int})
     max_inflight: int = field(default=64, metadata={"help": "pipelined requests in flight per connection", "parse": int})
     cache_dir: str = field(default="", metadata={"help": "local cache of uploaded files ('' = off)"})
@@ -156,6 +160,9 @@ class DaemonConfig:
             raise InterfaceError("retention_versions must be at least 2")
         if self.exit_when_idle < 0:
             raise InterfaceError("exit_when_idle must be >= 0 (0: never)")
+        if self.partial_frames_bytes < self.max_frame_bytes:
+            raise InterfaceError(f"partial_frames_bytes ({self.partial_frames_bytes}) must hold one largest frame: at "
+                                 f"least max_frame_bytes ({self.max_frame_bytes})")
         if self.open_wait_timeout <= 0:
             raise InterfaceError("open_wait_timeout must be > 0 (seconds an OPEN waits for its store's uploads)")
         if self.open_version_idle_timeout < 0:

@@ -47,6 +47,7 @@ from statestore_async.daemon.unixsocket import peer_credentials, prepare_socket_
 from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader, _Upload
 from statestore_async.engine.store import State, StoreVersion
 from statestore_async.errors import (
+    FrameBudgetError,
     ObjectStoreError,
     StateStoreError,
     StoreStateError,
@@ -111,6 +112,64 @@ _OPCODE = {Hello: Op.HELLO, Ping: Op.PING, Open: Op.OPEN, GetMany: Op.GET_MANY, 
            AwaitDurable: Op.AWAIT_DURABLE, Stats: Op.STATS, Release: Op.RELEASE}
 
 
+# A connection whose partial frame waits this long for room in the shared budget
+# (``partial_frames_bytes``) is refused with FrameBudgetError and closed.
+PARTIAL_FRAME_WAIT = 30.0
+
+
+# --- partial frames --------------------------------------------------------------------------------
+class FramePool:
+    """The byte budget that the frames still arriving on all connections share
+    (``partial_frames_bytes``).
+
+    A connection whose buffer ends inside a frame holds room for that frame's whole payload (known
+    from its header) until the frame completes or the connection goes. One that cannot get the room
+    stops reading (so it buffers at most what one read brought) and waits, first come first served;
+    room is handed over as frames complete or their connections go. Holding whole frames, never
+    parts, means a frame that got its room can always complete: no two half-read frames wait for
+    each other."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self._waiting: OrderedDict[_Connection, int] = OrderedDict()
+        self.counters = {"partial_frame_waits": 0, "partial_frames_refused": 0}
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def take(self, n: int) -> bool:
+        """Take ``n`` bytes now if they fit and nobody waits before."""
+        if self._waiting or self.used + n > self.budget:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        self._hand_over()
+
+    def wait(self, conn: _Connection, n: int) -> None:
+        """``conn`` waits for ``n`` bytes: ``conn.frame_room(n)`` once they are its."""
+        self.counters["partial_frame_waits"] += 1
+        self._waiting[conn] = n
+
+    def cancel(self, conn: _Connection) -> None:
+        if self._waiting.pop(conn, None) is not None:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        waiting = self._waiting
+        while waiting:
+            conn, n = next(iter(waiting.items()))
+            if self.used + n > self.budget:
+                return
+            del waiting[conn]
+            self.used += n
+            conn.frame_room(n)
+
+
 # --- one connection -------------------------------------------------------------------------------
 class _Finished:
     """A handle its connection committed or aborted, or the daemon aborted after ``idle_limit``
@@ -159,6 +218,8 @@ class _Connection(asyncio.Protocol):
         self._write_ok.set()
         self._idle = asyncio.Event()
         self._idle.set()
+        self._frame_bytes = 0  # room held in the daemon's FramePool for the frame arriving
+        self._frame_wait: asyncio.TimerHandle | None = None  # set while waiting for that room
 
     @property
     def open_versions(self) -> int:
@@ -198,7 +259,68 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.proto.receive_data(data)
+        self._hold_partial_frame()
         self._process()
+
+    # -- partial frames: room in the daemon's FramePool --
+    def _hold_partial_frame(self) -> None:
+        """Hold room in the shared budget for the frame the buffer ends in (none: give it back);
+        without room, stop reading and wait for it."""
+        partial = self.proto.partial_frame()
+        need = partial[0] if partial is not None else 0
+        held = self._frame_bytes
+        pool = self.daemon.frame_pool
+        if need <= held:
+            if need < held:
+                self._frame_bytes = need
+                pool.give(held - need)
+            return
+        assert partial is not None
+        if need > pool.budget:
+            self._refuse_frame(partial, f"a frame of {need} bytes is larger than the {pool.budget} bytes all partial "
+                                        "frames may hold (partial_frames_bytes); send smaller batches or raise it")
+            return
+        if pool.take(need - held):
+            self._frame_bytes = need
+            return
+        pool.wait(self, need - held)
+        self._frame_wait = asyncio.get_running_loop().call_later(PARTIAL_FRAME_WAIT, self._frame_wait_expired)
+        if not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def frame_room(self, n: int) -> None:
+        """The pool gave this connection the room its partial frame waited for: read on."""
+        self._frame_bytes += n
+        if self._frame_wait is not None:
+            self._frame_wait.cancel()
+            self._frame_wait = None
+        if not self.closed:
+            # called from another connection's callback: this one reads on once that returns
+            asyncio.get_running_loop().call_soon(self._process)
+
+    def _frame_wait_expired(self) -> None:
+        self._frame_wait = None
+        if self.closed:
+            return
+        self.daemon.frame_pool.cancel(self)
+        partial = self.proto.partial_frame() or (0, 0, 0)
+        pool = self.daemon.frame_pool
+        self._refuse_frame(partial, f"its frame of {partial[0]} bytes waited {PARTIAL_FRAME_WAIT:g} s for room among "
+                                    f"the partial frames of other connections ({pool.used} of {pool.budget} bytes, "
+                                    "partial_frames_bytes); send smaller batches, or raise it")
+
+    def _refuse_frame(self, partial: tuple[int, int, int], why: str) -> None:
+        """Answer the frame in progress with ``FrameBudgetError`` and close (the stream cannot be
+        resynchronised without reading the frame)."""
+        _size, opcode, rid = partial
+        self.daemon.frame_pool.counters["partial_frames_refused"] += 1
+        self.daemon.counters["errors"] += 1
+        log.warning("closing connection of %s (pid, uid, gid): %s", self.peer, why)
+        self._write(self.proto.send_error(rid, opcode, FrameBudgetError(why)))
+        self.closed = True
+        self.proto.discard()
+        self.transport.close()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -207,6 +329,17 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.daemon.connections.discard(self)
         self.daemon.watch_idle()
+        # what the peer sent and nobody will read goes now, not when a cycle of this object is
+        # collected (a client killed mid-frame left up to a frame of memory for tens of seconds)
+        self.proto.discard()
+        pool = self.daemon.frame_pool
+        pool.cancel(self)
+        if self._frame_wait is not None:
+            self._frame_wait.cancel()
+            self._frame_wait = None
+        if self._frame_bytes:
+            held, self._frame_bytes = self._frame_bytes, 0
+            pool.give(held)
         for w in self.handles.values():
             if w.state is State.UPDATING:
                 w.abort()
@@ -241,7 +374,7 @@ class _Connection(asyncio.Protocol):
             if ev is NEED_DATA or ev is CLOSED:
                 break
             self._handle(ev)
-        if self._reading_paused and not self.closed:
+        if self._reading_paused and not self.closed and self._frame_wait is None:
             self._reading_paused = False
             self.transport.resume_reading()
 
@@ -550,6 +683,8 @@ class Daemon:
                 return open_root(uri, s3_options=s3, cache_dir=config.cache_dir, cache_bytes=config.cache_bytes)
 
         self.objstores = ObjectStores(open_objstore, allowed=config.allowed_root_parts)
+        #: the room that frames still arriving share across connections (``partial_frames_bytes``)
+        self.frame_pool = FramePool(config.partial_frames_bytes)
         self.uploader: Uploader | None = None
         self.registry: StoreRegistry | None = None
         self.maintenance: Maintenance | None = None
@@ -732,7 +867,9 @@ class Daemon:
             "daemon": {"version": __version__, "pid": os.getpid(), "uptime": round(time.monotonic() - self._started, 3),
                        "open_connections": len(self.connections), "stopping": self.stopping,
                        "open_versions": sum(c.open_versions for c in self.connections), **self.counters,
-                       "requests_by_op": dict(self.requests_by_op), "commit_latency": self.commit_latency.stats()},
+                       "requests_by_op": dict(self.requests_by_op), "commit_latency": self.commit_latency.stats(),
+                       "partial_frame_bytes": self.frame_pool.used, "partial_frames_waiting": self.frame_pool.waiting,
+                       **self.frame_pool.counters},
             # ``is not None``: an empty registry is falsy (it has a length), and its section must
             # still carry every key (zeros), as the metrics endpoint reads them all
             "registry": self.registry.stats() if self.registry is not None else {},

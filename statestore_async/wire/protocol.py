@@ -461,6 +461,27 @@ class ServerProtocol:
     def buffered(self) -> int:
         return len(self._buf)
 
+    def partial_frame(self) -> tuple[int, int, int] | None:
+        """The frame begun but not complete in the buffer, as ``(size, opcode, request id)``: its
+        payload's length once its header is in (what a daemon must make room for to complete it),
+        before that the bytes buffered with opcode and id 0; None when the buffer ends on a frame
+        boundary."""
+        buf = self._buf
+        n = len(buf)
+        if not n:
+            return None
+        if n < _FRAME_HEADER.size:
+            return n, 0, 0
+        length, opcode, _flags, rid = _FRAME_HEADER.unpack_from(buf, 0)
+        return max(length, n), opcode, rid
+
+    def discard(self) -> None:
+        """Forget what is buffered, complete or not (the connection is gone): its memory goes now,
+        whoever still holds this object."""
+        self._buf = bytearray()
+        self._events.clear()
+        self.closed = True
+
     def _decode(self, opcode: int, flags: int, rid: int, payload: bytes) -> ServerEvent:
         if flags != 0 or opcode not in _OPS:
             what = f"flags {flags:#x}" if opcode in _OPS else f"opcode {opcode}"
