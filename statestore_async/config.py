@@ -131,6 +131,9 @@ class DaemonConfig:
     upload_concurrency: int = field(default=8, metadata={"help": "parallel uploads", "parse": int})
     upload_queue_bytes: int = field(default=256 << 20, metadata={
         "help": "bytes queued for upload before commits wait", "parse": parse_size})
+    upload_queue_count: int = field(default=1000, metadata={
+        "help": "deltas queued for upload before commits wait (with upload_queue_bytes: whichever comes first)",
+        "parse": int})
     open_version_idle_timeout: float = field(default=300.0, metadata={
         "help": "seconds an open version may go without a request before the daemon aborts it, freeing its "
                 "store's writer slot (a stalled or vanished client); 0 = never",
@@ -167,7 +170,7 @@ class DaemonConfig:
             raise InterfaceError("open_wait_timeout must be > 0 (seconds an OPEN waits for its store's uploads)")
         if self.open_version_idle_timeout < 0:
             raise InterfaceError("open_version_idle_timeout must be >= 0 (0: never)")
-        for name in ("snapshot_interval", "upload_concurrency", "max_batch", "max_inflight"):
+        for name in ("snapshot_interval", "upload_concurrency", "upload_queue_count", "max_batch", "max_inflight"):
             if getattr(self, name) < 1:
                 raise InterfaceError(f"{name} must be at least 1")
         for f in fields(self):

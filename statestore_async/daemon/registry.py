@@ -254,6 +254,7 @@ class StoreRegistry:
         (degraded: credentials, permissions, a full disk) fails the open at once with that error,
         and a wait past the bound with ``OpenTimeoutError``; both are logged with the reason."""
         uploader = self._uploader
+        uploader.hurry(store_id)  # its uploads go before other stores' queues
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.open_wait_timeout
         while uploader.pending(store_id):

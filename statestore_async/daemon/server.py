@@ -733,7 +733,8 @@ class Daemon:
         # deltas waiting for upload count against the memory budget too: the queue never holds
         # more than the budget (commits wait for room, as they do for upload_queue_bytes)
         self.uploader = Uploader(self.objstores, concurrency=cfg.upload_concurrency,
-                                 queue_bytes=min(cfg.upload_queue_bytes, cfg.memory_budget))
+                                 queue_bytes=min(cfg.upload_queue_bytes, cfg.memory_budget),
+                                 queue_count=cfg.upload_queue_count)
         self.registry = StoreRegistry(self.objstores, self.uploader, memory_budget=cfg.memory_budget,
                                       block_cache_bytes=cfg.block_cache_bytes or None,
                                       spill_min_bytes=cfg.spill_min_bytes,

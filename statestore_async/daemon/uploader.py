@@ -1,8 +1,9 @@
 """``Uploader``: makes committed deltas durable in the background (DESIGN §7, docs/GUARANTEES.md).
 
 ``submit(delta)`` registers the delta at once (its durability is queryable from then on) and
-returns as soon as the upload queue has room for it: when ``queue_bytes`` are already waiting,
-commits wait (back-pressure) — a delta is never dropped. A background task per store encodes
+returns as soon as the upload queue has room for it: when ``queue_bytes`` or ``queue_count``
+deltas are already waiting, commits wait (back-pressure) — a delta is never dropped. A store an
+OPEN waits for (``hurry``) has its deltas admitted and its uploads sent before other stores'. A background task per store encodes
 each delta (``checkpoint.encode_delta``, in a worker thread) and creates its file with
 ``files.transfer.create_checkpoint_file``, in commit order, with at most ``concurrency`` uploads
 at a time across stores.
@@ -130,6 +131,46 @@ class _Degraded:
 DEFERRED_APPLY_DELAY = 0.001
 
 
+class _Slots:
+    """``concurrency`` upload slots, handed out first come first served, except that a worker of a
+    store someone waits for (``hurry``: an OPEN that must load it) goes before every other."""
+
+    def __init__(self, n: int) -> None:
+        self.free = n
+        self._waiting: OrderedDict[asyncio.Future[None], StoreId] = OrderedDict()
+        self._urgent: OrderedDict[asyncio.Future[None], StoreId] = OrderedDict()
+
+    async def acquire(self, store_id: StoreId, urgent: bool) -> None:
+        if self.free and not self._waiting and not self._urgent:
+            self.free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        (self._urgent if urgent else self._waiting)[fut] = store_id
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if not self._waiting.pop(fut, None) and not self._urgent.pop(fut, None) and fut.done() \
+                    and not fut.cancelled():
+                self.release()  # handed over just as it was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        for queue in (self._urgent, self._waiting):
+            while queue:
+                fut, _ = queue.popitem(last=False)
+                if not fut.done():
+                    fut.set_result(None)
+                    return
+        self.free += 1
+
+    def hurry(self, store_id: StoreId) -> None:
+        """Move the store's waiting worker, if any, before every other."""
+        for fut, sid in list(self._waiting.items()):
+            if sid == store_id:
+                del self._waiting[fut]
+                self._urgent[fut] = sid
+
+
 def delta_size(delta: Delta) -> int:
     """Bytes a delta is accounted for in the upload queue (its keys and values)."""
     if delta.nbytes:  # counted by the engine while it applied the commit
@@ -146,14 +187,20 @@ class Uploader:
         *,
         concurrency: int = 8,
         queue_bytes: int = 256 << 20,
+        queue_count: int = 1000,
         retry_base: float = 0.05,
         retry_max: float = 5.0,
         keep_done: int = 10_000,
         encode: Callable[[Delta], bytes] = checkpoint.encode_delta,
     ) -> None:
         self._objstore_for = objstore_for
-        self._sem = asyncio.Semaphore(concurrency)
+        self._slots = _Slots(concurrency)
         self.queue_limit = queue_bytes
+        self.queue_count_limit = queue_count
+        self.queued_count = 0  # deltas admitted and not finished (bounded by queue_count)
+        # stores an OPEN waits for (their uploads must settle before it can load them): admitted
+        # and given upload slots before every other store's
+        self._urgent: set[StoreId] = set()
         self.retry_base = retry_base
         self.retry_max = retry_max
         self._keep_done = keep_done
@@ -220,7 +267,8 @@ class Uploader:
 
     def _has_room(self, size: int) -> bool:
         # an empty queue takes any delta, however large: a commit never waits forever
-        return not self.queued_bytes or self.queued_bytes + size <= self.queue_limit
+        return not self.queued_count or (self.queued_bytes + size <= self.queue_limit
+                                         and self.queued_count < self.queue_count_limit)
 
     def _admit(self) -> None:
         while self._waiting:
@@ -228,8 +276,27 @@ class Uploader:
             if not self._has_room(up.size):
                 return
             self._waiting.popleft()
-            self.queued_bytes += up.size
-            up.admitted.set()
+            self._take(up)
+
+    def _take(self, up: _Upload) -> None:
+        self.queued_bytes += up.size
+        self.queued_count += 1
+        up.admitted.set()
+
+    def hurry(self, store_id: StoreId) -> None:
+        """An OPEN waits for the uploads of ``store_id`` (it must load the store once they are in):
+        admit them now, whatever the queue holds (they are in memory already; admitting lets them
+        go, and answers their COMMITs), and give the store's worker the next upload slot, so the
+        OPEN does not wait behind other stores' queues. Lasts until the store's queue is empty."""
+        queue = self._by_store.get(store_id)
+        if not queue:
+            return
+        self._urgent.add(store_id)
+        for up in queue:
+            if not up.admitted.is_set():
+                self._waiting.remove(up)
+                self._take(up)
+        self._slots.hurry(store_id)
 
     # --- the per-store worker -------------------------------------------------------------------
     async def _run_store(self, store_id: StoreId) -> None:
@@ -244,6 +311,7 @@ class Uploader:
                 finally:
                     queue.popleft()
                     self.queued_bytes -= up.size
+                    self.queued_count -= 1
                     up.delta = None
                     up.lineage = ()
                     up.done.set()
@@ -256,6 +324,7 @@ class Uploader:
             del self._workers[store_id]
             if not queue:
                 del self._by_store[store_id]
+                self._urgent.discard(store_id)
             if not self._workers:
                 self._idle.set()
             self._trim()
@@ -324,10 +393,13 @@ class Uploader:
         while True:
             up.attempts += 1
             try:
-                async with self._sem:
+                await self._slots.acquire(up.store_id, up.store_id in self._urgent)
+                try:
                     up.state = UploadState.UPLOADING
                     store = self._objstore_for(root)
                     await create_checkpoint_file(store, up.store_id, up.ref, DELTA, data)
+                finally:
+                    self._slots.release()
             except _PERMANENT as exc:
                 self._fail(up, exc)
                 return
@@ -579,6 +651,9 @@ class Uploader:
         return {
             "queued_bytes": self.queued_bytes,
             "queue_limit": self.queue_limit,
+            "queued_count": self.queued_count,
+            "queue_count_limit": self.queue_count_limit,
+            "stores_hurried": len(self._urgent),
             "waiting_admission": len(self._waiting),
             "stores_uploading": len(self._workers),
             "states": states,
