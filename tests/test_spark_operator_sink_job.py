@@ -19,7 +19,7 @@ from statestore_async import errors
 from statestore_async.spark import StatefulOperator, load_state
 from statestore_async.spark.examples import CountSum
 from statestore_async.spark.operator import OutputReadError
-from statestore_async.spark.sinks import one_action, write_sink
+from statestore_async.spark.sinks import ReplayUnsafeSinkError, for_writer, one_action, write_sink
 
 OUT = "key string, count bigint, sum bigint"
 pytestmark = pytest.mark.spark
@@ -218,10 +218,12 @@ def test_write_sink_writes_each_batch_once_with_its_options_and_partitions(spark
     for b in range(2):
         op.process_batch(_batch(spark), b, sink)
     assert runs.read_text().count("run") == 2 * 2
-    rows = sorted(tuple(r) for r in spark.read.parquet(str(out)).select("key", "count", "sum").collect())
-    assert rows == sorted([(f"k{j}", 10, sum(range(j, 70, 7))) for j in range(7)]
-                          + [(f"k{j}", 20, 2 * sum(range(j, 70, 7))) for j in range(7)])
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == [f"key=k{j}" for j in range(7)]
+    rows = sorted(tuple(r) for r in spark.read.parquet(str(out)).select("batch_id", "key", "count", "sum").collect())
+    assert rows == sorted([(0, f"k{j}", 10, sum(range(j, 70, 7))) for j in range(7)]
+                          + [(1, f"k{j}", 20, 2 * sum(range(j, 70, 7))) for j in range(7)])
+    # each batch in its own folder (replaced if the batch is replayed), the user's partitions inside
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["batch_id=0", "batch_id=1"]
+    assert sorted(p.name for p in (out / "batch_id=1").iterdir() if p.is_dir()) == [f"key=k{j}" for j in range(7)]
     files = [p.name for p in out.rglob("*.parquet")]
     assert any(".gz." in f for f in files) and any(".snappy." in f for f in files)  # batch 1's and batch 0's options
 
@@ -237,3 +239,36 @@ def test_write_sink_refuses_what_cannot_be_written():
         write_sink("parquet", "/tmp/x", options=["compression"])
     with pytest.raises(errors.InterfaceError, match="wraps a sink function"):
         one_action("not a function")
+    with pytest.raises(errors.InterfaceError, match="batch_column"):
+        write_sink("parquet", "/tmp/x", partition_by=["batch_id"])
+
+
+@pytest.mark.parametrize(("args", "kw", "why"), [
+    (("parquet", "/tmp/x"), {"mode": "ignore"}, "partial"),
+    (("json", "/tmp/x"), {"mode": "error"}, "fail the query"),
+    (("csv", "/tmp/x"), {"mode": "errorifexists"}, "fail the query"),
+    (("parquet",), {"table": "db.t"}, "saveAsTable has no per-batch replace"),
+    (("jdbc",), {"options": {"url": "jdbc:x"}}, "cannot make a jdbc write replace itself"),
+    (("kafka",), {}, "at_least_once=True"),
+    (("iceberg",), {"table": "cat.db.t"}, "Iceberg"),
+])
+def test_write_sink_refuses_writes_a_replay_would_double(args, kw, why):
+    with pytest.raises(ReplayUnsafeSinkError, match=why):
+        write_sink(*args, **kw)
+
+
+def test_write_sink_layouts_and_delta_transactions():
+    s = write_sink("parquet", "s3://b/out/", partition_by="day")
+    assert s.layout == "batch_folder" and s.target(7) == "s3://b/out/batch_id=7"
+    assert write_sink("CSV", "/o", batch_column="epoch").target(3) == "/o/epoch=3"
+    assert write_sink("parquet", "/o", mode="overwrite").layout == "replace_path"
+    assert write_sink("noop").layout == "as_given"
+    assert write_sink("kafka", at_least_once=True).layout == "as_given"  # duplicates accepted by the user
+    d = write_sink("delta", "/t", options={"mergeSchema": "true"})
+    with pytest.raises(errors.InterfaceError, match="app_id"):
+        d.writer_options(4)  # not bound to an operator, and no app_id
+    bound = for_writer(d, "file:///s/op")
+    assert bound.writer_options(4) == {"mergeSchema": "true", "txnAppId": "file:///s/op", "txnVersion": "4"}
+    assert for_writer(write_sink("delta", table="t", app_id="mine"), "x").writer_options(0)["txnAppId"] == "mine"
+    plain = one_action(lambda df, b: None)
+    assert for_writer(plain, "x") is plain

@@ -48,7 +48,7 @@ from statestore_async.spark.runtime import (
     open_partition_store,
     store_keys,
 )
-from statestore_async.spark.sinks import OneActionSink, one_action, write_sink
+from statestore_async.spark.sinks import OneActionSink, ReplayUnsafeSinkError, WriteSink, one_action, write_sink
 
 __all__ = [
     "BatchProgress",
@@ -63,12 +63,14 @@ __all__ = [
     "OneActionSink",
     "OperatorConfigError",
     "OutputReadError",
+    "ReplayUnsafeSinkError",
     "RoutingError",
     "StateHandle",
     "StatefulOperator",
     "StatefulProcessor",
     "ValueState",
     "VectorizedProcessor",
+    "WriteSink",
     "connect",
     "daemon_pid",
     "decode_record",
