@@ -63,7 +63,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -82,7 +82,6 @@ from statestore_async.files.manifest import (
     OwnerRecord,
     claim_owner,
     delete_manifests_after,
-    read_manifest,
     read_owner,
     write_manifest,
 )
@@ -90,6 +89,16 @@ from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.rescale import RESCALED_FROM_KEY, Recipe, plan_sources, write_recipe
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name, new_checkpoint_id
 from statestore_async.objectstore import ObjectStore, open_object_store
+from statestore_async.spark.batches import (
+    BATCH_KEY,
+    FOLLOWS_KEY,
+    PASS_KEY,
+    TIME_ONLY_KEY,
+    TIME_ONLY_SETTINGS,
+    find_base,
+    query_trigger,
+    time_only_wanted,
+)
 from statestore_async.spark.coordinator import Coordinator, local_socket
 from statestore_async.spark.eventtime import (
     MAX_EVENT_TIME_KEY,
@@ -119,11 +128,12 @@ from statestore_async.spark.runtime import (
     TaskSpec,
     fault_hook_for,
     fault_point,
+    has_time_work,
     run_initial_state,
     run_partition,
 )
 from statestore_async.spark.runtime import checkpoint_root as checkpoint_root_uri
-from statestore_async.spark.sinks import reads_output_once
+from statestore_async.spark.sinks import for_writer, reads_output_once
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -220,6 +230,13 @@ class BatchPlan:
     initial: Materialized | None = None
     # the key columns' Spark types in this batch's rows (recorded in the manifest for readers)
     key_types: dict[str, str] | None = None
+    # a time-only batch (``batches``): no rows, the timers and TTLs due at its watermark and clock
+    time_only: bool = False
+
+    @property
+    def sink_batch_id(self) -> int:
+        """The batch id the sink gets: the version the batch reads (``batches``)."""
+        return self.base.version
 
 
 @dataclass(frozen=True)
@@ -324,6 +341,11 @@ class BatchProgress:
     max_event_time_ms: int | None = None
     late_rows: int = 0
     locations: dict = field(default_factory=dict)  # partition -> where its task ran (coordinator on)
+    version: int = 0       # the manifest version the batch wrote (0: none yet)
+    sink_batch_id: int = -1  # the batch id its sink got (``batches``: Spark's until a time-only batch ran)
+    time_only: bool = False  # a time-only batch (``batches``): no rows, only timers and TTLs
+    # the time-only batch that followed this data batch in the same foreachBatch call (None: none ran)
+    time_only_after: BatchProgress | None = None
 
 
 class StatefulOperator:
@@ -384,6 +406,16 @@ class StatefulOperator:
     default 64 MiB cap before each row by measuring the whole batch (``ArrowWriter.sizeInBytes``):
     workload W at K = 1M spent ~0.7 of its ~2.5 JVM CPU seconds per batch there. Set a cap for rows
     so large that 10,000 of them do not fit in an executor's memory.
+    ``time_only_batches``: ``"auto"`` (default) — after a data batch of an ``AvailableNow`` or
+    ``Once`` run whose watermark moved (``time_mode="event"``), or any data batch of such a run with
+    processing-time timers or TTLs, the operator runs a **time-only batch** in the same
+    ``foreachBatch`` call: no rows, the timers and TTLs due at the next watermark and the clock, with
+    its own manifest version and its own sink call — what Spark's no-data batch does for its own
+    stateful operators, so the sessions the last batch's watermark closes are emitted by the run
+    (``batches``); nothing runs when nothing was due; off when Spark's
+    ``spark.sql.streaming.noDataMicroBatches.enabled`` is false. ``"off"``: timers fire only in
+    data batches. The batch id a sink gets is the version its batch read: Spark's batch id until a
+    time-only batch has run, then shifted by one per time-only batch (unique, and the same on a replay).
     ``initial_state``: a DataFrame of the key columns and value columns whose rows go, per key, to
     the processor's ``handle_initial_state(key, rows, state)`` once, before the first batch (in its
     planning, as a job of its own, committed and fenced like a batch; batch 0 starts from it, and
@@ -403,9 +435,12 @@ class StatefulOperator:
                  takeover: bool | str = False, daemon_retries: int = 2, time_mode: str = "none",
                  event_time_column: str | None = None, watermark_delay: timedelta | None = None,
                  late_rows: str = "drop", initial_state: DataFrame | None = None,
-                 arrow_max_bytes_per_batch: int | None = None) -> None:
+                 arrow_max_bytes_per_batch: int | None = None, time_only_batches: str = "auto") -> None:
         if not isinstance(processor, (StatefulProcessor, VectorizedProcessor)):
             raise InterfaceError("processor must be a StatefulProcessor or a VectorizedProcessor instance")
+        if time_only_batches not in TIME_ONLY_SETTINGS:
+            raise InterfaceError(f"time_only_batches must be one of {', '.join(TIME_ONLY_SETTINGS)}, "
+                                 f"got {time_only_batches!r}")
         if materialize not in MATERIALIZE:
             raise InterfaceError(f"materialize must be one of {', '.join(MATERIALIZE)}, got {materialize!r}")
         if materialize == "none" and output_path:
@@ -474,8 +509,19 @@ class StatefulOperator:
         self.daemon_retries = daemon_retries
         self._owner: OwnerRecord | None = None  # this operator's last claim (the next batches only look for a newer one)
         self._io = _DriverIO(self._objstore)
+        self.time_only_batches = time_only_batches
+        self._time_work: bool | None = None  # whether the processor has timers or TTLs (asked once, when needed)
+        # the last Spark batch this operator completed and the last manifest it wrote: the next batch
+        # starts from it without looking (``base_manifest``)
+        self._last_done: tuple[int, Manifest] | None = None
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
+
+    @property
+    def writer_id(self) -> str:
+        """Who writes this operator's state, as sinks name a writer: ``<root>/<operator id>`` (the
+        ``txnAppId`` of a ``write_sink`` to Delta without its own ``app_id``)."""
+        return f"{self.root.rstrip('/')}/{self.operator_id}"
 
     def locations(self) -> dict[int, str]:
         """Partition → where (host and daemon socket) its last committed task ran; {} when not coordinating."""
@@ -499,21 +545,28 @@ class StatefulOperator:
         self._io.close()
 
     def base_manifest(self, batch_id: int) -> Manifest:
-        """The manifest batch ``batch_id`` reads (version ``batch_id``), checked against the settings."""
+        """The manifest Spark batch ``batch_id`` reads, checked against the settings: batch 0 the
+        empty state, else the newest manifest an earlier batch wrote (``batches.find_base``; version
+        ``batch_id`` unless time-only batches ran), known without a request when this operator
+        completed batch ``batch_id - 1``."""
         if batch_id == 0:
             return Manifest(self.operator_id, 0, self.num_partitions, self.num_key_groups,
                             {DEFAULT_STORE_NAME: (EMPTY_STATE,) * self.num_partitions})
+        if self._last_done is not None and self._last_done[0] == batch_id - 1:
+            m = self._last_done[1]
+        else:
+            op = self.operator_id
 
-        async def read(store: ObjectStore) -> Manifest:
-            return await read_manifest(store, self.operator_id, batch_id)
+            async def find(store: ObjectStore) -> Manifest | None:
+                return await find_base(store, op, batch_id)
 
-        try:
-            m = self._run(read)
-        except VersionNotFoundError:
-            raise VersionNotFoundError(
-                f"operator {self.operator_id!r} at {self.root} has no manifest for version {batch_id}, which batch "
-                f"{batch_id} needs: was the checkpoint root changed or cleaned while the query's Spark checkpoint "
-                "was kept?") from None
+            found = self._run(find)
+            if found is None:
+                raise VersionNotFoundError(
+                    f"operator {self.operator_id!r} at {self.root} has no manifest written before batch {batch_id}, "
+                    "which the batch starts from: was the checkpoint root changed or cleaned while the query's "
+                    "Spark checkpoint was kept?")
+            m = found
         self.check_manifest(m)
         return m
 
@@ -553,9 +606,11 @@ class StatefulOperator:
         same manifest.
         """
         t0 = time.perf_counter()
-        prog = BatchProgress(batch_id=batch_id)
         spark = df.sparkSession
-        plan = self._plan(df, batch_id, streaming_query_id(spark))
+        sink = for_writer(sink, self.writer_id) if sink is not None else None
+        query_id = streaming_query_id(spark)
+        plan = self._plan(df, batch_id, query_id)
+        prog = BatchProgress(batch_id=batch_id, sink_batch_id=plan.sink_batch_id)
         prog.plan = time.perf_counter() - t0
         try:
             output: Materialized | None = None
@@ -567,12 +622,12 @@ class StatefulOperator:
             try:
                 event_time = self._event_time(plan, prog)
                 with _timed(prog, "manifest"):
-                    self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)),
-                                 event_time)
+                    written = self._commit(plan, refs, merge_declarations(plan.spec.declared,
+                                                                          (r.states for r in reports)), event_time)
                 fault_point(self._fault_hook, "after_manifest", batch_id, socket_path=self.socket_path)
                 if output is not None and sink is not None:
                     with _timed(prog, "sink"):
-                        sink(output.result, batch_id)
+                        sink(output.result, plan.sink_batch_id)
             finally:
                 if output is not None:
                     output.release()
@@ -580,7 +635,83 @@ class StatefulOperator:
             if plan.initial is not None:
                 plan.initial.release()
         self._observe(reports)
-        return self._record(prog, refs, t0)
+        self._record(prog, refs, t0, written)
+        if self._wants_time_only(spark, plan, written):
+            after = self._time_only_batch(df, spark, plan, written, sink)
+            if after is not None:
+                written, prog.time_only_after = after
+        fault_point(self._fault_hook, "after_sink", batch_id, socket_path=self.socket_path)
+        self._last_done = (batch_id, written)
+        return prog
+
+    # -- time-only batches (``batches``) --
+    def _wants_time_only(self, spark: SparkSession, plan: BatchPlan, written: Manifest) -> bool:
+        """Whether a time-only batch follows data batch ``plan`` (which wrote ``written``):
+        ``batches.time_only_wanted`` for the query's trigger, a processor with timers or TTLs, and
+        with ``time_mode="event"`` a watermark that moves (processing-time timers and TTLs may be
+        due whenever the clock moved)."""
+        if not time_only_wanted(self.time_only_batches, query_trigger(plan.query_id), spark.conf):
+            return False
+        if self._time_work is None:
+            self._time_work = has_time_work(self.processor)
+        if not self._time_work:
+            return False
+        if self.time.event:
+            watermark, _ = batch_watermark(self.time, written.metadata)
+            return watermark is not None and watermark != plan.spec.watermark_ms
+        return True
+
+    def _time_only_batch(self, df: DataFrame, spark: SparkSession, data: BatchPlan, base: Manifest,
+                         sink: Sink | None) -> tuple[Manifest, BatchProgress] | None:
+        """A time-only batch after data batch ``data``, from the manifest it wrote (``base``): every
+        partition's task runs without rows at the next batch's watermark and the clock, firing the
+        timers and expiring the TTLs due (a partition with nothing due commits nothing); its output
+        is kept, its deltas fenced, its manifest written (version ``base.version + 1``, marked
+        time-only and following ``base``), then ``sink(output, base.version)``. Nothing is written,
+        and the sink not called, when no partition had anything due: returns None. In the same
+        ``foreachBatch`` call as the data batch, before Spark records it: a crash anywhere makes
+        Spark replay both."""
+        t0 = time.perf_counter()
+        plan = self._plan_time_only(df, data, base)
+        prog = BatchProgress(batch_id=data.batch_id, sink_batch_id=plan.sink_batch_id, time_only=True,
+                             watermark_ms=plan.spec.watermark_ms)
+        prog.plan = time.perf_counter() - t0
+        with arrow_batch_bytes(spark, self.arrow_max_bytes_per_batch):
+            output, reports, refs = self._compute(plan, spark, prog, t0, keep=sink is not None)
+        try:
+            if not refs:
+                return None
+            event_time = ({WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: plan.max_event_time_ms}
+                          if self.time.event else {})
+            with _timed(prog, "manifest"):
+                written = self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)),
+                                       event_time)
+            fault_point(self._fault_hook, "time_only_after_manifest", data.batch_id, socket_path=self.socket_path)
+            if sink is not None:
+                with _timed(prog, "sink"):
+                    sink(output.result, plan.sink_batch_id)
+        finally:
+            output.release()
+        self._observe(reports)
+        self._record(prog, refs, t0, written, last=False)
+        log.info("operator %s: a time-only batch after batch %d (watermark %s) committed %d partitions as version %d",
+                 self.operator_id, data.batch_id, plan.spec.watermark_ms, len(refs), written.version)
+        return written, prog
+
+    def _plan_time_only(self, df: DataFrame, data: BatchPlan, base: Manifest) -> BatchPlan:
+        """The plan of a time-only batch after ``data``: no rows (an empty frame of the batch's
+        columns, one task per state partition), the state ``base`` names, the watermark the next
+        batch would use (``eventtime.batch_watermark`` of ``base``) and the clock now."""
+        watermark, seen = batch_watermark(self.time, base.metadata)
+        df = drop_heartbeat(df)
+        routed, values = self.routed(_no_rows(df, self.num_partitions))
+        spec = replace(data.spec, value_columns=values, batch_id=data.batch_id,
+                       refs=tuple(base.ref(p) for p in range(self.num_partitions)),
+                       now_ms=int(self.clock() * 1000), fault_hook=None, releases=None,
+                       declared=base.metadata.get("states"), watermark_ms=watermark, rescaled=None,
+                       event_time_column=None)
+        return BatchPlan(batch_id=data.batch_id, base=base, routed=routed, spec=spec, query_id=data.query_id,
+                         owner=data.owner, key_types=data.key_types, max_event_time_ms=seen, time_only=True)
 
     def _plan(self, df: DataFrame, batch_id: int, query_id: str | None = None) -> BatchPlan:
         """Step 1, on the driver, before Spark runs anything: claim the state for ``query_id``
@@ -738,7 +869,8 @@ class StatefulOperator:
             if record.previous is not None:
                 # a takeover, now or by an earlier run of this query: the old owner's later manifests
                 # go (again, if a crash came between the claim and their deletion)
-                dropped = await delete_manifests_after(store, op, batch_id)
+                base = await find_base(store, op, batch_id) if batch_id > 0 else None
+                dropped = await delete_manifests_after(store, op, base.version if base is not None else 0)
                 if dropped:
                     log.warning("operator %s: query %s took over from %s at batch %d; deleted manifests %s of the "
                                 "old owner", op, query_id, record.previous, batch_id, dropped)
@@ -793,7 +925,8 @@ class StatefulOperator:
             try:
                 reports: list[TaskReport] = acc.value
                 refs = self._collect_reports(reports, prog)
-                fault_point(self._fault_hook, "before_fence", plan.batch_id, socket_path=self.socket_path)
+                fault_point(self._fault_hook, "time_only_before_fence" if plan.time_only else "before_fence",
+                            plan.batch_id, socket_path=self.socket_path)
                 with _timed(prog, "fence"):
                     self._fence(refs, assembled=plan.base if plan.spec.rescaled else None, locations=prog.locations)
             except FenceTimeoutError as exc:
@@ -822,7 +955,7 @@ class StatefulOperator:
         prog.tasks, prog.locations = {}, {}
         out, acc, finished = self._run_tasks(plan, spark)
         with _timed(prog, "sink"):
-            sink(out, plan.batch_id)
+            sink(out, plan.sink_batch_id)
         if not finished.value and not acc.value:
             run_unkept(out)
         prog.compute = time.perf_counter() - t0
@@ -1007,17 +1140,22 @@ class StatefulOperator:
         return with_heartbeat(events, rows_per_batch)
 
     def _commit(self, plan: BatchPlan, refs: dict[int, CheckpointRef], states: dict | None = None,
-                event_time: dict[str, int | None] | None = None) -> None:
+                event_time: dict[str, int | None] | None = None) -> Manifest:
         """Step 6, after the fence: check the batch's query still owns the state (``OwnerConflictError``
-        otherwise: an owner record newer than ``plan.owner``), then write manifest ``batch_id + 1``
-        (replacing one an earlier attempt of the batch wrote): each partition's reported checkpoint,
-        else the one ``plan.base`` names;
+        otherwise: an owner record newer than ``plan.owner``), then write manifest ``plan.base.version + 1``
+        (replacing one an earlier attempt of the batch wrote), and return it: each partition's reported
+        checkpoint, else the one ``plan.base`` names; the Spark batch that wrote it and a new pass id
+        (a time-only batch: marked, with the pass id of the manifest it follows; ``batches``);
         ``states``: the state variables' declarations (``processor.merge_declarations``), which the
         next batch's tasks check theirs against. From here on the batch's state counts (once Spark
         records the batch)."""
         stores = tuple(refs.get(p, plan.base.ref(p)) for p in range(self.num_partitions))
         metadata = {"layout": LAYOUT, "key_columns": list(self.key_columns),
-                    "processor": type(self.processor).__qualname__, "batch_id": plan.batch_id}
+                    "processor": type(self.processor).__qualname__, BATCH_KEY: plan.batch_id,
+                    PASS_KEY: uuid.uuid4().hex}
+        if plan.time_only:
+            metadata[TIME_ONLY_KEY] = True
+            metadata[FOLLOWS_KEY] = plan.base.metadata.get(PASS_KEY)
         key_types = plan.key_types or plan.base.metadata.get("key_types")
         if key_types:  # the key columns' Spark types, for readers (``read_state``)
             metadata["key_types"] = key_types
@@ -1032,7 +1170,7 @@ class StatefulOperator:
         op, root, known = self.operator_id, self.root, plan.owner
         if known is not None:  # who wrote it (the owner record's epoch)
             metadata["owner"], metadata["owner_epoch"] = known.owner, known.epoch
-        manifest = Manifest(self.operator_id, plan.batch_id + 1, self.num_partitions, self.num_key_groups,
+        manifest = Manifest(self.operator_id, plan.base.version + 1, self.num_partitions, self.num_key_groups,
                             {DEFAULT_STORE_NAME: stores}, metadata=metadata)
 
         async def write(store: ObjectStore) -> None:
@@ -1045,6 +1183,7 @@ class StatefulOperator:
             await write_manifest(store, manifest)
 
         self._run(write)
+        return manifest
 
     def _observe(self, reports: list[TaskReport]) -> None:
         """After the sink: tell the coordinator (when on) where the batch's tasks ran. Only now: a
@@ -1052,14 +1191,18 @@ class StatefulOperator:
         if self.coordinator is not None:
             self.coordinator.observe([(r.partition, r.node) for r in reports if r.node is not None])
 
-    def _record(self, prog: BatchProgress, refs: dict[int, CheckpointRef], t0: float) -> BatchProgress:
-        """Complete ``prog`` (started at ``t0``, ``time.perf_counter``), keep it as ``last_progress``
-        and in ``history``, log it; returns it."""
+    def _record(self, prog: BatchProgress, refs: dict[int, CheckpointRef], t0: float, written: Manifest,
+                last: bool = True) -> BatchProgress:
+        """Complete ``prog`` (started at ``t0``, ``time.perf_counter``; it wrote ``written``), and
+        for a data batch (``last``) keep it as ``last_progress`` and in ``history`` (a time-only
+        batch is its data batch's ``time_only_after``); log it; returns it."""
         prog.partitions_committed = len(refs)
         prog.refs = refs
+        prog.version = written.version
         prog.total = time.perf_counter() - t0
-        self.last_progress = prog
-        self.history.append(prog)
+        if last:
+            self.last_progress = prog
+            self.history.append(prog)
         log.info("operator %s batch %d: %d partitions committed, compute %.3fs fence %.3fs",
                  self.operator_id, prog.batch_id, len(refs), prog.compute, prog.fence)
         return prog
@@ -1128,6 +1271,16 @@ class _DriverIO:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(30)
             loop.close()
+
+
+def _no_rows(df: DataFrame, num_partitions: int) -> DataFrame:
+    """An empty frame of ``df``'s columns over ``num_partitions`` partitions that the optimizer
+    cannot prove empty (a time-only batch: its routing shuffle still runs one task per state
+    partition; the stream's session has adaptive execution off, which could drop an empty stage)."""
+    from pyspark.sql import functions as F
+
+    columns = [F.lit(None).cast(f.dataType).alias(f.name) for f in df.schema.fields]
+    return df.sparkSession.range(0, num_partitions, 1, num_partitions).where("id < 0").select(*columns)
 
 
 def _key_schema(df: DataFrame, key_columns: Sequence[str]) -> pa.Schema | None:

@@ -458,7 +458,7 @@ def run_partition(processor: StatefulProcessor | VectorizedProcessor, spec: Task
     Opens the store at ``spec.refs[partition]``, commits, calls ``report(TaskReport(...))`` after
     the commit (``timings``: seconds spent grouping, in the store, in the processor; ``node``: where
     it ran, for the coordinator, see ``_coordinate``). A partition without rows opens nothing and
-    reports nothing, unless its processor has time work (timers or TTLs, ``_has_time_work``): then
+    reports nothing, unless its processor has time work (timers or TTLs, ``has_time_work``): then
     it opens the store, fires its due timers and removes its expired values, and commits and reports
     only when that changed something. A daemon lost on the way (``DAEMON_LOST``) makes the task try
     again (``_commit_partition``); only the commit it reports counts.
@@ -500,10 +500,10 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
             table = None
     idle = table is None
     if table is None:
-        if spec.rescaled is not None and not initial and not _has_time_work(processor):
+        if spec.rescaled is not None and not initial and not has_time_work(processor):
             _assemble_only(spec, partition, timings={})
             return spec.output_schema.empty_table()
-        if initial or not _has_time_work(processor):
+        if initial or not has_time_work(processor):
             return spec.output_schema.empty_table()
         table = pa.table({KG_COLUMN: pa.array([], pa.int32())})
     kg = table[KG_COLUMN].to_numpy()
@@ -637,7 +637,7 @@ def _coordinate(client: Client, spec: TaskSpec, partition: int) -> dict[str, Any
     return node
 
 
-def _has_time_work(processor: StatefulProcessor | VectorizedProcessor) -> bool:
+def has_time_work(processor: StatefulProcessor | VectorizedProcessor) -> bool:
     """Whether a task must run even without rows: the processor defines ``handle_expired_timer`` or
     declares a state variable with a TTL (its ``init`` runs on a scratch handle to tell)."""
     if isinstance(processor, VectorizedProcessor):
@@ -1238,6 +1238,7 @@ def open_partition_store(root: str, operator_id: str, partition_id: int, version
 
 __all__ = [
     "CheckpointRef", "Fault", "FaultHook", "FaultSite", "InjectedFault", "RoutingError", "TaskReport", "TaskSpec",
-    "checkpoint_root", "fault_hook_for", "fault_point", "group_rows", "install_fault_hook_maker", "open_partition_store",
+    "checkpoint_root", "fault_hook_for", "fault_point", "group_rows", "has_time_work", "install_fault_hook_maker",
+    "open_partition_store",
     "run_initial_state", "run_partition", "store_keys",
 ]

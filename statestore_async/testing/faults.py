@@ -14,7 +14,8 @@ installs, in every process that builds such operators (the test session, a child
 
 A fault (``runtime.Fault``) fires at ``point`` of ``batch``, and when set only for ``partition``
 and ``attempt`` (task points). Points: ``before_commit``, ``after_commit`` (tasks);
-``before_fence``, ``after_manifest`` (driver). Actions: ``kill_daemon`` (SIGKILL the daemon at the
+``before_fence``, ``after_manifest``, ``after_sink`` (the batch's last step, its time-only batch
+included), ``time_only_before_fence``, ``time_only_after_manifest`` (driver). Actions: ``kill_daemon`` (SIGKILL the daemon at the
 operator's socket), ``kill_self`` (SIGKILL the current process), ``fail`` (raise ``InjectedFault``).
 
 The operator hands its ``FaultPlan`` to its tasks in the ``TaskSpec``: it pickles by reference to
