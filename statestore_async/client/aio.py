@@ -142,6 +142,8 @@ class AsyncClient:
                                 w.set_result(ev.value)
         except asyncio.CancelledError:
             raise
+        except OSError as exc:  # reset, broken pipe: the daemon went away (stopped, killed)
+            self._fail(ConnectionLostError(f"the connection to the daemon was lost: {exc}"))
         except BaseException as exc:
             self._fail(exc if isinstance(exc, Exception) else ConnectionLostError(str(exc)))
 
@@ -170,7 +172,13 @@ class AsyncClient:
         if writer is None:
             raise InterfaceError(_NOT_CONNECTED)
         self._waiters[rid] = waiter
-        writer.write(data)
+        try:
+            writer.write(data)
+        except OSError as exc:  # the daemon closed the connection before the reader saw it
+            self._waiters.pop(rid, None)
+            lost = ConnectionLostError(f"the daemon closed the connection: {exc}")
+            self._fail(lost)
+            raise lost from None
         return waiter
 
     async def _answer(self, rid: int, fut: asyncio.Future[Any], timeout: float | None) -> Any:

@@ -11,8 +11,9 @@ TCP). Each connection is an ``asyncio.Protocol`` that feeds a sans-IO ``ServerPr
 * a peer whose uid (SO_PEERCRED) is not allowed gets a ``PermissionDeniedError`` frame and a close;
 * a peer that goes away has its open versions aborted.
 
-``stop()`` (SIGTERM/SIGINT under ``run``): stop accepting, let in-flight requests finish, close the
-connections, drain the uploader, all within ``drain_timeout``. ``serve`` exits 0 only when every
+``stop()`` (SIGTERM/SIGINT under ``run``): stop listening, let the connections finish what they have
+open or in flight (OPEN refused) while the uploader drains, then close them, all within
+``drain_timeout``. ``serve`` exits 0 only when every
 acknowledged commit is durable; otherwise it logs the versions that are not and exits
 ``EXIT_NOT_DURABLE``.
 
@@ -101,6 +102,8 @@ IDLE_SWEEP_MAX = 5.0
 EXIT_NOT_DURABLE = 3
 # versions listed per store in the log line of a stop that left commits not durable
 LIST_NOT_DURABLE = 200
+# while stopping, how often the drain looks whether the connections and uploads are done
+DRAIN_POLL = 0.02
 
 log = logging.getLogger("statestore_async.daemon")
 
@@ -216,8 +219,6 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self._write_ok = asyncio.Event()
         self._write_ok.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._frame_bytes = 0  # room held in the daemon's FramePool for the frame arriving
         self._frame_wait: asyncio.TimerHandle | None = None  # set while waiting for that room
 
@@ -390,14 +391,11 @@ class _Connection(asyncio.Protocol):
         t = asyncio.get_running_loop().create_task(coro)
         t.keep_on_close = keep_on_close  # type: ignore[attr-defined]  # read back by connection_lost
         self._tasks.add(t)
-        self._idle.clear()
         self.daemon.note_inflight(len(self._tasks))
         t.add_done_callback(self._task_done)
 
     def _task_done(self, t: asyncio.Task[None]) -> None:
         self._tasks.discard(t)
-        if not self._tasks:
-            self._idle.set()
         if not t.cancelled() and t.exception() is not None:
             log.error("request task failed", exc_info=t.exception())
         if not self.closed:
@@ -658,12 +656,14 @@ class _Connection(asyncio.Protocol):
             return
         self._write(self.proto.send_durable(ev.request_id, durable))
 
-    async def finish(self, timeout: float) -> None:
-        """Wait for in-flight tasks (bounded), then close."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            pass
+    @property
+    def busy(self) -> bool:
+        """A request of this connection is in flight (a task: a load, a waiting commit, a scan, an
+        AWAIT_DURABLE) or decoded and not handled yet."""
+        return bool(self._tasks) or bool(self.proto.pending_events)
+
+    def close(self) -> None:
+        """Close the connection (the daemon is stopping): ``connection_lost`` aborts what is open."""
         if not self.closed:
             self.transport.close()
 
@@ -880,20 +880,33 @@ class Daemon:
         }
 
     async def stop(self) -> bool:
-        """Stop accepting, finish in-flight requests, close connections, drain uploads, all within
-        ``drain_timeout``. True when every acknowledged commit is durable (``clean_stop``); else
-        the versions that are not are logged."""
+        """Stop listening; let the connections commit or abort the versions they have open and
+        finish their requests (OPEN refused) while the uploads drain; close them once all is done
+        or at ``drain_timeout``, then finish draining within it. True when every acknowledged
+        commit is durable (``clean_stop``); else the versions that are not are logged."""
         if self.stopping:
             return bool(self.clean_stop)
         self.stopping = True
         cfg = self.config
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.drain_timeout
-        log.info("stopping: %d connections, %d bytes queued for upload", len(self.connections),
-                 self.uploader.queued_bytes if self.uploader else 0)
+        log.info("stopping: %d connections, %d open versions, %d bytes queued for upload", len(self.connections),
+                 sum(c.open_versions for c in self.connections), self.uploader.queued_bytes if self.uploader else 0)
+        # No new connection: the socket stops listening at once, so a successor daemon may bind its
+        # path while this one drains (a client finds no daemon there rather than a refusal).
         if self._server is not None:
             self._server.close()
-        await asyncio.gather(*(c.finish(max(0.0, deadline - loop.time())) for c in list(self.connections)))
+        # The connections stay through the drain: a version open on one may still be written and
+        # committed (OPEN is refused), AWAIT_DURABLE and STATS are answered. They are closed once
+        # no version is open and no request in flight on any of them and every upload is done,
+        # or at the drain's end (a version still open then is aborted: it was never acknowledged).
+        await self._drain_connections(deadline)
+        left = [c for c in self.connections if c.open_versions]
+        if left:
+            log.warning("drain over after %.1f s: aborting %d versions still open on %d connections",
+                        cfg.drain_timeout, sum(c.open_versions for c in left), len(left))
+        for c in list(self.connections):
+            c.close()
         if self._budget_check is not None:
             self._budget_check.cancel()
             self._budget_check = None
@@ -932,6 +945,16 @@ class Daemon:
             log.error("stopped with %d acknowledged commits not durable (uploads drained: %s)", len(not_durable),
                       drained)
         return self.clean_stop
+
+    async def _drain_connections(self, deadline: float) -> None:
+        """Return once no connection has a version open or a request in flight and the uploader is
+        idle, or at ``deadline`` (loop time)."""
+        loop = asyncio.get_running_loop()
+        while loop.time() < deadline:
+            busy = any(c.open_versions or c.busy for c in self.connections)
+            if not busy and (self.uploader is None or self.uploader.idle):
+                return
+            await asyncio.sleep(min(DRAIN_POLL, max(0.0, deadline - loop.time())))
 
     async def __aenter__(self) -> Self:
         await self.start()

@@ -588,6 +588,8 @@ class Uploader:
 
     async def drain(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload has finished (or ``timeout``); True if all did."""
+        if self._idle.is_set():
+            return True  # also with no time left (a wait of 0 s would time out)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:

@@ -461,6 +461,11 @@ class ServerProtocol:
     def buffered(self) -> int:
         return len(self._buf)
 
+    @property
+    def pending_events(self) -> int:
+        """Requests decoded and not taken by ``next_event`` yet."""
+        return len(self._events)
+
     def partial_frame(self) -> tuple[int, int, int] | None:
         """The frame begun but not complete in the buffer, as ``(size, opcode, request id)``: its
         payload's length once its header is in (what a daemon must make room for to complete it),
