@@ -1,4 +1,5 @@
-"""Timers fire at the end of a run: time-only batches under ``Trigger.AvailableNow`` and ``Once`` (issue 39).
+"""Timers fire at the end of a run: time-only batches under ``Trigger.AvailableNow`` and ``Once``;
+processor declarations checked when the operator is made (issue 39).
 
 ``foreachBatch`` runs only when a batch has rows, so the sessions that the last batch's watermark
 closes would never be emitted by an ``AvailableNow`` run. The operator runs a time-only batch
@@ -15,6 +16,7 @@ from collections import Counter
 import pytest
 
 from statestore_async.spark import batches as B
+from statestore_async.spark.examples import CountSum, VectorizedCountSum
 from statestore_async.testing import sessions as S
 
 pytestmark = pytest.mark.spark
@@ -129,9 +131,36 @@ def test_which_runs_get_time_only_batches(setting, trigger, conf, wanted):
 
 def test_time_only_batches_setting_is_checked(tmp_path):
     from statestore_async.errors import InterfaceError
-    from statestore_async.spark.examples import CountSum
     from statestore_async.spark.operator import StatefulOperator
 
     with pytest.raises(InterfaceError, match="time_only_batches must be one of auto, off"):
         StatefulOperator(f"file://{tmp_path}", "op", ["k"], CountSum(), "k string, count bigint, sum bigint", 2,
                          time_only_batches="always")
+
+
+class _NoState(CountSum):
+    def init(self, handle):
+        self.n = 0
+
+
+class _Broken(CountSum):
+    def init(self, handle):
+        self.total = handle.value_state("total")
+        self.limit = handle.config["limit"]  # no such attribute: fails on the driver, not in a task
+
+
+class _NoSchema(VectorizedCountSum):
+    state_schema = "count long, sum long"
+
+
+@pytest.mark.parametrize(("processor", "why"), [
+    (_NoState(), "declared no state"),
+    (_Broken(), "init\\(handle\\) failed .* AttributeError"),
+    (_NoSchema(), "state_schema must be a pyarrow.Schema"),
+])
+def test_processor_declarations_are_checked_when_the_operator_is_made(tmp_path, processor, why):
+    from statestore_async.errors import StateDeclarationError
+    from statestore_async.spark.operator import StatefulOperator
+
+    with pytest.raises(StateDeclarationError, match=why):
+        StatefulOperator(f"file://{tmp_path}", "op", ["k"], processor, "k string, count bigint, sum bigint", 2)

@@ -117,6 +117,7 @@ from statestore_async.spark.processor import (
     StatefulProcessor,
     VectorizedProcessor,
     check_picklable,
+    check_processor,
     merge_declarations,
     uses_initial_state,
 )
@@ -128,7 +129,6 @@ from statestore_async.spark.runtime import (
     TaskSpec,
     fault_hook_for,
     fault_point,
-    has_time_work,
     run_initial_state,
     run_partition,
 )
@@ -464,6 +464,8 @@ class StatefulOperator:
         self.arrow_max_bytes_per_batch = arrow_max_bytes_per_batch
         check_num_key_groups(num_key_groups)
         self.time: TimeSettings = time_settings(time_mode, event_time_column, watermark_delay, late_rows)
+        # the processor's declarations, checked now rather than in its first task; whether it has timers or TTLs
+        self._time_work = check_processor(processor, self.time.mode)
         if initial_state is not None:
             if not hasattr(initial_state, "sparkSession") or not hasattr(initial_state, "columns"):
                 raise InterfaceError(f"initial_state is a DataFrame, got {type(initial_state).__name__}")
@@ -510,7 +512,6 @@ class StatefulOperator:
         self._owner: OwnerRecord | None = None  # this operator's last claim (the next batches only look for a newer one)
         self._io = _DriverIO(self._objstore)
         self.time_only_batches = time_only_batches
-        self._time_work: bool | None = None  # whether the processor has timers or TTLs (asked once, when needed)
         # the last Spark batch this operator completed and the last manifest it wrote: the next batch
         # starts from it without looking (``base_manifest``)
         self._last_done: tuple[int, Manifest] | None = None
@@ -652,8 +653,6 @@ class StatefulOperator:
         due whenever the clock moved)."""
         if not time_only_wanted(self.time_only_batches, query_trigger(plan.query_id), spark.conf):
             return False
-        if self._time_work is None:
-            self._time_work = has_time_work(self.processor)
         if not self._time_work:
             return False
         if self.time.event:

@@ -845,6 +845,36 @@ class VectorizedProcessor:
         raise NotImplementedError
 
 
+def check_processor(processor: StatefulProcessor | VectorizedProcessor, time_mode: str = "none") -> bool:
+    """What a task would find wrong with ``processor``'s state declarations, raised when the
+    operator is made, on the driver (``StateDeclarationError``): a ``StatefulProcessor`` whose
+    ``init`` fails or declares no state variable, a ``VectorizedProcessor`` without a
+    ``pyarrow.Schema`` as ``state_schema``. Returns whether the processor has time work (timers or
+    state with a TTL: its tasks run even without rows)."""
+    name = type(processor).__name__
+    if isinstance(processor, VectorizedProcessor):
+        if not isinstance(getattr(processor, "state_schema", None), pa.Schema):
+            raise StateDeclarationError(
+                f"{name}.state_schema must be a pyarrow.Schema (the columns of a key's state row), got "
+                f"{type(getattr(processor, 'state_schema', None)).__name__}")
+        return uses_vectorized_timers(processor)
+    h = StateHandle(time_mode, uses_timers(processor))
+    try:
+        processor.init(h)
+    except InterfaceError:
+        raise
+    except Exception as exc:
+        raise StateDeclarationError(
+            f"{name}.init(handle) failed when the operator checked its declarations on the driver: "
+            f"{type(exc).__name__}: {exc}. init should only declare state variables (handle.value_state, "
+            "list_state, map_state) and set attributes") from exc
+    if not h.variables:
+        raise StateDeclarationError(
+            f"{name}.init declared no state: declare the state the processor keeps per key in init, e.g. "
+            "self.total = handle.value_state('total') (see docs/SPARK.md, 'State variables')")
+    return uses_timers(processor) or any(v.ttl_ms is not None for v in h.variables.values())
+
+
 def uses_vectorized_timers(processor: object) -> bool:
     """Whether a ``VectorizedProcessor`` defines ``handle_expired_timers``."""
     fn = getattr(type(processor), "handle_expired_timers", None)
