@@ -89,6 +89,7 @@ from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.files.rescale import RESCALED_FROM_KEY, Recipe, plan_sources, write_recipe
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId, _check_name, new_checkpoint_id
 from statestore_async.objectstore import ObjectStore, open_object_store
+from statestore_async.spark import placement
 from statestore_async.spark.batches import (
     BATCH_KEY,
     FOLLOWS_KEY,
@@ -515,6 +516,7 @@ class StatefulOperator:
         # the last Spark batch this operator completed and the last manifest it wrote: the next batch
         # starts from it without looking (``base_manifest``)
         self._last_done: tuple[int, Manifest] | None = None
+        self._lease: placement.DaemonLease | None = None  # local mode: the driver's hold on the node's daemon
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
 
@@ -541,9 +543,39 @@ class StatefulOperator:
         return self._io.run(coro_fn)
 
     def close(self) -> None:
-        """Close the driver's object store connection and its I/O thread (optional: the thread is a
-        daemon thread; the next batch opens them again)."""
+        """Close the driver's object store connection and its I/O thread, and (local mode) let go of
+        the node's daemon (``placement.DaemonLease``: an autostarted daemon exits
+        ``placement.LOCAL_EXIT_WHEN_IDLE`` seconds after its last client). Optional: the thread is a
+        daemon thread, the lease goes when the SparkContext stops; the next batch opens them again."""
         self._io.close()
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def _local(self, spark: SparkSession) -> bool:
+        """Whether ``spark`` runs in local mode (its tasks on this host, the driver's daemon theirs)."""
+        return (spark.sparkContext.master or "").startswith("local")
+
+    def _task_daemon_env(self, spark: SparkSession) -> dict[str, str] | None:
+        """``daemon_env`` for the batch's tasks: in local mode, with the short idle exit of a daemon
+        they autostart (``placement.local_daemon_env``)."""
+        return placement.local_daemon_env(self.daemon_env) if self._local(spark) else self.daemon_env
+
+    def _hold_daemon(self, spark: SparkSession) -> None:
+        """In local mode, after a batch: hold the node's daemon for as long as the operator is open
+        and the SparkContext runs (``placement.hold``), so that it outlives idle workers."""
+        if self._lease is not None and self._lease.held:
+            return
+        if not self._local(spark):
+            return
+        sc = spark.sparkContext
+
+        def alive() -> bool:
+            from pyspark import SparkContext
+
+            return SparkContext._active_spark_context is sc
+
+        self._lease = placement.hold(self.socket_path, alive)
 
     def base_manifest(self, batch_id: int) -> Manifest:
         """The manifest Spark batch ``batch_id`` reads, checked against the settings: batch 0 the
@@ -643,6 +675,7 @@ class StatefulOperator:
                 written, prog.time_only_after = after
         fault_point(self._fault_hook, "after_sink", batch_id, socket_path=self.socket_path)
         self._last_done = (batch_id, written)
+        self._hold_daemon(spark)
         return prog
 
     # -- time-only batches (``batches``) --
@@ -750,7 +783,8 @@ class StatefulOperator:
                         output_schema=self.arrow_schema, num_partitions=self.num_partitions,
                         num_key_groups=self.num_key_groups, batch_id=batch_id,
                         refs=tuple(base.ref(p) for p in range(self.num_partitions)),
-                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
+                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path,
+                        daemon_env=self._task_daemon_env(df.sparkSession),
                         fault_hook=self._fault_hook,
                         releases=self.coordinator.releases() if self.coordinator is not None else None,
                         keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
@@ -809,7 +843,8 @@ class StatefulOperator:
                         output_schema=self.arrow_schema, num_partitions=self.num_partitions,
                         num_key_groups=self.num_key_groups, batch_id=batch_id,
                         refs=tuple(empty.ref(p) for p in range(self.num_partitions)),
-                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path, daemon_env=self.daemon_env,
+                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path,
+                        daemon_env=self._task_daemon_env(df.sparkSession),
                         daemon_retries=self.daemon_retries, time_mode=self.time.mode)
         acc = df.sparkSession.sparkContext.accumulator([], _reports_param())
         output = self._materialize(routed.mapInArrow(self._task_fn(spec, acc, run_initial_state), self.output_schema),

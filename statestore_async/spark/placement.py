@@ -8,25 +8,39 @@ Autostart: when nothing answers at the socket, the caller takes an ``fcntl`` loc
 ``<socket>.lock`` (so concurrent tasks start one daemon, not several), checks again, and starts
 ``python -m statestore_async.cli serve --socket <socket>`` detached in its own session, logging to
 ``<socket dir>/daemon.log``; then it waits until the daemon answers PING. Such a daemon exits
-``AUTOSTART_EXIT_WHEN_IDLE`` seconds after its last client went away (the Spark application ended,
-or its workers idled out), unless ``STATESTORE_EXIT_WHEN_IDLE`` says otherwise (``0``: never).
+once no client has been connected for a while and no upload is pending (its state is in the object
+store): ``LOCAL_EXIT_WHEN_IDLE`` seconds for a local-mode Spark session (the operator's tasks tell
+it so), ``AUTOSTART_EXIT_WHEN_IDLE`` on a cluster's executors (Python workers that idle for a
+minute go, and a daemon that left would reload its state at the next batch), unless
+``STATESTORE_EXIT_WHEN_IDLE`` says otherwise (``0``: never).
+
+Lease: in local mode the driver holds one connection to its node's daemon while an operator is
+open (``DaemonLease``), so that the daemon outlives idle workers between batches; the lease goes
+with ``StatefulOperator.close()``, when the SparkContext stops, or when the driver exits. After
+that the daemon exits ``LOCAL_EXIT_WHEN_IDLE`` seconds later. ``stop_daemon`` stops it at once.
 """
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 from statestore_async.client.clients import Client
 from statestore_async.config import default_socket_path
 from statestore_async.daemon.unixsocket import peer_credentials
 from statestore_async.errors import ConnectionLostError, StateStoreError
 
-AUTOSTART_EXIT_WHEN_IDLE = 600  # seconds
+log = logging.getLogger(__name__)
+AUTOSTART_EXIT_WHEN_IDLE = 600  # seconds: a daemon a task started on a cluster's executor
+LOCAL_EXIT_WHEN_IDLE = 20  # seconds: a daemon a task of a local-mode session started
+EXIT_WHEN_IDLE_ENV = "STATESTORE_EXIT_WHEN_IDLE"
 _STARTED: list[subprocess.Popen] = []  # keep Popen objects alive (no ResourceWarning, reaped lazily)
 
 
@@ -68,7 +82,7 @@ def start_daemon(path: str, *, env: dict | None = None, args: list[str] | None =
             child_env = {**os.environ, **(env or {})}
             # left alone, a daemon a task started would outlive the Spark application: it exits once
             # no worker has been connected for a while (its state is in the object store)
-            child_env.setdefault("STATESTORE_EXIT_WHEN_IDLE", str(AUTOSTART_EXIT_WHEN_IDLE))
+            child_env.setdefault(EXIT_WHEN_IDLE_ENV, str(AUTOSTART_EXIT_WHEN_IDLE))
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     env=child_env, start_new_session=True, close_fds=True)
             log.close()
@@ -143,3 +157,66 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def local_daemon_env(env: dict[str, str] | None) -> dict[str, str]:
+    """``env`` (a ``daemon_env``) for the tasks of a local-mode session: a daemon they start exits
+    ``LOCAL_EXIT_WHEN_IDLE`` seconds after its last client, unless ``env`` or this process's
+    environment set ``STATESTORE_EXIT_WHEN_IDLE``."""
+    env = dict(env or {})
+    if EXIT_WHEN_IDLE_ENV not in env and EXIT_WHEN_IDLE_ENV not in os.environ:
+        env[EXIT_WHEN_IDLE_ENV] = str(LOCAL_EXIT_WHEN_IDLE)
+    return env
+
+
+class DaemonLease:
+    """A driver's hold on its node's daemon (local mode): one open connection, so that the daemon's
+    idle exit waits while the job runs. ``release()`` closes it; so does ``alive()`` turning false
+    (checked every ``poll`` seconds by a daemon thread: the SparkContext stopped), and the process's
+    exit. ``None`` from ``hold`` when no daemon answers."""
+
+    def __init__(self, client: Client, alive: Callable[[], bool], poll: float = 1.0) -> None:
+        self._client: Client | None = client
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(alive, poll), name="statestore-daemon-lease",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def held(self) -> bool:
+        return self._client is not None
+
+    def _watch(self, alive: Callable[[], bool], poll: float) -> None:
+        while not self._stopped.wait(poll):
+            try:
+                ok = alive()
+            except Exception:  # a context that cannot be asked is a stopped one
+                ok = False
+            if not ok:
+                self.release()
+                return
+
+    def release(self) -> None:
+        """Let the daemon go (its idle exit counts from the last connection's end). Idempotent."""
+        self._stopped.set()
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
+
+
+def hold(socket_path: str | None, alive: Callable[[], bool]) -> DaemonLease | None:
+    """A ``DaemonLease`` on the daemon at the socket (no autostart: the tasks start it), or None
+    when none answers."""
+    path = socket_path_for(socket_path)
+    if not os.path.exists(path):
+        return None
+    client = Client(path, timeout=10.0, connect_timeout=2.0, name="statestore_async.lease")
+    try:
+        client.ping()
+    except (StateStoreError, OSError) as exc:
+        client.close()
+        log.debug("no daemon to hold at %s: %s", path, exc)
+        return None
+    return DaemonLease(client, alive)
