@@ -18,15 +18,28 @@ by a replay that ran no time-only step) is ignored too.
 
 The batch id a sink gets (``sink(df, batch_id)``) is the version the step read: Spark's batch id
 until a time-only batch has run, unique and stable across replays after.
+
+An idle processing-time query (``ProcessingTime`` trigger, no new data) gets no ``foreachBatch``
+call at all: an ``IdleTicker`` thread on the driver runs a time-only batch between Spark's batches,
+once Spark has recorded the last one, after a trigger interval without a batch (``idle_period``):
+once when the watermark moved, and at every period with processing-time timers or TTLs. Its
+manifest says its sink is pending (``SINK_KEY``, with the clock and watermark it used) until the
+sink returned; a driver that died in between runs it again before its next batch.
 """
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from statestore_async.files.manifest import Manifest, list_manifest_versions, read_manifest
 
 if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from statestore_async.files.manifest import OwnerRecord
     from statestore_async.objectstore import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -34,6 +47,14 @@ BATCH_KEY = "batch_id"
 PASS_KEY = "pass_id"
 TIME_ONLY_KEY = "time_only"
 FOLLOWS_KEY = "follows"
+SINK_KEY = "sink"         # an idle time-only batch's sink: SINK_PENDING until it returned, then SINK_DONE
+SINK_PENDING = "pending"
+SINK_DONE = "done"
+NOW_KEY = "now_ms"        # the clock an idle time-only batch used (a rerun uses it again)
+#: the shortest wait between an idle query's last step and its time-only batch (seconds): event time
+IDLE_EVENT_PERIOD = 1.0
+#: ... and between two time-only batches for processing-time timers and TTLs (seconds)
+IDLE_PROCESSING_PERIOD = 10.0
 #: the settings of ``StatefulOperator(time_only_batches=...)``
 TIME_ONLY_SETTINGS = ("auto", "off")
 #: the triggers after whose data batches the operator runs time-only batches (``time_only_wanted``):
@@ -106,3 +127,80 @@ def time_only_wanted(setting: str, trigger: str | None, conf: Any) -> bool:
     except Exception:  # a conf that cannot be read: Spark's default
         enabled = "true"
     return str(enabled).lower() != "false"
+
+
+def recorded_by_spark(query_id: str | None, batch_id: int) -> bool:
+    """Whether the running query ``query_id`` has recorded batch ``batch_id`` (its last progress is
+    that batch or a later one): an idle time-only batch runs only after it, so that Spark never
+    replays a batch under it."""
+    if query_id is None:
+        return False
+    try:
+        from pyspark.sql import SparkSession
+
+        for session in (SparkSession.getActiveSession(), getattr(SparkSession, "_instantiatedSession", None)):
+            jss = getattr(session, "_jsparkSession", None)
+            q = jss.streams().get(query_id) if jss is not None else None
+            if q is not None:
+                last = q.lastProgress()
+                return last is not None and int(last.batchId()) >= batch_id
+    except Exception as exc:  # a JVM that cannot tell: not recorded as far as we know
+        log.debug("query %s: whether batch %d is recorded is not known: %s", query_id, batch_id, exc)
+    return False
+
+
+def idle_period(trigger: str | None, *, event_time: bool) -> float | None:
+    """How long a ``ProcessingTime`` query may go without a batch before its idle time-only batch
+    (seconds: the trigger interval, at least ``IDLE_EVENT_PERIOD`` for event time and
+    ``IDLE_PROCESSING_PERIOD`` for processing-time timers and TTLs); None for other triggers."""
+    if trigger is None or not trigger.startswith("ProcessingTimeTrigger("):
+        return None
+    try:
+        interval = int(trigger[len("ProcessingTimeTrigger("):].rstrip(")")) / 1000
+    except ValueError:
+        return None
+    return max(interval, IDLE_EVENT_PERIOD if event_time else IDLE_PROCESSING_PERIOD)
+
+
+@dataclass(frozen=True)
+class TimeOnlyAfter:
+    """What a time-only batch takes from the Spark batch it follows."""
+
+    batch_id: int
+    query_id: str | None
+    owner: OwnerRecord | None
+    key_types: dict[str, str] | None
+
+    @classmethod
+    def of(cls, plan: Any) -> TimeOnlyAfter:
+        """From a data batch's ``BatchPlan``."""
+        return cls(plan.batch_id, plan.query_id, plan.owner, plan.key_types)
+
+
+@dataclass(frozen=True)
+class IdleContext:
+    """What the ``IdleTicker``'s time-only batch needs: the last batch's DataFrame (its columns and
+    session; it is not read), the batch it follows and the query's sink."""
+
+    df: DataFrame
+    after: TimeOnlyAfter
+    sink: Callable[[DataFrame, int], object] | None
+
+
+class IdleTicker(threading.Thread):
+    """A daemon thread that calls ``tick()`` every ``period`` seconds until it returns False or
+    ``stop()`` is called (``StatefulOperator._idle_tick``)."""
+
+    def __init__(self, tick: Callable[[], bool], period: float, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._tick = tick
+        self.period = period
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self.period):
+            if not self._tick():
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()

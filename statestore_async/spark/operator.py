@@ -63,7 +63,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -82,6 +82,7 @@ from statestore_async.files.manifest import (
     OwnerRecord,
     claim_owner,
     delete_manifests_after,
+    read_manifest,
     read_owner,
     write_manifest,
 )
@@ -93,12 +94,22 @@ from statestore_async.spark import placement
 from statestore_async.spark.batches import (
     BATCH_KEY,
     FOLLOWS_KEY,
+    NOW_KEY,
     PASS_KEY,
+    SINK_DONE,
+    SINK_KEY,
+    SINK_PENDING,
     TIME_ONLY_KEY,
     TIME_ONLY_SETTINGS,
+    IdleContext,
+    IdleTicker,
+    TimeOnlyAfter,
     find_base,
+    idle_period,
     query_trigger,
+    recorded_by_spark,
     time_only_wanted,
+    written_by,
 )
 from statestore_async.spark.coordinator import Coordinator, local_socket
 from statestore_async.spark.eventtime import (
@@ -517,6 +528,12 @@ class StatefulOperator:
         # starts from it without looking (``base_manifest``)
         self._last_done: tuple[int, Manifest] | None = None
         self._lease: placement.DaemonLease | None = None  # local mode: the driver's hold on the node's daemon
+        # one step at a time: a batch (``process_batch``) or an idle time-only batch (``_idle_tick``)
+        self._step_lock = threading.RLock()
+        self._idle_ctx: IdleContext | None = None  # what an idle time-only batch needs (``_arm_idle``)
+        self._ticker: IdleTicker | None = None
+        self._last_step_end = 0.0  # time.monotonic() when the last step ended
+        self._idle_quiet: str | None = None  # the pass id after which an idle time-only batch fired nothing
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
 
@@ -547,6 +564,10 @@ class StatefulOperator:
         the node's daemon (``placement.DaemonLease``: an autostarted daemon exits
         ``placement.LOCAL_EXIT_WHEN_IDLE`` seconds after its last client). Optional: the thread is a
         daemon thread, the lease goes when the SparkContext stops; the next batch opens them again."""
+        if self._ticker is not None:
+            self._ticker.stop()
+            self._ticker = None
+        self._idle_ctx = None
         self._io.close()
         if self._lease is not None:
             self._lease.release()
@@ -636,12 +657,18 @@ class StatefulOperator:
         the sink, then ``_observe`` and ``_record``; with ``materialize="none"`` the sink runs
         inside ``_compute_in_sink``, before the fence. An exception anywhere before the sink returns
         leaves manifest ``batch_id + 1`` unwritten or replaceable: Spark replays the batch from the
-        same manifest.
+        same manifest. One step at a time: an idle time-only batch (``IdleTicker``) and a batch wait
+        for each other.
         """
+        with self._step_lock:
+            return self._process_batch(df, batch_id, sink)
+
+    def _process_batch(self, df: DataFrame, batch_id: int, sink: Sink | None) -> BatchProgress:
         t0 = time.perf_counter()
         spark = df.sparkSession
         sink = for_writer(sink, self.writer_id) if sink is not None else None
         query_id = streaming_query_id(spark)
+        self._finish_pending(df, spark, batch_id, sink)
         plan = self._plan(df, batch_id, query_id)
         prog = BatchProgress(batch_id=batch_id, sink_batch_id=plan.sink_batch_id)
         prog.plan = time.perf_counter() - t0
@@ -670,13 +697,29 @@ class StatefulOperator:
         self._observe(reports)
         self._record(prog, refs, t0, written)
         if self._wants_time_only(spark, plan, written):
-            after = self._time_only_batch(df, spark, plan, written, sink)
+            after = self._time_only_batch(df, spark, TimeOnlyAfter.of(plan), written, sink)
             if after is not None:
                 written, prog.time_only_after = after
         fault_point(self._fault_hook, "after_sink", batch_id, socket_path=self.socket_path)
         self._last_done = (batch_id, written)
         self._hold_daemon(spark)
+        self._arm_idle(df, plan, sink)
         return prog
+
+    def _arm_idle(self, df: DataFrame, plan: BatchPlan, sink: Sink | None) -> None:
+        """After a data batch of a processing-time query whose processor has time work: keep what an
+        idle time-only batch needs (``_idle_tick``) and start the ``IdleTicker`` at the trigger's
+        interval (``batches.idle_period``)."""
+        if self.time_only_batches != "auto" or not self._time_work:
+            return
+        period = idle_period(query_trigger(plan.query_id), event_time=self.time.event)
+        if period is None:
+            return
+        self._idle_ctx = IdleContext(df=df, after=TimeOnlyAfter.of(plan), sink=sink)
+        self._last_step_end = time.monotonic()
+        if self._ticker is None or not self._ticker.is_alive():
+            self._ticker = IdleTicker(self._idle_tick, period, name=f"statestore-idle-{self.operator_id}")
+            self._ticker.start()
 
     # -- time-only batches (``batches``) --
     def _wants_time_only(self, spark: SparkSession, plan: BatchPlan, written: Manifest) -> bool:
@@ -693,19 +736,26 @@ class StatefulOperator:
             return watermark is not None and watermark != plan.spec.watermark_ms
         return True
 
-    def _time_only_batch(self, df: DataFrame, spark: SparkSession, data: BatchPlan, base: Manifest,
-                         sink: Sink | None) -> tuple[Manifest, BatchProgress] | None:
-        """A time-only batch after data batch ``data``, from the manifest it wrote (``base``): every
-        partition's task runs without rows at the next batch's watermark and the clock, firing the
-        timers and expiring the TTLs due (a partition with nothing due commits nothing); its output
-        is kept, its deltas fenced, its manifest written (version ``base.version + 1``, marked
-        time-only and following ``base``), then ``sink(output, base.version)``. Nothing is written,
-        and the sink not called, when no partition had anything due: returns None. In the same
-        ``foreachBatch`` call as the data batch, before Spark records it: a crash anywhere makes
-        Spark replay both."""
+    def _time_only_batch(self, df: DataFrame, spark: SparkSession, after: TimeOnlyAfter, base: Manifest,
+                         sink: Sink | None, *, idle: bool = False, now_ms: int | None = None,
+                         watermark_ms: int | None = None) -> tuple[Manifest, BatchProgress] | None:
+        """A time-only batch after Spark batch ``after.batch_id``, from manifest ``base`` (the last
+        the operator wrote): every partition's task runs without rows at the next batch's watermark
+        (``watermark_ms`` when given) and the clock (``now_ms``), firing the timers and expiring the
+        TTLs due (a partition with nothing due commits nothing); its output is kept, its deltas
+        fenced, its manifest written (version ``base.version + 1``, marked time-only and following
+        ``base``), then ``sink(output, base.version)``. Nothing is written, and the sink not called,
+        when no partition had anything due: returns None.
+
+        Inside a ``foreachBatch`` call (``idle`` False: after a data batch of an ending trigger),
+        before Spark records the batch: a crash anywhere makes Spark replay both. An ``idle`` one runs
+        between Spark's batches (``IdleTicker``), after Spark recorded the last: its manifest says
+        its sink is pending (with the clock and watermark it used) until the sink has returned, and
+        is then written again saying done; a driver that died between the two finds it pending and
+        runs it again, the same way, before its next batch (``_finish_pending``)."""
         t0 = time.perf_counter()
-        plan = self._plan_time_only(df, data, base)
-        prog = BatchProgress(batch_id=data.batch_id, sink_batch_id=plan.sink_batch_id, time_only=True,
+        plan = self._plan_time_only(df, after, base, now_ms, watermark_ms)
+        prog = BatchProgress(batch_id=after.batch_id, sink_batch_id=plan.sink_batch_id, time_only=True,
                              watermark_ms=plan.spec.watermark_ms)
         prog.plan = time.perf_counter() - t0
         with arrow_batch_bytes(spark, self.arrow_max_bytes_per_batch):
@@ -713,37 +763,136 @@ class StatefulOperator:
         try:
             if not refs:
                 return None
-            event_time = ({WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: plan.max_event_time_ms}
-                          if self.time.event else {})
+            extra: dict[str, Any] = ({WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: plan.max_event_time_ms}
+                                     if self.time.event else {})
+            if idle:
+                extra.update({SINK_KEY: SINK_PENDING, NOW_KEY: plan.spec.now_ms, WATERMARK_KEY: plan.spec.watermark_ms})
+            states = merge_declarations(plan.spec.declared, (r.states for r in reports))
             with _timed(prog, "manifest"):
-                written = self._commit(plan, refs, merge_declarations(plan.spec.declared, (r.states for r in reports)),
-                                       event_time)
-            fault_point(self._fault_hook, "time_only_after_manifest", data.batch_id, socket_path=self.socket_path)
+                written = self._commit(plan, refs, states, extra)
+            fault_point(self._fault_hook, "time_only_after_manifest", after.batch_id, socket_path=self.socket_path)
             if sink is not None:
                 with _timed(prog, "sink"):
                     sink(output.result, plan.sink_batch_id)
+            if idle:
+                written = self._rewrite(written, {SINK_KEY: SINK_DONE})
         finally:
             output.release()
         self._observe(reports)
         self._record(prog, refs, t0, written, last=False)
-        log.info("operator %s: a time-only batch after batch %d (watermark %s) committed %d partitions as version %d",
-                 self.operator_id, data.batch_id, plan.spec.watermark_ms, len(refs), written.version)
+        log.info("operator %s: a time-only batch after batch %d (watermark %s%s) committed %d partitions as version %d",
+                 self.operator_id, after.batch_id, plan.spec.watermark_ms, ", idle stream" if idle else "", len(refs),
+                 written.version)
         return written, prog
 
-    def _plan_time_only(self, df: DataFrame, data: BatchPlan, base: Manifest) -> BatchPlan:
-        """The plan of a time-only batch after ``data``: no rows (an empty frame of the batch's
-        columns, one task per state partition), the state ``base`` names, the watermark the next
-        batch would use (``eventtime.batch_watermark`` of ``base``) and the clock now."""
+    def _plan_time_only(self, df: DataFrame, after: TimeOnlyAfter, base: Manifest, now_ms: int | None = None,
+                        watermark_ms: int | None = None) -> BatchPlan:
+        """The plan of a time-only batch: no rows (an empty frame of ``df``'s columns, one task per
+        state partition), the state ``base`` names, the watermark the next batch would use
+        (``eventtime.batch_watermark`` of ``base``, or ``watermark_ms``) and the clock now (or ``now_ms``)."""
         watermark, seen = batch_watermark(self.time, base.metadata)
+        if watermark_ms is not None:
+            watermark = watermark_ms
         df = drop_heartbeat(df)
         routed, values = self.routed(_no_rows(df, self.num_partitions))
-        spec = replace(data.spec, value_columns=values, batch_id=data.batch_id,
-                       refs=tuple(base.ref(p) for p in range(self.num_partitions)),
-                       now_ms=int(self.clock() * 1000), fault_hook=None, releases=None,
-                       declared=base.metadata.get("states"), watermark_ms=watermark, rescaled=None,
-                       event_time_column=None)
-        return BatchPlan(batch_id=data.batch_id, base=base, routed=routed, spec=spec, query_id=data.query_id,
-                         owner=data.owner, key_types=data.key_types, max_event_time_ms=seen, time_only=True)
+        spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
+                        output_schema=self.arrow_schema, num_partitions=self.num_partitions,
+                        num_key_groups=self.num_key_groups, batch_id=after.batch_id,
+                        refs=tuple(base.ref(p) for p in range(self.num_partitions)),
+                        now_ms=int(self.clock() * 1000) if now_ms is None else now_ms, socket_path=self.socket_path,
+                        daemon_env=self._task_daemon_env(df.sparkSession), fault_hook=None, releases=None,
+                        keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
+                        daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark,
+                        rescaled=None, key_schema=_key_schema(df, self.key_columns), event_time_column=None,
+                        drop_late=self.time.late_rows == "drop")
+        return BatchPlan(batch_id=after.batch_id, base=base, routed=routed, spec=spec, query_id=after.query_id,
+                         owner=after.owner, key_types=after.key_types, max_event_time_ms=seen, time_only=True)
+
+    def _rewrite(self, m: Manifest, metadata: Mapping[str, Any]) -> Manifest:
+        """Manifest ``m`` written again with ``metadata`` added (an idle time-only batch's sink done)."""
+        again = Manifest(m.operator_id, m.version, m.num_partitions, m.num_key_groups, dict(m.stores),
+                         metadata={**m.metadata, **metadata})
+
+        async def write(store: ObjectStore) -> None:
+            await write_manifest(store, again)
+
+        self._run(write)
+        return again
+
+    def _finish_pending(self, df: DataFrame, spark: SparkSession, batch_id: int, sink: Sink | None) -> None:
+        """Before batch ``batch_id``: when the manifest it starts from is an idle time-only batch
+        whose sink did not return (the driver died in between), run that time-only batch again from
+        the manifest below it, with the clock and watermark it recorded, and its sink: the same
+        output under the same batch id, then the manifest says done."""
+        if batch_id == 0:
+            return
+        m = self.base_manifest(batch_id)
+        if m.metadata.get(SINK_KEY) != SINK_PENDING:
+            return
+        op = self.operator_id
+
+        async def read(store: ObjectStore) -> Manifest:
+            return await read_manifest(store, op, m.version - 1)
+
+        below = self._run(read)
+        log.warning("operator %s: the idle time-only batch of version %d did not finish its sink; running it again",
+                    op, m.version)
+        query_id = streaming_query_id(spark)
+        after = TimeOnlyAfter(batch_id=written_by(m), query_id=query_id, owner=self._claim(query_id, batch_id),
+                              key_types=below.metadata.get("key_types"))
+        done = self._time_only_batch(df, spark, after, below, for_writer(sink, self.writer_id) if sink else None,
+                                     idle=True, now_ms=int(m.metadata[NOW_KEY]),
+                                     watermark_ms=m.metadata.get(WATERMARK_KEY))
+        if done is None:  # nothing came due this time (its tasks' state said so): the state is below's
+            raise VersionError(f"operator {op!r}: running the pending time-only batch of version {m.version} again "
+                               "fired nothing; its manifest stays pending")
+        self._last_done = (batch_id - 1, done[0])
+
+    def _idle_tick(self) -> bool:
+        """Called by the ``IdleTicker`` between Spark's batches of a processing-time query: a time-only
+        batch when one is due (``_idle_due``), unless a batch runs now. Returns whether the ticker
+        should keep going (False once the query is gone or the operator closed)."""
+        ctx = self._idle_ctx
+        if ctx is None:
+            return False
+        if not self._step_lock.acquire(blocking=False):
+            return True  # a batch runs: it fires what is due itself
+        try:
+            trigger = query_trigger(ctx.after.query_id)
+            if trigger is None:
+                return False  # the query stopped
+            last = self._last_done
+            if time.monotonic() - self._last_step_end < (self._ticker.period if self._ticker else 0.0):
+                return True  # a batch ran within the period: the stream is not idle
+            if last is None or last[0] != ctx.after.batch_id or not recorded_by_spark(ctx.after.query_id, last[0]):
+                return True
+            if not self._idle_due(last[1]):
+                return True
+            done = self._time_only_batch(ctx.df, ctx.df.sparkSession, ctx.after, last[1], ctx.sink, idle=True)
+            if done is not None:
+                self._last_done = (last[0], done[0])
+                if self.last_progress.time_only_after is None:
+                    self.last_progress.time_only_after = done[1]
+            else:  # nothing was due: with event time nothing will be until a batch moves the watermark
+                self._idle_quiet = last[1].metadata.get(PASS_KEY)
+            self._last_step_end = time.monotonic()
+            return True
+        except Exception:
+            log.exception("operator %s: an idle time-only batch failed; the next batch runs it again",
+                          self.operator_id)
+            return True
+        finally:
+            self._step_lock.release()
+
+    def _idle_due(self, last: Manifest) -> bool:
+        """Whether an idle time-only batch may fire something after manifest ``last``: with
+        ``time_mode="event"`` a watermark that moved since ``last``'s batch (once); with
+        processing-time timers or TTLs, the clock (every ``IdleTicker`` period)."""
+        if self.time.event:
+            watermark, _ = batch_watermark(self.time, last.metadata)
+            return (watermark is not None and watermark != last.metadata.get(WATERMARK_KEY)
+                    and self._idle_quiet != last.metadata.get(PASS_KEY))
+        return True
 
     def _plan(self, df: DataFrame, batch_id: int, query_id: str | None = None) -> BatchPlan:
         """Step 1, on the driver, before Spark runs anything: claim the state for ``query_id``
