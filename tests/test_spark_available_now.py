@@ -70,6 +70,11 @@ def test_available_now_emits_every_session_in_one_run(spark, daemon, tmp_path, v
     assert [p.version for p in steps] == list(range(1, len(steps) + 1))
     assert op.history[-1].time_only_after is time_only[-1]
     assert time_only[-1].watermark_ms == stream.final_watermark
+    # the figures a user reads beside query.lastProgress (Spark's names where they mean the same)
+    fig = op.last_progress.figures()
+    assert fig["numInputRows"] + fig["numRowsDroppedByWatermark"] == len(stream.batches[-1])
+    assert fig["numRowsUpdated"] > 0 and fig["watermarkMs"] == stream.watermarks[-2]
+    assert fig["timeOnlyBatch"]["numTimersFired"] > 0 and fig["timeOnlyBatch"]["timeOnly"]
 
 
 def test_a_state_written_without_time_only_batches_is_finished_by_one_run(spark, daemon, tmp_path):

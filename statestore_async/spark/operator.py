@@ -356,8 +356,29 @@ class BatchProgress:
     version: int = 0       # the manifest version the batch wrote (0: none yet)
     sink_batch_id: int = -1  # the batch id its sink got (``batches``: Spark's until a time-only batch ran)
     time_only: bool = False  # a time-only batch (``batches``): no rows, only timers and TTLs
-    # the time-only batch that followed this data batch in the same foreachBatch call (None: none ran)
+    # the time-only batch that followed this data batch (None: none ran): in the same foreachBatch
+    # call (an ending trigger), or later while the stream idled
     time_only_after: BatchProgress | None = None
+
+    def figures(self) -> dict[str, Any]:
+        """The batch's figures under the names of Spark's own stateful operators' progress
+        (``StreamingQueryProgress.stateOperators``) where they mean the same, summed over its tasks,
+        and its time-only batch's as ``timeOnlyBatch``: rows in, state records written and removed,
+        timers fired, values expired by TTL, rows dropped as late, the watermark (ms)."""
+        def total(name: str) -> int:
+            return int(sum(t.get(name, 0) for t in self.tasks.values()))
+
+        out: dict[str, Any] = {
+            "batchId": self.batch_id, "sinkBatchId": self.sink_batch_id, "version": self.version,
+            "timeOnly": self.time_only, "numInputRows": total("rows"), "numKeys": total("keys"),
+            "numRowsUpdated": total("puts"), "numRowsRemoved": total("removes"),
+            "numTimersFired": total("timers_fired"), "numRowsExpiredByTTL": total("ttl_removed"),
+            "numRowsDroppedByWatermark": self.late_rows, "watermarkMs": self.watermark_ms,
+            "numPartitionsCommitted": self.partitions_committed, "durationMs": round(self.total * 1000, 1),
+        }
+        if self.time_only_after is not None:
+            out["timeOnlyBatch"] = self.time_only_after.figures()
+        return out
 
 
 class StatefulOperator:

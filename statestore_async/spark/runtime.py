@@ -542,8 +542,11 @@ def _run(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec, par
                     return out, None, states
                 writes = [(puts, removes)]
             t = time.perf_counter()
+            timings["puts"] = timings["removes"] = 0
             for puts, removes in writes:  # in order: a later change of a key wins
                 write_all(handle, puts, removes)
+                timings["puts"] += len(puts[0]) if isinstance(puts, tuple) else len(puts)
+                timings["removes"] += len(removes) if removes is not None else 0
             fault_point(spec.fault_hook, "before_commit", spec.batch_id, partition, attempt, spec.socket_path, retry)
             ref = handle.commit()
             timings["write"] = time.perf_counter() - t
