@@ -9,7 +9,8 @@ steps, one method each:
 
 1. plan (``_plan``): claim the state for the streaming query running the batch (``_claim``: one
    writer per state — a state another query owns is refused with ``OwnerConflictError`` before
-   anything is written); read ``_commits/<b>.json`` (batch 0: the empty state) — which checkpoint of
+   anything is written); read the manifest the batch starts from, ``_commits/<v>.json`` (batch 0: the
+   empty state; ``v`` is ``b`` until a time-only batch has run: ``batches``) — which checkpoint of
    each partition counts; its number of key groups must equal the operator's (else
    ``OperatorConfigError``); a different number of partitions is a **rescale** (``_rescale``: each
    new partition's state will be assembled from the key-group ranges it owns in the old partitions'
@@ -40,15 +41,18 @@ steps, one method each:
    seconds it raises ``FenceTimeoutError`` (a daemon died before uploading what a task committed):
    steps 2–5 run again from the same manifest with fresh checkpoint ids (``_compute``,
    ``daemon_retries`` times), then the batch fails and Spark replays it;
-6. commit (``_commit``): the owner is checked again, then ``_commits/<b+1>.json`` is written
+6. commit (``_commit``): the owner is checked again, then ``_commits/<v+1>.json`` is written
    (replacing the one of an earlier attempt of ``b``), with the watermark the batch used and the
-   max event time seen so far (``_event_time``), from which batch ``b+1`` computes its own;
-7. ``sink(output_df, b)`` runs (unless it ran in step 3); then foreachBatch returns and Spark records
-   the batch.
+   max event time seen so far (``_event_time``), from which the next batch computes its own;
+7. ``sink(output_df, v)`` runs (unless it ran in step 3); a time-only batch follows when one is due
+   under an ending trigger (``_time_only_batch``: steps 2–7 without rows); then foreachBatch returns
+   and Spark records the batch. A processing-time query that idles gets its time-only batches from
+   the ``IdleTicker`` between Spark's batches.
 
 A crash anywhere before step 7 ends makes Spark replay ``b``: the replay reads the same manifest
-``b``, writes new checkpoint ids and a new manifest ``b+1``: state is exactly-once; the sink is
-called again for ``b`` (make it idempotent per batch id, as with any foreachBatch sink).
+``v``, writes new checkpoint ids and a new manifest ``v+1``: state is exactly-once; the sink is
+called again for ``v`` (``write_sink`` replaces what it wrote; a plain sink function must be
+idempotent per batch id, as with any foreachBatch sink).
 A partition with no rows in a batch writes nothing: the manifest keeps its previous checkpoint.
 """
 from __future__ import annotations
