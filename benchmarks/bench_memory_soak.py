@@ -58,15 +58,25 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def open_files(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
 def client_loop(index: int, socket_path: str, root: str, stores: int, keys: int, value_bytes: int,
-                stop_at: float, rounds_out) -> None:
-    """One client process: one connection, open / put_many / commit over its own stores until ``stop_at``."""
+                stop_at: float, rounds_out, new_keys: bool = False) -> None:
+    """One client process: one connection, open / put_many / commit over its own stores until ``stop_at``
+    (with ``new_keys``, each round's keys are new ones: the stores grow)."""
     ids = [StoreId(root, f"soak{index}", p) for p in range(stores)]
     refs: dict[StoreId, tuple[int, str | None]] = dict.fromkeys(ids, (0, None))
     key_list = [b"\x00\x01" + b"k%07d" % i for i in range(keys)]
     rounds = 0
     with Client(socket_path, timeout=300) as client:
         while time.time() < stop_at:
+            if new_keys:
+                key_list = [b"\x00\x01" + b"k%07d" % (rounds * keys + i) for i in range(keys)]
             for sid in ids:
                 version, ckptid = refs[sid]
                 h = client.open(sid, version, ckptid)
@@ -89,6 +99,8 @@ def main() -> int:
     ap.add_argument("--budget", default="32MiB", help="the daemon's memory_budget")
     ap.add_argument("--keys", type=int, default=1000, help="keys per put_many (the same keys each round)")
     ap.add_argument("--value-bytes", type=int, default=64)
+    ap.add_argument("--new-keys", action="store_true",
+                    help="each round puts new keys (the stores grow: they spill to local disk) instead of the same ones")
     ap.add_argument("--every", type=float, default=10.0, help="seconds between samples")
     ap.add_argument("--working-overhead", default="48MiB",
                     help="stated overhead of a working daemon beyond its empty RSS and its budget")
@@ -124,12 +136,13 @@ def main() -> int:
         stop_at = start + args.seconds
         for i in range(args.clients):
             p = ctx.Process(target=client_loop, args=(i, sock, root, args.stores, args.keys, args.value_bytes,
-                                                      stop_at, rounds_q), daemon=True)
+                                                      stop_at, rounds_q, args.new_keys), daemon=True)
             p.start()
             procs.append(p)
         samples: list[tuple[float, int]] = []
         print(f"{'t (s)':>6} {'RSS MiB':>8} {'counted MiB':>11} {'queued MiB':>10} {'stores':>6} {'evictions':>9} "
-              f"{'loads':>6} {'commits':>8} {'upload records':>14} {'snapshots':>9} {'snap busy':>9}", flush=True)
+              f"{'loads':>6} {'commits':>8} {'upload records':>14} {'snapshots':>9} {'snap busy':>9} {'spilled':>7} "
+              f"{'spills':>6} {'spill asks':>10} {'flushes':>7} {'fds':>5}", flush=True)
         with Client(sock, timeout=60) as stats_client:
             next_sample = start + args.every
             while True:
@@ -147,7 +160,9 @@ def main() -> int:
                       f"{upl.get('queued_bytes', 0) / MIB:10.1f} {reg.get('stores', 0):6d} {reg.get('evictions', 0):9d} "
                       f"{reg.get('loads', 0):6d} {upl.get('submitted', 0):8d} "
                       f"{sum(upl.get('states', {}).values()):14d} {mnt.get('snapshots', 0):9d} "
-                      f"{mnt.get('in_progress', 0):9d}", flush=True)
+                      f"{mnt.get('in_progress', 0):9d} {reg.get('spilled', 0):7d} {reg.get('spills', 0):6d} "
+                      f"{reg.get('spill_requests', 0):10d} {reg.get('flushes', 0):7d} {open_files(daemon.pid):5d}",
+                      flush=True)
                 next_sample += args.every
                 if now >= stop_at or not any(p.is_alive() for p in procs):
                     break

@@ -68,6 +68,10 @@ SPILL_MIN_BYTES = 1 << 20
 MAX_RUNS = 16
 # by default, an open version's changes smaller than this stay in memory (a flush costs a file and a run)
 FLUSH_MIN_BYTES = 1 << 20
+# Over budget, at most this many idle stores too large to go whole stay in memory, waiting to spill
+# (their snapshot being written, their last deltas uploading); the others leave memory whole.
+# Maintenance writes one snapshot at a time: more waiting would hold memory and gain nothing.
+MAX_SPILL_WAITS = 2
 # how long an OPEN waits at most for its store's earlier uploads to settle (``open_wait_timeout``)
 OPEN_WAIT_TIMEOUT = 30.0
 # while it waits, it looks this often whether the root started refusing uploads
@@ -99,6 +103,8 @@ class StoreRegistry:
         # onto it (those deltas stacked over it) once they are durable
         self._spill_later: dict[StoreId, CheckpointRef] = {}
         self._deep: set[StoreId] = set()  # stacks past MAX_RUNS whose snapshot was asked for
+        # stores whose snapshot to spill onto was asked for, with the head it was asked at
+        self._spill_asked: dict[StoreId, CheckpointRef] = {}
         # set by maintenance: snapshot a store's head now, then call ``spill_at`` (None: no spilling
         # of stores without a snapshot at their head)
         self.request_spill: Callable[[StoreId], None] | None = None
@@ -327,29 +333,53 @@ class StoreRegistry:
         evicted = 0
         # spilled stores keep little in memory and would reload their cold level: they go last
         order = sorted(self._stores.items(), key=lambda item: item[1].cold is not None)
+        small_spilled: list[StoreId] = []
+        waits = 0  # idle stores kept over the budget this pass until they can spill
         for store_id, store in order:
             if total <= self.memory_budget:
                 break
             if store.hot_bytes >= self.spill_min_bytes and self._spillable(store):
-                stacked = self._stack_deltas(store)
-                if stacked is None:
-                    continue  # it stacks once its last deltas are durable (the budget is checked then)
-                freed = stacked or self._spill_now(store)
+                stacked = self._stack_deltas(store)  # None: it can once its last deltas are durable
+                freed = stacked or (self._spill_now(store) if stacked is not None else 0)
                 if freed:
                     total -= freed
+                    if self._evictable(store):
+                        small_spilled.append(store_id)  # to go whole if spilling all is not enough
                     continue
-                if not store.has_snapshot(store.head) and self.request_spill is not None:
-                    self.counters["spill_requests"] += 1
-                    self.request_spill(store_id)  # it spills once its snapshot is written
+                can_ask = stacked is not None and not store.has_snapshot(store.head) and self.request_spill is not None
+                if (stacked is None or can_ask) and waits < MAX_SPILL_WAITS:
+                    # it spills once its last deltas are durable, or its snapshot is written
+                    waits += 1
+                    if can_ask and self._spill_asked.get(store_id) != store.head:
+                        assert self.request_spill is not None
+                        self._spill_asked[store_id] = store.head  # asked again once the head moves
+                        self.counters["spill_requests"] += 1
+                        self.request_spill(store_id)
                     continue
+                # Beyond MAX_SPILL_WAITS such stores, an idle one leaves memory whole rather than
+                # wait (kept, every store too large to go whole and without a snapshot yet, while
+                # their clients went on committing and the snapshots queued, took the daemon's
+                # count to 25 times the budget).
             if not self._evictable(store):
                 continue
             if store.cold is not None and store.memory_bytes < self.spill_min_bytes:
-                continue  # spilled and small: evicting it frees little, and its reload costs a load
+                small_spilled.append(store_id)  # evicting it frees little and its reload costs a load: last
+                continue
             total -= store.memory_bytes
             self._drop(store_id)
             evicted += 1
             log.info("evicted %s at %s (memory %d > budget %d)", store_id, store.head, total, self.memory_budget)
+        for store_id in small_spilled:  # still over budget: many small spilled stores add up
+            if total <= self.memory_budget:
+                break
+            store = self._stores[store_id]
+            if not self._evictable(store):
+                continue
+            total -= store.memory_bytes
+            self._drop(store_id)
+            evicted += 1
+            log.info("evicted the spilled %s at %s (memory %d > budget %d)", store_id, store.head, total,
+                     self.memory_budget)
         self.counters["evictions"] += evicted
         if total > self.memory_budget:
             self._flush_open_versions(total)
@@ -544,6 +574,7 @@ class StoreRegistry:
             return stacked or 0
         self._spill_later.pop(store_id, None)
         self._deep.discard(store_id)
+        self._spill_asked.pop(store_id, None)
         if old is not None and not store._views:  # a view being written reads on from it (closed when collected)
             old.close()
         self.counters["spills"] += 1
@@ -632,6 +663,7 @@ class StoreRegistry:
         store is spilled already (its runs and hot part give way to one file). Commits made since
         the snapshot stay in memory: the hot part starts with them."""
         self._deep.discard(store_id)  # a later stack past MAX_RUNS asks again
+        self._spill_asked.pop(store_id, None)
         store = self._stores.get(store_id)
         if store is None or not self._spillable(store):
             return
@@ -652,6 +684,7 @@ class StoreRegistry:
         del self._stores[store_id]
         self._spill_later.pop(store_id, None)
         self._deep.discard(store_id)
+        self._spill_asked.pop(store_id, None)
         for listener in self.evict_listeners:
             listener(store_id)
 
