@@ -154,8 +154,10 @@ class FramePool:
         self._hand_over()
 
     def wait(self, conn: _Connection, n: int) -> None:
-        """``conn`` waits for ``n`` bytes: ``conn.frame_room(n)`` once they are its."""
-        self.counters["partial_frame_waits"] += 1
+        """``conn`` waits for ``n`` bytes: ``conn.frame_room(n)`` once they are its (waiting
+        already, it keeps its place in line and now waits for ``n``)."""
+        if conn not in self._waiting:
+            self.counters["partial_frame_waits"] += 1
         self._waiting[conn] = n
 
     def cancel(self, conn: _Connection) -> None:
@@ -280,6 +282,9 @@ class _Connection(asyncio.Protocol):
         if need > pool.budget:
             self._refuse_frame(partial, f"a frame of {need} bytes is larger than the {pool.budget} bytes all partial "
                                         "frames may hold (partial_frames_bytes); send smaller batches or raise it")
+            return
+        if self._frame_wait is not None:  # waiting already (data read before the pause took)
+            pool.wait(self, need - held)  # the same place in line, for what it needs now
             return
         if pool.take(need - held):
             self._frame_bytes = need
