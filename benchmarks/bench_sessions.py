@@ -59,8 +59,10 @@ from local_spark import local_session
 
 from statestore_async.testing import sessions as S
 
+PARTITIONS = [2]  # state partitions (ours) and spark.sql.shuffle.partitions (the peers): --partitions
 PEERS = {"ours": "ours per-key", "ours-vec": "ours vectorized",
          "ours-none": "ours per-key, materialize='none'", "ours-vec-none": "ours vectorized, materialize='none'",
+         "ours-off": "ours per-key, time_only_batches='off'",
          "aipws": "AIPWS applyInPandasWithState",
          "tws": "TWS transformWithStateInPandas", "floor": "Spark floor (routing + no-op mapInArrow)"}
 
@@ -95,7 +97,7 @@ def checked(out: list[tuple[int, int]], expected: tuple[int, int]) -> bool | str
 
 
 def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vectorized: bool = False,
-         materialize: str = "auto") -> dict:
+         materialize: str = "auto", time_only: str = "auto") -> dict:
     from statestore_async.spark import placement
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
@@ -104,7 +106,7 @@ def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vect
     try:
         op = S.session_operator("file://" + os.path.join(work, "state"), "sessions", stream.gap_ms, stream.delay_ms,
                                 socket_path=sock, fence_timeout=120, vectorized=vectorized,
-                                materialize=materialize)
+                                materialize=materialize, time_only_batches=time_only, num_partitions=PARTITIONS[0])
         out: list = []
         prog = run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), op.foreach_batch(S.checksum_into(out)),
                          timeout)
@@ -117,6 +119,14 @@ def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vect
         fig["task_ms"] = {k: round(statistics.median(t.get(k, 0) for t in tasks) * 1000) for k in
                           ("group", "time_scan", "read", "decode", "call", "process", "write", "total")} if tasks else {}
         fig["timers_fired"] = statistics.median(t.get("timers_fired", 0) for t in tasks) if tasks else 0
+        after = [p.time_only_after for p in hist if p.time_only_after is not None]
+        fig["time_only_ms"] = round(statistics.median(p.total for p in after) * 1000) if after else 0
+        if after:
+            fig["time_only_phases"] = {ph: round(statistics.median(getattr(p, ph) for p in after) * 1000) for ph in
+                                       ("plan", "compute", "fence", "manifest", "sink", "total")}
+            ttasks = [t for p in after for t in p.tasks.values()]
+            fig["time_only_task_ms"] = {k: round(statistics.median(t.get(k, 0) for t in ttasks) * 1000) for k in
+                                        ("time_scan", "read", "decode", "call", "process", "write", "total")}
         return fig
     finally:
         placement.stop_daemon(sock)
@@ -139,7 +149,7 @@ def spark_peer(spark, src: str, work: str, stream: S.SessionStream, timeout: int
 
 def spark_floor(spark, src: str, work: str, timeout: int) -> dict:
     """Spark's part of our batch alone: the same stream, each batch routed as our operator routes
-    it (``with_routing``: the key group, the route, the shuffle to 2 partitions) into a
+    it (``with_routing``: the key group, the route, the shuffle to ``--partitions``) into a
     ``mapInArrow`` that only counts its rows, written to the noop sink. No state, no event time, no
     output to materialize: a bound no version of ours can pass."""
     import pyarrow as pa
@@ -152,7 +162,7 @@ def spark_floor(spark, src: str, work: str, timeout: int) -> dict:
 
     def sink(df, batch_id):
         with arrow_batch_bytes(df.sparkSession, None):  # as the operator runs its stage
-            (with_routing(df, ["user"], 2, 4096, columns=["user", "et"]).mapInArrow(count, "n long")
+            (with_routing(df, ["user"], PARTITIONS[0], 4096, columns=["user", "et"]).mapInArrow(count, "n long")
              .write.format("noop").mode("overwrite").save())
 
     fig = figure(run_query(S.read_stream(spark, src), os.path.join(work, "ckpt"), sink, timeout))
@@ -198,6 +208,8 @@ def main() -> int:
     ap.add_argument("--peers", default="ours,ours-vec,aipws,tws")
     ap.add_argument("--overhead", action="store_true", help="also measure what event time adds per batch")
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--partitions", type=int, default=2,
+                    help="state partitions of ours and spark.sql.shuffle.partitions of the peers (default 2)")
     ap.add_argument("--warmup-users", type=int, default=None,
                     help="users of the warm-up stream each of our peers and the floor first run on, figures discarded "
                          "(default 20,000; 0: none). Spark's JIT warms up over several batches: without it the "
@@ -212,7 +224,8 @@ def main() -> int:
         ap.error(f"unknown peers {unknown}; choose from {sorted(PEERS)}")
 
     work = tempfile.mkdtemp(prefix="bench-sessions-")
-    spark = local_session("bench_sessions", work)
+    PARTITIONS[0] = a.partitions
+    spark = local_session("bench_sessions", work, conf=[("spark.sql.shuffle.partitions", str(a.partitions))])
     from pyspark import cloudpickle
 
     cloudpickle.register_pickle_by_value(S)  # the workers import it by value (no install needed)
@@ -231,6 +244,7 @@ def main() -> int:
             "ours": lambda d: ours(spark, src, d, stream, a.timeout),
             "ours-vec": lambda d: ours(spark, src, d, stream, a.timeout, vectorized=True),
             "ours-none": lambda d: ours(spark, src, d, stream, a.timeout, materialize="none"),
+            "ours-off": lambda d: ours(spark, src, d, stream, a.timeout, time_only="off"),
             "ours-vec-none": lambda d: ours(spark, src, d, stream, a.timeout, vectorized=True, materialize="none"),
             "aipws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.apply_in_pandas_with_state),
             "tws": lambda d: spark_peer(spark, src, d, stream, a.timeout, S.transform_with_state_in_pandas),
@@ -249,6 +263,7 @@ def main() -> int:
                 {"ours": lambda: ours(spark, wsrc, d, wstream, a.timeout),
                  "ours-vec": lambda: ours(spark, wsrc, d, wstream, a.timeout, vectorized=True),
                  "ours-none": lambda: ours(spark, wsrc, d, wstream, a.timeout, materialize="none"),
+                 "ours-off": lambda: ours(spark, wsrc, d, wstream, a.timeout, time_only="off"),
                  "ours-vec-none": lambda: ours(spark, wsrc, d, wstream, a.timeout, vectorized=True, materialize="none"),
                  "floor": lambda: spark_floor(spark, wsrc, d, a.timeout)}[short]()
                 shutil.rmtree(d, ignore_errors=True)
@@ -269,7 +284,9 @@ def main() -> int:
                 print(f"  run {r + 1} {PEERS[short]:32s} {fig['rows_s']:>10,.0f} rows/s ({fig.get('batches', 0)} "
                       f"batches, data batch median {fig.get('data_batch_ms', 0):,.0f} ms, wall {fig['wall']:.0f}s, "
                       f"correct={fig['correct']}) {fig.get('phases', '')} tasks {fig.get('task_ms', '')} timers fired per "
-                      f"task {fig.get('timers_fired', '')}", flush=True)
+                      f"task {fig.get('timers_fired', '')}, time-only batch median {fig.get('time_only_ms', 0)} ms "
+                      f"{fig.get('time_only_phases', '')} tasks {fig.get('time_only_task_ms', '')}",
+                      flush=True)
                 shutil.rmtree(d, ignore_errors=True)
         cost = overhead(spark, src, work, a.timeout) if a.overhead else None
     finally:
@@ -279,7 +296,7 @@ def main() -> int:
     med = {k: statistics.median(f["rows_s"] for f in v) for k, v in results.items()}
     print()
     print(f"sessionization: {users:,} users, 1 warm-up + {batches - 1} measured batches (+ a trailing empty one), "
-          f"local[2], 2 partitions; median of {a.repeat} run(s)")
+          f"local[2], {a.partitions} partitions; median of {a.repeat} run(s)")
     print("| peer | rows/s | × AIPWS | × TWS | data batch ms | correct |")
     print("|---|---:|---:|---:|---:|---|")
     for short, figs in results.items():

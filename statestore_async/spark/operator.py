@@ -559,6 +559,7 @@ class StatefulOperator:
         self._ticker: IdleTicker | None = None
         self._last_step_end = 0.0  # time.monotonic() when the last step ended
         self._idle_quiet: str | None = None  # the pass id after which an idle time-only batch fired nothing
+        self._trigger_of: tuple[str | None, str | None] = (None, None)  # (query id, its trigger)
         self.last_progress = BatchProgress()
         self.history: list[BatchProgress] = []
 
@@ -646,6 +647,7 @@ class StatefulOperator:
                     "which the batch starts from: was the checkpoint root changed or cleaned while the query's "
                     "Spark checkpoint was kept?")
             m = found
+            self._last_done = (batch_id - 1, m)  # the state after batch_id - 1: asked for again by _plan
         self.check_manifest(m)
         return m
 
@@ -731,13 +733,19 @@ class StatefulOperator:
         self._arm_idle(df, plan, sink)
         return prog
 
+    def _trigger(self, query_id: str | None) -> str | None:
+        """The trigger of streaming query ``query_id`` (``batches.query_trigger``), asked once per query."""
+        if self._trigger_of[0] != query_id or query_id is None:
+            self._trigger_of = (query_id, query_trigger(query_id))
+        return self._trigger_of[1]
+
     def _arm_idle(self, df: DataFrame, plan: BatchPlan, sink: Sink | None) -> None:
         """After a data batch of a processing-time query whose processor has time work: keep what an
         idle time-only batch needs (``_idle_tick``) and start the ``IdleTicker`` at the trigger's
         interval (``batches.idle_period``)."""
         if self.time_only_batches != "auto" or not self._time_work:
             return
-        period = idle_period(query_trigger(plan.query_id), event_time=self.time.event)
+        period = idle_period(self._trigger(plan.query_id), event_time=self.time.event)
         if period is None:
             return
         self._idle_ctx = IdleContext(df=df, after=TimeOnlyAfter.of(plan), sink=sink)
@@ -752,7 +760,7 @@ class StatefulOperator:
         ``batches.time_only_wanted`` for the query's trigger, a processor with timers or TTLs, and
         with ``time_mode="event"`` a watermark that moves (processing-time timers and TTLs may be
         due whenever the clock moved)."""
-        if not time_only_wanted(self.time_only_batches, query_trigger(plan.query_id), spark.conf):
+        if not time_only_wanted(self.time_only_batches, self._trigger(plan.query_id), spark.conf):
             return False
         if not self._time_work:
             return False
@@ -783,10 +791,19 @@ class StatefulOperator:
         prog = BatchProgress(batch_id=after.batch_id, sink_batch_id=plan.sink_batch_id, time_only=True,
                              watermark_ms=plan.spec.watermark_ms)
         prog.plan = time.perf_counter() - t0
+        output: Materialized | None = None
+        sank = False  # the sink ran already
         with arrow_batch_bytes(spark, self.arrow_max_bytes_per_batch):
-            output, reports, refs = self._compute(plan, spark, prog, t0, keep=sink is not None)
+            if sink is not None and not idle and self.materialize_mode(spark, sink) == "none":
+                # a one-action sink computes the batch, before its manifest (Spark replays both on a
+                # crash); once it ran, the manifest is written even if nothing was due, so that the
+                # batch id it was given is never given to another step
+                reports, refs = self._compute_in_sink(plan, spark, prog, t0, sink)
+                sank = True
+            else:
+                output, reports, refs = self._compute(plan, spark, prog, t0, keep=sink is not None)
         try:
-            if not refs:
+            if not refs and not sank:
                 return None
             extra: dict[str, Any] = ({WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: plan.max_event_time_ms}
                                      if self.time.event else {})
@@ -796,13 +813,14 @@ class StatefulOperator:
             with _timed(prog, "manifest"):
                 written = self._commit(plan, refs, states, extra)
             fault_point(self._fault_hook, "time_only_after_manifest", after.batch_id, socket_path=self.socket_path)
-            if sink is not None:
+            if sink is not None and output is not None:
                 with _timed(prog, "sink"):
                     sink(output.result, plan.sink_batch_id)
             if idle:
                 written = self._rewrite(written, {SINK_KEY: SINK_DONE})
         finally:
-            output.release()
+            if output is not None:
+                output.release()
         self._observe(reports)
         self._record(prog, refs, t0, written, last=False)
         log.info("operator %s: a time-only batch after batch %d (watermark %s%s) committed %d partitions as version %d",
@@ -819,7 +837,8 @@ class StatefulOperator:
         if watermark_ms is not None:
             watermark = watermark_ms
         df = drop_heartbeat(df)
-        routed, values = self.routed(_no_rows(df, self.num_partitions))
+        routed = _no_rows(df, self.num_partitions)  # task i is partition i: no rows to route, no shuffle
+        values = self.value_columns or tuple(c for c in df.columns if c not in self.key_columns)
         spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
                         output_schema=self.arrow_schema, num_partitions=self.num_partitions,
                         num_key_groups=self.num_key_groups, batch_id=after.batch_id,
@@ -1482,12 +1501,13 @@ class _DriverIO:
 
 
 def _no_rows(df: DataFrame, num_partitions: int) -> DataFrame:
-    """An empty frame of ``df``'s columns over ``num_partitions`` partitions that the optimizer
-    cannot prove empty (a time-only batch: its routing shuffle still runs one task per state
-    partition; the stream's session has adaptive execution off, which could drop an empty stage)."""
+    """An empty frame of ``df``'s columns and the routing's over exactly ``num_partitions``
+    partitions (a range of that many slices: task i is partition i, as after the routing shuffle),
+    which the optimizer cannot prove empty (a time-only batch runs one task per state partition)."""
     from pyspark.sql import functions as F
 
     columns = [F.lit(None).cast(f.dataType).alias(f.name) for f in df.schema.fields]
+    columns += [F.lit(None).cast("int").alias(KG_COLUMN), F.lit(None).cast("int").alias(ROUTE_COLUMN)]
     return df.sparkSession.range(0, num_partitions, 1, num_partitions).where("id < 0").select(*columns)
 
 
