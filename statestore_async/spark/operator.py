@@ -906,8 +906,8 @@ class StatefulOperator:
             if trigger is None:
                 return False  # the query stopped
             last = self._last_done
-            if time.monotonic() - self._last_step_end < (self._ticker.period if self._ticker else 0.0):
-                return True  # a batch ran within the period: the stream is not idle
+            if time.monotonic() - self._last_step_end < 1.5 * (self._ticker.period if self._ticker else 0.0):
+                return True  # a batch ran within the last period and a half: the stream is not idle
             if last is None or last[0] != ctx.after.batch_id or not recorded_by_spark(ctx.after.query_id, last[0]):
                 return True
             if not self._idle_due(last[1]):
