@@ -52,8 +52,8 @@ def test_after_sigterm_open_versions_commit_and_await_durable_is_answered(
         w = b.open(writing, 0)
         w.put_many([(key(1), b"open at SIGTERM")])
         d.proc.send_signal(signal.SIGTERM)
+        # (the probe sent these 0.3 s after SIGTERM; here, as soon as the daemon is stopping)
         wait_until(lambda: b.stats()["health"]["status"] == "stopping", "the daemon to be stopping")
-        time.sleep(0.3)  # the probe: requests 0.3 s after SIGTERM
         assert a.await_durable(done, v1, timeout=DEADLINE) is True
         w.put_many([(key(2), b"during the drain")])
         ref = w.commit()
