@@ -109,24 +109,50 @@ async def test_partial_frames_share_one_budget_and_go_with_their_connection(daem
     assert pool.counters["partial_frame_waits"] == 1 and pool.counters["partial_frames_refused"] == 0
 
 
-async def test_a_frame_that_waits_too_long_for_room_is_refused_with_a_typed_error(daemon_factory, monkeypatch):
+async def test_a_frame_stalled_mid_way_while_others_wait_is_refused_and_its_room_handed_on(daemon_factory,
+                                                                                          monkeypatch):
     monkeypatch.setattr(server, "PARTIAL_FRAME_WAIT", 0.5)
     d = await daemon_factory(max_frame_bytes=4 * MIB, partial_frames_bytes=4 * MIB)
     stalled = await RawClient.connect(d.config.socket)
-    stalled.start_ping(4 * MIB, 1 * MIB)  # a client stalled mid-frame holds the whole budget
+    rid = stalled.start_ping(4 * MIB, 1 * MIB)  # a client stalled mid-frame holds the whole budget
     await wait_for(lambda: d.frame_pool.used == 4 * MIB, "the stalled frame to hold the budget")
     late = await RawClient.connect(d.config.socket)
+    late.start_ping(1 * MIB, 1 * MIB)
+    ev = await stalled.next_event()
+    assert isinstance(ev, ErrorResponse) and ev.request_id == rid
+    assert isinstance(ev.error, errors.FrameBudgetError)
+    assert "sent nothing" in str(ev.error) and "partial_frames_bytes" in str(ev.error)
+    assert await stalled.next_event() is None  # closed
+    pong = await late.next_event()  # the waiting frame got the room and completed
+    assert isinstance(pong, Response) and len(pong.value) == 1 * MIB
+    assert d.frame_pool.counters["partial_frames_refused"] == 1
+    stalled.close()
+    late.close()
+    await wait_for(lambda: d.frame_pool.used == 0, "no room held")
+
+
+async def test_a_frame_that_waits_too_long_behind_live_frames_is_refused_with_a_typed_error(daemon_factory,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(server, "PARTIAL_FRAME_WAIT", 0.5)
+    d = await daemon_factory(max_frame_bytes=4 * MIB, partial_frames_bytes=4 * MIB)
+    slow = await RawClient.connect(d.config.socket)
+    slow.start_ping(4 * MIB, 1 * MIB)  # a slow sender holds the whole budget, still sending
+    await wait_for(lambda: d.frame_pool.used == 4 * MIB, "the slow frame to hold the budget")
+    late = await RawClient.connect(d.config.socket)
     rid = late.start_ping(1 * MIB, 1000)
-    ev = await late.next_event()
+    answer = asyncio.ensure_future(late.next_event())
+    while not answer.done():  # the slow one keeps sending a little: it is not stalled
+        slow.send_more(100)
+        await asyncio.wait([answer], timeout=0.05)
+    ev = answer.result()
     assert isinstance(ev, ErrorResponse) and ev.request_id == rid
     assert isinstance(ev.error, errors.FrameBudgetError)
     assert "partial_frames_bytes" in str(ev.error) and "waited" in str(ev.error)
     assert await late.next_event() is None  # closed
     assert d.frame_pool.counters["partial_frames_refused"] == 1
-    # other requests of other connections go on meanwhile
-    stalled.close()
-    await wait_for(lambda: d.frame_pool.used == 0, "the stalled frame's room to come back")
+    slow.close()
     late.close()
+    await wait_for(lambda: d.frame_pool.used == 0, "no room held")
 
 
 def test_the_budget_must_hold_one_largest_frame():

@@ -160,6 +160,9 @@ class FramePool:
             self.counters["partial_frame_waits"] += 1
         self._waiting[conn] = n
 
+    def is_waiting(self, conn: _Connection) -> bool:
+        return conn in self._waiting
+
     def cancel(self, conn: _Connection) -> None:
         if self._waiting.pop(conn, None) is not None:
             self._hand_over()
@@ -222,6 +225,7 @@ class _Connection(asyncio.Protocol):
         self._write_ok = asyncio.Event()
         self._write_ok.set()
         self._frame_bytes = 0  # room held in the daemon's FramePool for the frame arriving
+        self._last_data = time.monotonic()  # when the peer last sent anything
         self._frame_wait: asyncio.TimerHandle | None = None  # set while waiting for that room
 
     @property
@@ -262,6 +266,7 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.proto.receive_data(data)
+        self._last_data = time.monotonic()
         self._hold_partial_frame()
         self._process()
 
@@ -306,12 +311,28 @@ class _Connection(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self._process)
 
     def _frame_wait_expired(self) -> None:
+        """This connection waited ``PARTIAL_FRAME_WAIT`` for room. The frames holding it whose
+        connections sent nothing for as long (stalled mid-frame: a worker stopped, a peer gone
+        without a close) are refused and their room handed on, and this one waits on; when none
+        is stalled, this one is refused."""
         self._frame_wait = None
         if self.closed:
             return
-        self.daemon.frame_pool.cancel(self)
-        partial = self.proto.partial_frame() or (0, 0, 0)
         pool = self.daemon.frame_pool
+        now = time.monotonic()
+        stalled = [c for c in self.daemon.connections
+                   if c._frame_bytes and not c.closed and now - c._last_data >= PARTIAL_FRAME_WAIT]
+        if stalled:
+            for c in stalled:
+                c._refuse_frame(c.proto.partial_frame() or (0, 0, 0),
+                                f"its frame sent nothing for {now - c._last_data:.0f} s while other connections "
+                                f"waited for its room among the partial frames (partial_frames_bytes)")
+            if pool.is_waiting(self):  # their room was not enough yet: wait on
+                self._frame_wait = asyncio.get_running_loop().call_later(PARTIAL_FRAME_WAIT,
+                                                                         self._frame_wait_expired)
+            return
+        pool.cancel(self)
+        partial = self.proto.partial_frame() or (0, 0, 0)
         self._refuse_frame(partial, f"its frame of {partial[0]} bytes waited {PARTIAL_FRAME_WAIT:g} s for room among "
                                     f"the partial frames of other connections ({pool.used} of {pool.budget} bytes, "
                                     "partial_frames_bytes); send smaller batches, or raise it")
@@ -327,6 +348,9 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self.proto.discard()
         self.transport.close()
+        if self._frame_bytes:  # its room goes to the next in line now, not when the close completes
+            held, self._frame_bytes = self._frame_bytes, 0
+            self.daemon.frame_pool.give(held)
 
     def eof_received(self) -> bool:
         return False  # close our side too
