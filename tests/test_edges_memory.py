@@ -85,3 +85,28 @@ async def test_small_spilled_stores_leave_memory_when_together_they_pass_the_bud
             h = await c.open(sid, refs[sid].version, refs[sid].ckptid)
             assert await h.get_many([items(p, 1)[0][0]]) == [b"v" * 100]
             await h.abort()
+
+
+def test_the_daemon_raises_its_open_files_limit_to_the_hard_one(tmp_path, sockdir):
+    """Spilled stores hold one open file per run (~870-1,600 in the 1,100-byte soak): a daemon
+    started with a soft limit of 256 raises it to the hard limit at start."""
+    import resource
+    import subprocess
+
+    from statestore_async.testing.daemon import serve_command, stop_daemon, wait_until_answering
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    socket_path = f"{sockdir}/d.sock"
+    log_path = f"{tmp_path}/daemon.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(serve_command(socket_path), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        wait_until_answering(proc, socket_path, log_path=log_path)
+        with open(f"/proc/{proc.pid}/limits") as fh:
+            line = next(x for x in fh if x.startswith("Max open files"))
+        soft_now = int(line.split()[3])
+        assert soft_now == hard, line
+    finally:
+        assert stop_daemon(proc) == 0

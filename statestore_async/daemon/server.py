@@ -1115,10 +1115,39 @@ def _malloc_trim() -> Callable[[int], int] | None:
 _MALLOC_TRIM = _malloc_trim()
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft limit of open files to the hard one; the (soft, hard) limits after.
+
+    Spilled stores read their runs (a snapshot, the deltas stacked over it, flushed changes)
+    through open files, one each: ~870-1,600 under the 1,100-byte soak of
+    ``benchmarks/bench_memory_soak.py``, past the soft limit of 1024 many systems start a process
+    with (opens then fail with EMFILE). The hard limit is what the system allows."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, OPEN_FILES_WANTED)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open files limit from %d to %d: %s", soft, want, exc)
+    if soft < OPEN_FILES_WANTED:
+        log.warning("the open files limit is %d: spilled stores need one per run on local disk; raise it "
+                    "(ulimit -n, LimitNOFILE) to at least %d", soft, OPEN_FILES_WANTED)
+    return soft, hard
+
+
+# open files a daemon with spilled stores may need (a soft limit below this is logged)
+OPEN_FILES_WANTED = 4096
+
+
 def run(config: DaemonConfig) -> int:
-    """Configure logs and malloc, pick the event loop (``config.loop``) and serve until a signal."""
+    """Configure logs, malloc and the open files limit, pick the event loop (``config.loop``) and
+    serve until a signal."""
     configure_logging(config)
     return_freed_memory()
+    raise_open_files_limit()
     if config.loop == "uvloop":
         import uvloop
 
