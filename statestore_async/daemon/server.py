@@ -115,8 +115,9 @@ _OPCODE = {Hello: Op.HELLO, Ping: Op.PING, Open: Op.OPEN, GetMany: Op.GET_MANY, 
            AwaitDurable: Op.AWAIT_DURABLE, Stats: Op.STATS, Release: Op.RELEASE}
 
 
-# A connection whose partial frame waits this long for room in the shared budget
-# (``partial_frames_bytes``) is refused with FrameBudgetError and closed.
+# A connection whose partial frame waited this long for room in the shared budget
+# (``partial_frames_bytes``): the frames holding it that sent nothing for as long are refused with
+# FrameBudgetError and closed; with none such, the waiting one is.
 PARTIAL_FRAME_WAIT = 30.0
 
 
@@ -320,8 +321,10 @@ class _Connection(asyncio.Protocol):
             return
         pool = self.daemon.frame_pool
         now = time.monotonic()
+        # (one whose reading the daemon paused — requests in flight, answers unread — is not stalled)
         stalled = [c for c in self.daemon.connections
-                   if c._frame_bytes and not c.closed and now - c._last_data >= PARTIAL_FRAME_WAIT]
+                   if c._frame_bytes and not c.closed and not c._reading_paused
+                   and now - c._last_data >= PARTIAL_FRAME_WAIT]
         if stalled:
             for c in stalled:
                 c._refuse_frame(c.proto.partial_frame() or (0, 0, 0),
