@@ -22,7 +22,7 @@ until a time-only batch has run, unique and stable across replays after.
 An idle processing-time query (``ProcessingTime`` trigger, no new data) gets no ``foreachBatch``
 call at all: an ``IdleTicker`` thread on the driver runs a time-only batch between Spark's batches,
 once Spark has recorded the last one, after one and a half trigger intervals without a batch (``idle_period``):
-once when the watermark moved, and at every period with processing-time timers or TTLs. Its
+once when the watermark moved, and every second period with processing-time timers or TTLs. Its
 manifest says its sink is pending (``SINK_KEY``, with the clock and watermark it used) until the
 sink returned; a driver that died in between runs it again before its next batch.
 """
