@@ -8,21 +8,13 @@ went to 835 MiB against a 32 MiB budget within two minutes, with 433,055 spill r
 eviction after 30 s and 3,273 open files. Real daemons in-process (both loops), local roots."""
 from __future__ import annotations
 
-import asyncio
-import time
-
 from statestore_async.client.clients import AsyncClient
 from statestore_async.daemon.registry import MAX_SPILL_WAITS
 from statestore_async.ids import StoreId
+from statestore_async.testing.daemon import wait_until
 
 DEADLINE = 60.0
 
-
-async def wait_for(condition, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: still false after {timeout} s"
-        await asyncio.sleep(0.01)
 
 
 def items(p: int, n: int, size: int = 100) -> list[tuple[bytes, bytes]]:
@@ -48,7 +40,7 @@ async def test_large_idle_stores_without_a_snapshot_leave_memory_but_a_few_that_
         held = [s for s in sids if reg.get(s) is not None]
         assert len(held) <= MAX_SPILL_WAITS, f"{len(held)} idle stores stayed in memory waiting for a snapshot"
         # those spill onto their snapshots once written, and the count comes back under the budget
-        await wait_for(lambda: all(reg.get(s) is None or reg.get(s).cold is not None for s in held),
+        await wait_until(lambda: all(reg.get(s) is None or reg.get(s).cold is not None for s in held),
                        "the waiting stores to spill")
         reg.enforce_budget()
         assert reg.memory_bytes <= reg.memory_budget
@@ -71,7 +63,7 @@ async def test_small_spilled_stores_leave_memory_when_together_they_pass_the_bud
             refs[sid] = ref = await h.commit()
             assert await c.await_durable(sid, ref, DEADLINE)
         # each gets its snapshot (snapshot_interval 1), then spills onto it once memory is short
-        await wait_for(lambda: all(reg.get(s) is not None and reg.get(s).has_snapshot(reg.get(s).head)
+        await wait_until(lambda: all(reg.get(s) is not None and reg.get(s).has_snapshot(reg.get(s).head)
                                    for s in sids), "every store's snapshot")
         reg.memory_budget = 1
         reg.enforce_budget()

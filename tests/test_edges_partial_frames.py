@@ -18,18 +18,13 @@ from statestore_async import errors
 from statestore_async.client.clients import Client
 from statestore_async.config import DaemonConfig
 from statestore_async.daemon import server
+from statestore_async.testing.daemon import wait_until
 from statestore_async.wire.protocol import CLOSED, NEED_DATA, ClientProtocol, ErrorResponse, Op, Response
 
 DEADLINE = 60.0
 HEADER = struct.Struct("<IBBI")  # payload length, opcode, flags, request id
 MIB = 1 << 20
 
-
-async def wait_for(condition, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: still false after {timeout} s"
-        await asyncio.sleep(0.01)
 
 
 class RawClient:
@@ -81,30 +76,30 @@ async def test_partial_frames_share_one_budget_and_go_with_their_connection(daem
     b = await RawClient.connect(d.config.socket)
     a.start_ping(4 * MIB, 2 * MIB)
     b.start_ping(4 * MIB, 2 * MIB)
-    await wait_for(lambda: pool.used == 8 * MIB, "two half frames to hold room for their whole frames")
-    await wait_for(lambda: sum(c.proto.buffered for c in d.connections) == 2 * (2 * MIB + HEADER.size),
+    await wait_until(lambda: pool.used == 8 * MIB, "two half frames to hold room for their whole frames")
+    await wait_until(lambda: sum(c.proto.buffered for c in d.connections) == 2 * (2 * MIB + HEADER.size),
                    "both halves to be read")
     held = list(d.connections)
     c = await RawClient.connect(d.config.socket)
     c.start_ping(4 * MIB, 4 * MIB)  # whole, but it has to wait for room
-    await wait_for(lambda: pool.waiting == 1, "the third frame to wait for room")
+    await wait_until(lambda: pool.waiting == 1, "the third frame to wait for room")
     waiter = next(x for x in d.connections if x not in held)
     assert waiter.proto.buffered < 4 * MIB  # it stopped reading: at most what reads brought
     assert pool.used == 8 * MIB and d.stats()["daemon"]["partial_frames_waiting"] == 1
     a.close()  # a client gone mid-frame: its half frame is freed and its room handed on
-    await wait_for(lambda: pool.waiting == 0, "the waiter to get the room")
+    await wait_until(lambda: pool.waiting == 0, "the waiter to get the room")
     first = next(x for x in held if x.closed)
     assert first.proto.buffered == 0
     pong = await c.next_event()  # the third frame completes and is answered
     assert isinstance(pong, Response) and pong.value == b"p" * 4 * MIB
-    await wait_for(lambda: pool.used == 4 * MIB, "the completed frame to give its room back")
+    await wait_until(lambda: pool.used == 4 * MIB, "the completed frame to give its room back")
     b.send_more(2 * MIB)  # the second completes too
     pong = await b.next_event()
     assert isinstance(pong, Response) and len(pong.value) == 4 * MIB
-    await wait_for(lambda: pool.used == 0, "no room held once every frame is complete")
+    await wait_until(lambda: pool.used == 0, "no room held once every frame is complete")
     b.close()
     c.close()
-    await wait_for(lambda: not d.connections, "the connections to go")
+    await wait_until(lambda: not d.connections, "the connections to go")
     assert all(x.proto.buffered == 0 for x in held + [waiter])
     assert pool.counters["partial_frame_waits"] == 1 and pool.counters["partial_frames_refused"] == 0
 
@@ -115,7 +110,7 @@ async def test_a_frame_stalled_mid_way_while_others_wait_is_refused_and_its_room
     d = await daemon_factory(max_frame_bytes=4 * MIB, partial_frames_bytes=4 * MIB)
     stalled = await RawClient.connect(d.config.socket)
     rid = stalled.start_ping(4 * MIB, 1 * MIB)  # a client stalled mid-frame holds the whole budget
-    await wait_for(lambda: d.frame_pool.used == 4 * MIB, "the stalled frame to hold the budget")
+    await wait_until(lambda: d.frame_pool.used == 4 * MIB, "the stalled frame to hold the budget")
     late = await RawClient.connect(d.config.socket)
     late.start_ping(1 * MIB, 1 * MIB)
     ev = await stalled.next_event()
@@ -128,7 +123,7 @@ async def test_a_frame_stalled_mid_way_while_others_wait_is_refused_and_its_room
     assert d.frame_pool.counters["partial_frames_refused"] == 1
     stalled.close()
     late.close()
-    await wait_for(lambda: d.frame_pool.used == 0, "no room held")
+    await wait_until(lambda: d.frame_pool.used == 0, "no room held")
 
 
 async def test_a_frame_that_waits_too_long_behind_live_frames_is_refused_with_a_typed_error(daemon_factory,
@@ -137,7 +132,7 @@ async def test_a_frame_that_waits_too_long_behind_live_frames_is_refused_with_a_
     d = await daemon_factory(max_frame_bytes=4 * MIB, partial_frames_bytes=4 * MIB)
     slow = await RawClient.connect(d.config.socket)
     slow.start_ping(4 * MIB, 1 * MIB)  # a slow sender holds the whole budget, still sending
-    await wait_for(lambda: d.frame_pool.used == 4 * MIB, "the slow frame to hold the budget")
+    await wait_until(lambda: d.frame_pool.used == 4 * MIB, "the slow frame to hold the budget")
     late = await RawClient.connect(d.config.socket)
     rid = late.start_ping(1 * MIB, 1000)
     answer = asyncio.ensure_future(late.next_event())
@@ -152,7 +147,7 @@ async def test_a_frame_that_waits_too_long_behind_live_frames_is_refused_with_a_
     assert d.frame_pool.counters["partial_frames_refused"] == 1
     slow.close()
     late.close()
-    await wait_for(lambda: d.frame_pool.used == 0, "no room held")
+    await wait_until(lambda: d.frame_pool.used == 0, "no room held")
 
 
 def test_the_budget_must_hold_one_largest_frame():

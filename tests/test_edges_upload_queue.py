@@ -5,21 +5,15 @@ local object stores with faults injected: uploads held, or refused for one opera
 from __future__ import annotations
 
 import asyncio
-import time
 
 from statestore_async.client.clients import AsyncClient
 from statestore_async.errors import ObjectStoreUnavailableError
 from statestore_async.ids import StoreId, new_checkpoint_id
 from statestore_async.objectstore import LocalObjectStore
+from statestore_async.testing.daemon import wait_until
 
 DEADLINE = 60.0
 
-
-async def wait_for(condition, what: str, timeout: float = DEADLINE):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: still false after {timeout} s"
-        await asyncio.sleep(0.01)
 
 
 def key(i: int) -> bytes:
@@ -61,7 +55,7 @@ async def test_the_upload_queue_is_bounded_in_count_and_a_commit_past_it_waits(d
             h = await c.open(sid, ref.version, ref.ckptid)
             await h.put_many([(key(5), b"v")])
             sixth = asyncio.create_task(h.commit())
-            await wait_for(lambda: d.uploader.stats()["waiting_admission"] == 1, "the sixth commit to wait")
+            await wait_until(lambda: d.uploader.stats()["waiting_admission"] == 1, "the sixth commit to wait")
             assert not sixth.done() and d.counters["commits_waited"] == 1
             assert d.uploader.queued_bytes < 5000  # the byte bound (256 MiB) is not what holds it
             gate.set()
@@ -91,12 +85,12 @@ async def test_an_evicted_stores_open_does_not_wait_behind_other_stores_queues(d
             h = await c.open(sid, 0)
             await h.put_many([(key(1), b"busy")])
             waiting.append(asyncio.create_task(h.commit()))
-        await wait_for(lambda: d.uploader.stats()["waiting_admission"] == 4, "four busy commits to wait for room")
+        await wait_until(lambda: d.uploader.stats()["waiting_admission"] == 4, "four busy commits to wait for room")
         h = await c.open(b, 0)
         await h.put_many([(key(1), b"mine")])
         ckptid = new_checkpoint_id()
         mine = asyncio.create_task(h.commit(ckptid))
-        await wait_for(lambda: d.uploader.stats()["waiting_admission"] == 5, "b's commit to wait behind them")
+        await wait_until(lambda: d.uploader.stats()["waiting_admission"] == 5, "b's commit to wait behind them")
         assert d.registry is not None
         d.registry.memory_budget = 1
         d.registry.enforce_budget()
@@ -110,4 +104,4 @@ async def test_an_evicted_stores_open_does_not_wait_behind_other_stores_queues(d
         assert d.uploader.stats()["waiting_admission"] == 4
         HeldStore.refuse = None
         await asyncio.wait_for(asyncio.gather(*waiting), DEADLINE)
-        await wait_for(lambda: d.uploader.idle, "the busy uploads to finish")
+        await wait_until(lambda: d.uploader.idle, "the busy uploads to finish")

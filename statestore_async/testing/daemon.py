@@ -7,6 +7,7 @@ fixture; a module-scoped fixture may use it directly as a context manager.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -172,3 +173,12 @@ class DaemonProcesses:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+async def wait_until(condition, what: str, timeout: float = 60.0, every: float = 0.01) -> None:
+    """Await until ``condition()`` is true, looking every ``every`` seconds; ``AssertionError``
+    naming ``what`` after ``timeout`` seconds (a generous deadline, never a guessed sleep)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: still false after {timeout} s"
+        await asyncio.sleep(every)
