@@ -309,19 +309,10 @@ def job_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
-
     from statestore_async.spark import StatefulOperator
     from statestore_async.spark.examples import CountSum, VectorizedCountSum
 
-    b = (SparkSession.builder.master(a.master).config("spark.ui.enabled", "false")
-         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-         .config("spark.sql.shuffle.partitions", "2"))
-    if a.cluster:
-        for k, v in CLUSTER_CONF.items():
-            b = b.config(k, v)
-    spark = b.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session(a.master, CLUSTER_CONF if a.cluster else None)
     os.makedirs(a.out, exist_ok=True)
     if a.cluster:
         deadline = time.monotonic() + 60
@@ -362,11 +353,18 @@ def run_job(args: list[str], timeout: float = 180.0) -> subprocess.CompletedProc
 
     The child runs under ``python -m statestore_async.testing.faults``, so its ``--faults`` may arm
     faults (with none, the hooks cost nothing)."""
+    return run_driver(os.path.abspath(__file__), ["job", *args], timeout)
+
+
+def run_driver(script: str, args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """``script`` run as ``__main__`` with ``args`` in a child process under ``python -m
+    statestore_async.testing.faults`` (a driver of its own, its faults armable), this folder on its
+    path; every process of its session is killed afterwards (the JVM and Python workers a SIGKILLed
+    driver leaves). Returns the completed process, stdout and stderr together."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults",
-                             os.path.join(here, "spark_cluster.py"), "job", *args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults", script, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -377,6 +375,38 @@ def run_job(args: list[str], timeout: float = 180.0) -> subprocess.CompletedProc
             pass
         proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def driver_session(master: str = "local[2]", conf: dict[str, str] | None = None):
+    """The SparkSession of a driver in its own process (``run_driver``): loopback only, no UI, two
+    shuffle partitions, errors only in the log."""
+    from pyspark.sql import SparkSession
+
+    b = (SparkSession.builder.master(master).config("spark.ui.enabled", "false")
+         .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+         .config("spark.sql.shuffle.partitions", "2"))
+    for k, v in (conf or {}).items():
+        b = b.config(k, v)
+    spark = b.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def json_batch_sink(out: str):
+    """A foreachBatch sink writing each batch's session rows ``(user, start, end, events)`` to
+    ``<out>/<batch id>.json`` atomically: a batch written again replaces its file."""
+    import json
+
+    os.makedirs(out, exist_ok=True)
+
+    def sink(df, batch_id):
+        rows = [[r[0], int(r[1]), int(r[2]), int(r[3])] for r in df.collect()]
+        tmp = os.path.join(out, f".{batch_id}.json")
+        with open(tmp, "w") as f:
+            json.dump(rows, f)
+        os.replace(tmp, os.path.join(out, f"{batch_id}.json"))
+
+    return sink
 
 
 def read_outputs(out: str) -> dict[int, dict]:

@@ -30,14 +30,6 @@ def _pickle_sessions_by_value():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def _sink(out: list, ids: list):
-    def sink(df, batch_id):
-        ids.append(batch_id)
-        out.extend((r[0], int(r[1]), int(r[2]), int(r[3])) for r in df.collect())
-
-    return sink
-
-
 def _run(spark, src, ckpt, op, sink, trigger=None):
     w = (S.read_stream(spark, src).writeStream.outputMode("update").foreachBatch(op.foreach_batch(sink))
          .option("checkpointLocation", ckpt))
@@ -57,7 +49,7 @@ def test_available_now_emits_every_session_in_one_run(spark, daemon, tmp_path, v
     ids: list = []
     op = S.session_operator(f"file://{tmp_path}/state", "sessions", stream.gap_ms, stream.delay_ms,
                             socket_path=daemon.socket, vectorized=vectorized)
-    q = _run(spark, src, str(tmp_path / "ckpt"), op, _sink(out, ids))
+    q = _run(spark, src, str(tmp_path / "ckpt"), op, S.collect_into(out, ids))
     assert sorted(out) == S.sessions_of(stream)
     assert not [s for s, c in Counter(out).items() if c > 1]
     # Spark ran 5 data batches; the operator's time-only batches came after them, each with its own
@@ -87,11 +79,11 @@ def test_a_state_written_without_time_only_batches_is_finished_by_one_run(spark,
     ids: list = []
     old = S.session_operator(root, "sessions", stream.gap_ms, stream.delay_ms, socket_path=daemon.socket,
                              time_only_batches="off")  # manifests as every release before time-only batches
-    _run(spark, src, ckpt, old, _sink(out, ids))
+    _run(spark, src, ckpt, old, S.collect_into(out, ids))
     assert ids == [0, 1, 2] and not any(p.time_only_after for p in old.history)
     S.write_batches(stream, src, trailing_empty=False)  # the rest of the stream arrives (files 3, 4)
     new = S.session_operator(root, "sessions", stream.gap_ms, stream.delay_ms, socket_path=daemon.socket)
-    _run(spark, src, ckpt, new, _sink(out, ids))
+    _run(spark, src, ckpt, new, S.collect_into(out, ids))
     assert sorted(out) == S.sessions_of(stream)
     assert ids[:4] == [0, 1, 2, 3] and ids == sorted(set(ids))
 
@@ -104,7 +96,7 @@ def test_once_fires_the_timers_its_batch_made_due(spark, daemon, tmp_path):
     ids: list = []
     op = S.session_operator(f"file://{tmp_path}/state", "sessions", stream.gap_ms, stream.delay_ms,
                             socket_path=daemon.socket)
-    _run(spark, src, str(tmp_path / "ckpt"), op, _sink(out, ids), trigger={"once": True})
+    _run(spark, src, str(tmp_path / "ckpt"), op, S.collect_into(out, ids), trigger={"once": True})
     assert sorted(out) == S.sessions_of(stream) and S.sessions_of(stream)
     assert ids == [0, 1] and len(op.history) == 1 and op.history[0].time_only_after.sink_batch_id == 1
 
@@ -117,7 +109,7 @@ def test_a_run_with_time_only_batches_off_leaves_the_last_timers_as_before(spark
     ids: list = []
     op = S.session_operator(f"file://{tmp_path}/state", "sessions", stream.gap_ms, stream.delay_ms,
                             socket_path=daemon.socket, time_only_batches="off")
-    _run(spark, src, str(tmp_path / "ckpt"), op, _sink(out, ids))
+    _run(spark, src, str(tmp_path / "ckpt"), op, S.collect_into(out, ids))
     assert ids == [0, 1, 2]
     assert set(out) < set(S.sessions_of(stream))  # the final watermark's sessions wait for a next batch
 

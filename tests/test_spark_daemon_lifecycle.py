@@ -82,15 +82,13 @@ def test_the_autostarted_daemon_is_gone_soon_after_the_job_ends(tmp_path, end):
 
 # --- the driver, in its own process -------------------------------------------------------------------
 def job_main(sock: str, root: str, end: str) -> int:
-    from pyspark.sql import SparkSession
+
+    from spark_cluster import driver_session
 
     from statestore_async.spark import StatefulOperator
     from statestore_async.spark.examples import CountSum
 
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session()
     op = StatefulOperator(root, "life", ["key"], CountSum(), "key string, count bigint, sum bigint", 2,
                           socket_path=sock)
     df = spark.createDataFrame([(f"k{i % 5}", i) for i in range(50)], "key string, value bigint")

@@ -37,11 +37,7 @@ def test_an_idle_stream_emits_the_sessions_its_last_watermark_closed(spark, daem
     S.write_batches(stream, src, trailing_empty=False)
     out: list = []
     ids: list = []
-
-    def sink(df, batch_id):
-        ids.append(batch_id)
-        out.extend((r[0], int(r[1]), int(r[2]), int(r[3])) for r in df.collect())
-
+    sink = S.collect_into(out, ids)
     op = S.session_operator(f"file://{tmp_path}/state", "sessions", stream.gap_ms, stream.delay_ms,
                             socket_path=daemon.socket)
     q = (S.read_stream(spark, src).writeStream.foreachBatch(op.foreach_batch(sink))
@@ -92,19 +88,10 @@ def test_a_driver_killed_before_an_idle_batch_s_sink_runs_it_again(tmp_path):
 
 
 def _run_driver(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults", os.path.abspath(__file__), "job",
-                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    """``job_main(args)`` in its own driver process, faults armed (``spark_cluster.run_driver``)."""
+    from spark_cluster import run_driver
+
+    return run_driver(os.path.abspath(__file__), ["job", *args], timeout)
 
 
 # --- the driver, in its own process -------------------------------------------------------------------
@@ -122,21 +109,11 @@ def job_main(argv: list[str]) -> int:
     ap.add_argument("--faults", default="[]")
     a = ap.parse_args(argv)
     from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
+    from spark_cluster import driver_session, json_batch_sink
 
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session()
     cloudpickle.register_pickle_by_value(S)
-    os.makedirs(a.out, exist_ok=True)
-
-    def sink(df, batch_id):
-        rows = [[r[0], int(r[1]), int(r[2]), int(r[3])] for r in df.collect()]
-        tmp = os.path.join(a.out, f".{batch_id}.json")
-        with open(tmp, "w") as f:
-            json.dump(rows, f)
-        os.replace(tmp, os.path.join(a.out, f"{batch_id}.json"))
+    sink = json_batch_sink(a.out)
 
     op = S.session_operator(a.root, "sessions", a.gap, a.delay, socket_path=a.socket, faults=json.loads(a.faults),
                             fence_timeout=30)

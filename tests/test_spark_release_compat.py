@@ -84,16 +84,14 @@ def test_a_release_checkpoint_is_finished_by_one_run(release, tmp_path):
 # --- the driver, in its own process (the package on PYTHONPATH: the release's or this checkout's) -----
 def job_main(src: str, state: str, ckpt: str, sock: str, out: str, gap: str, delay: str) -> int:
     from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
 
     import statestore_async
     from statestore_async.testing import sessions
 
     print(f"code {Path(statestore_async.__file__).resolve().parents[1]}", flush=True)
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    from spark_cluster import driver_session
+
+    spark = driver_session()
     cloudpickle.register_pickle_by_value(sessions)
     got: list = []
 

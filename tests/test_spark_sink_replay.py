@@ -44,21 +44,10 @@ def src(stream, tmp_path_factory) -> str:
 
 
 def _run_driver(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """``job_main(args)`` in a child process (its own Spark driver, faults armed); every process of
-    its session is killed afterwards (the JVM and Python workers a SIGKILLed driver leaves)."""
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults", os.path.abspath(__file__), "job",
-                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    """``job_main(args)`` in its own driver process, faults armed (``spark_cluster.run_driver``)."""
+    from spark_cluster import run_driver
+
+    return run_driver(os.path.abspath(__file__), ["job", *args], timeout)
 
 
 def _read(spark, fmt: str, out: str) -> list[tuple]:
@@ -131,14 +120,11 @@ def job_main(argv: list[str]) -> int:
     import json
 
     from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
+    from spark_cluster import driver_session
 
     from statestore_async.spark import write_sink
 
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session()
     cloudpickle.register_pickle_by_value(S)
     options = {"header": "true"} if a.format == "csv" else None
     op = S.session_operator(a.root, OPERATOR, a.gap, a.delay, socket_path=a.socket, faults=json.loads(a.faults),

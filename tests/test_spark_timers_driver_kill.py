@@ -58,23 +58,10 @@ def _args(stream, src, tmp_path, sock, vectorized, faults=(), master="local[2]")
 
 
 def _run_driver(args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """``job_main(args)`` in a child process (its own Spark driver, faults armed); every process of
-    its session is killed afterwards (the JVM and Python workers a SIGKILLed driver leaves)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults", os.path.abspath(__file__), "job",
-                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    """``job_main(args)`` in its own driver process, faults armed (``spark_cluster.run_driver``)."""
+    from spark_cluster import run_driver
+
+    return run_driver(os.path.abspath(__file__), ["job", *args], timeout)
 
 
 def _outputs(out: str) -> dict[int, list[tuple]]:
@@ -226,21 +213,11 @@ def job_main(argv: list[str]) -> int:
     ap.add_argument("--vectorized", action="store_true")
     a = ap.parse_args(argv)
     from pyspark import cloudpickle
-    from pyspark.sql import SparkSession
+    from spark_cluster import driver_session, json_batch_sink
 
-    spark = (SparkSession.builder.master(a.master).config("spark.ui.enabled", "false")
-             .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = driver_session(a.master)
     cloudpickle.register_pickle_by_value(S)
-    os.makedirs(a.out, exist_ok=True)
-
-    def sink(df, batch_id):
-        rows = [[r[0], int(r[1]), int(r[2]), int(r[3])] for r in df.collect()]
-        tmp = os.path.join(a.out, f".{batch_id}.json")
-        with open(tmp, "w") as f:
-            json.dump(rows, f)
-        os.replace(tmp, os.path.join(a.out, f"{batch_id}.json"))
+    sink = json_batch_sink(a.out)
 
     # the timers of data batches, batch by batch (time-only batches, which fire them earlier, are off:
     # the stream's trailing empty batch fires the last ones; tests/test_spark_available_now.py)

@@ -210,10 +210,13 @@ def run_to_end(df: DataFrame, checkpoint: str, sink: Any, timeout: int = 600) ->
         raise exc
 
 
-def collect_into(out: list[Emitted]):
-    """A foreachBatch sink that appends the emitted sessions to ``out``."""
+def collect_into(out: list[Emitted], batch_ids: list[int] | None = None):
+    """A foreachBatch sink that appends the emitted sessions to ``out`` (and, given
+    ``batch_ids``, each call's batch id to it)."""
 
     def sink(df: DataFrame, batch_id: int) -> None:
+        if batch_ids is not None:
+            batch_ids.append(batch_id)
         out.extend((r[0], int(r[1]), int(r[2]), int(r[3])) for r in df.collect())
 
     return sink
