@@ -95,22 +95,29 @@ async def find_base(store: ObjectStore, operator_id: str, batch_id: int) -> Mani
     return None
 
 
+def _running_query(query_id: str | None) -> Any:
+    """The JVM's ``StreamingQuery`` of the running query ``query_id``, or None (outside a query,
+    the query stopped, or a driver without a JVM: Spark Connect). The session a batch's DataFrame
+    carries is a clone that does not know the query; the driver's active session does."""
+    if query_id is None:
+        return None
+    from pyspark.sql import SparkSession
+
+    for session in (SparkSession.getActiveSession(), getattr(SparkSession, "_instantiatedSession", None)):
+        jss = getattr(session, "_jsparkSession", None)
+        q = jss.streams().get(query_id) if jss is not None else None
+        if q is not None:
+            return q
+    return None
+
+
 def query_trigger(query_id: str | None) -> str | None:
     """The trigger of the running streaming query ``query_id`` as Spark names it
     (``AvailableNowTrigger``, ``OneTimeTrigger``, ``ProcessingTimeTrigger(1000)``...), from the
     driver's JVM; None outside a query, or where the driver has no JVM (Spark Connect)."""
-    if query_id is None:
-        return None
     try:
-        from pyspark.sql import SparkSession
-
-        for session in (SparkSession.getActiveSession(), getattr(SparkSession, "_instantiatedSession", None)):
-            jss = getattr(session, "_jsparkSession", None)
-            if jss is None:
-                continue
-            q = jss.streams().get(query_id)
-            if q is not None:
-                return str(q.streamingQuery().trigger().toString())
+        q = _running_query(query_id)
+        return None if q is None else str(q.streamingQuery().trigger().toString())
     except Exception as exc:  # a JVM without the query: no trigger known, no time-only batch
         log.debug("the trigger of query %s is not known: %s", query_id, exc)
     return None
@@ -133,17 +140,10 @@ def recorded_by_spark(query_id: str | None, batch_id: int) -> bool:
     """Whether the running query ``query_id`` has recorded batch ``batch_id`` (its last progress is
     that batch or a later one): an idle time-only batch runs only after it, so that Spark never
     replays a batch under it."""
-    if query_id is None:
-        return False
     try:
-        from pyspark.sql import SparkSession
-
-        for session in (SparkSession.getActiveSession(), getattr(SparkSession, "_instantiatedSession", None)):
-            jss = getattr(session, "_jsparkSession", None)
-            q = jss.streams().get(query_id) if jss is not None else None
-            if q is not None:
-                last = q.lastProgress()
-                return last is not None and int(last.batchId()) >= batch_id
+        q = _running_query(query_id)
+        last = q.lastProgress() if q is not None else None
+        return last is not None and int(last.batchId()) >= batch_id
     except Exception as exc:  # a JVM that cannot tell: not recorded as far as we know
         log.debug("query %s: whether batch %d is recorded is not known: %s", query_id, batch_id, exc)
     return False

@@ -807,8 +807,8 @@ class StatefulOperator:
                 return None
             extra: dict[str, Any] = ({WATERMARK_KEY: plan.spec.watermark_ms, MAX_EVENT_TIME_KEY: plan.max_event_time_ms}
                                      if self.time.event else {})
-            if idle:
-                extra.update({SINK_KEY: SINK_PENDING, NOW_KEY: plan.spec.now_ms, WATERMARK_KEY: plan.spec.watermark_ms})
+            if idle:  # what a rerun uses again (the watermark, with event time, is in ``extra`` already)
+                extra.update({SINK_KEY: SINK_PENDING, NOW_KEY: plan.spec.now_ms})
             states = merge_declarations(plan.spec.declared, (r.states for r in reports))
             with _timed(prog, "manifest"):
                 written = self._commit(plan, refs, states, extra)
