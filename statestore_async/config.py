@@ -110,6 +110,9 @@ class DaemonConfig:
         "help": "over budget, an open version whose changes take this much or more writes them to local disk "
                 "(the write buffer; in cache_dir/flushed, else a temporary folder)",
         "parse": parse_size})
+    max_open_runs: int = field(default=256, metadata={
+        "help": "open files for the runs of stores spilled to local disk (snapshots, stacked deltas, flushed "
+                "changes): past it the least recently read are closed and opened again when read", "parse": int})
     max_frame_bytes: int = field(default=64 << 20, metadata={"help": "largest protocol frame accepted", "parse": parse_size})
     partial_frames_bytes: int = field(default=128 << 20, metadata={
         "help": "bytes the frames still arriving on all connections may hold together (at least max_frame_bytes); "
@@ -170,7 +173,8 @@ class DaemonConfig:
             raise InterfaceError("open_wait_timeout must be > 0 (seconds an OPEN waits for its store's uploads)")
         if self.open_version_idle_timeout < 0:
             raise InterfaceError("open_version_idle_timeout must be >= 0 (0: never)")
-        for name in ("snapshot_interval", "upload_concurrency", "upload_queue_count", "max_batch", "max_inflight"):
+        for name in ("snapshot_interval", "upload_concurrency", "upload_queue_count", "max_batch", "max_inflight",
+                     "max_open_runs"):
             if getattr(self, name) < 1:
                 raise InterfaceError(f"{name} must be at least 1")
         for f in fields(self):

@@ -59,6 +59,7 @@ from statestore_async.files import loader
 from statestore_async.files.checkpoint import CheckpointWriter, write_flushed
 from statestore_async.files.coldrun import BlockCache, ColdRun, ColdStack
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
+from statestore_async.files.runfiles import DEFAULT_MAX_OPEN, RunFiles
 from statestore_async.ids import EMPTY_STATE, CheckpointRef, StoreId, new_checkpoint_id
 
 # a store whose committed map takes less is evicted whole rather than spilled (its reload is cheap)
@@ -86,14 +87,17 @@ class StoreRegistry:
     def __init__(self, objstores: ObjectStores, uploader: Uploader, *, memory_budget: int = 2 << 30,
                  history: int = DEFAULT_HISTORY, block_cache_bytes: int | None = None,
                  spill_min_bytes: int = SPILL_MIN_BYTES, scratch_dir: str | None = None,
-                 flush_min_bytes: int = FLUSH_MIN_BYTES, open_wait_timeout: float = OPEN_WAIT_TIMEOUT) -> None:
+                 flush_min_bytes: int = FLUSH_MIN_BYTES, open_wait_timeout: float = OPEN_WAIT_TIMEOUT,
+                 max_open_runs: int = DEFAULT_MAX_OPEN) -> None:
         self._objstores = objstores
         self.open_wait_timeout = open_wait_timeout
         self._uploader = uploader
         self.memory_budget = memory_budget
         self._history = history
         # decoded blocks of the spilled stores' cold levels (a quarter of the budget by default)
-        self.block_cache = BlockCache(memory_budget // 4 if block_cache_bytes is None else block_cache_bytes)
+        # their runs' files: at most ``max_open_runs`` open, linked in the scratch folder (its file system)
+        self.block_cache = BlockCache(memory_budget // 4 if block_cache_bytes is None else block_cache_bytes,
+                                      RunFiles(max_open_runs, park_dir=scratch_dir))
         self.spill_min_bytes = spill_min_bytes
         self.flush_min_bytes = flush_min_bytes  # an open version's changes smaller than this stay in memory
         # where flushed changes are written (None: a temporary folder, made when first needed)
@@ -731,7 +735,8 @@ class StoreRegistry:
         return {"stores": len(self._stores), "memory_bytes": self.memory_bytes,
                 "memory_budget": self.memory_budget, "loading": len(self._loading),
                 "spilled": sum(1 for s in self._stores.values() if s.cold is not None),
-                "block_cache_bytes": self.block_cache.nbytes, **self.counters}
+                "block_cache_bytes": self.block_cache.nbytes, **self.counters,
+                **{f"run_files_{k}": v for k, v in self.block_cache.files.stats().items()}}
 
 
 def _stack_runs(runs: Sequence[FlushedRun], cold: ColdLevel, ref: CheckpointRef) -> ColdLevel:

@@ -771,7 +771,8 @@ class Daemon:
                                       block_cache_bytes=cfg.block_cache_bytes or None,
                                       spill_min_bytes=cfg.spill_min_bytes,
                                       scratch_dir=os.path.join(cfg.cache_dir, "flushed") if cfg.cache_dir else None,
-                                      flush_min_bytes=cfg.flush_min_bytes, open_wait_timeout=cfg.open_wait_timeout)
+                                      flush_min_bytes=cfg.flush_min_bytes, open_wait_timeout=cfg.open_wait_timeout,
+                                      max_open_runs=cfg.max_open_runs)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
             # the worker opens the same object stores from the same settings (a custom factory,
@@ -1122,9 +1123,9 @@ def raise_open_files_limit() -> tuple[int, int]:
     """Raise the soft limit of open files to the hard one; the (soft, hard) limits after.
 
     Spilled stores read their runs (a snapshot, the deltas stacked over it, flushed changes)
-    through open files, one each: ~870-1,600 under the 1,100-byte soak of
-    ``benchmarks/bench_memory_soak.py``, past the soft limit of 1024 many systems start a process
-    with (opens then fail with EMFILE). The hard limit is what the system allows."""
+    through at most ``max_open_runs`` open files (``files.runfiles``), connections take one each,
+    and a soft limit of 1024, which many systems start a process with, leaves little room (opens
+    then fail with EMFILE). The hard limit is what the system allows."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -1136,7 +1137,7 @@ def raise_open_files_limit() -> tuple[int, int]:
         except (ValueError, OSError) as exc:
             log.warning("cannot raise the open files limit from %d to %d: %s", soft, want, exc)
     if soft < OPEN_FILES_WANTED:
-        log.warning("the open files limit is %d: spilled stores need one per run on local disk; raise it "
+        log.warning("the open files limit is %d: spilled stores' runs take up to max_open_runs, connections one each; raise it "
                     "(ulimit -n, LimitNOFILE) to at least %d", soft, OPEN_FILES_WANTED)
     return soft, hard
 

@@ -64,6 +64,7 @@ from statestore_async.files.checkpoint import (
     read_trailer,
 )
 from statestore_async.files.names import DELTA, SNAPSHOT
+from statestore_async.files.runfiles import RunFile, RunFiles
 from statestore_async.ids import CheckpointRef, StoreId
 
 _ids = itertools.count(1)
@@ -142,8 +143,10 @@ class BlockCache:
     read from a worker thread).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, files: RunFiles | None = None) -> None:
         self.max_bytes = max_bytes
+        # the runs' files, at most ``files.max_open`` of them open at a time
+        self.files = RunFiles() if files is None else files
         self.nbytes = 0
         self._lru: OrderedDict[tuple[int, int], blockcodec.RecordBlock] = OrderedDict()
         self._lock = threading.Lock()
@@ -203,17 +206,19 @@ class ColdRun:
 
     ``ColdRun.open(path, store_id, ref, cache)`` checks the header (the snapshot of ``store_id`` at
     ``ref``), the trailer and the footer; a file written before footers named first keys has its
-    blocks read once, at open, to learn them. The run keeps its file open: removing the file (the
-    cache evicting its copy, retention deleting it) does not affect a run already open.
+    blocks read once, at open, to learn them. The run reads its file through ``cache.files``
+    (``files.runfiles.RunFiles``: a name of the daemon's own, an open file only while among the most
+    recently read): removing the file (the cache evicting its copy, retention deleting it) does not
+    affect a run already open.
     """
 
-    def __init__(self, path: str, fd: int, header: FileHeader, footer: Footer, first_keys: list[bytes],
+    def __init__(self, path: str, file: RunFile, header: FileHeader, footer: Footer, first_keys: list[bytes],
                  cache: BlockCache) -> None:
         self.path = path
         self.kind = header.kind
         self.header = header
         self.ref = header.ref
-        self._fd: int | None = fd
+        self._fd: RunFile | None = file  # None: closed
         self._blocks = footer.blocks
         self._first = first_keys
         self._records = footer.records
@@ -227,16 +232,16 @@ class ColdRun:
         self.nbytes = sum(len(k) + 33 for k in first_keys) + 120 * len(footer.blocks) + 200
 
     def reopen(self) -> ColdRun:
-        """The same run through a file handle of its own (``os.dup``): closing either leaves the
-        other readable. It reads past the block cache (the delta file of a flushed version's
-        commit reads its runs once)."""
+        """The same run, sharing its file (``RunFile.share``): closing either leaves the other
+        readable. It reads past the block cache (the delta file of a flushed version's commit
+        reads its runs once)."""
         if self._fd is None:
             raise CorruptFileError(self.path, "the run is closed")
-        fd = os.dup(self._fd)
+        file = self._fd.share()
         twin = ColdRun.__new__(ColdRun)
         twin.__dict__.update(self.__dict__)
-        twin._fd = fd
-        twin._cache = BlockCache(0)
+        twin._fd = file
+        twin._cache = BlockCache(0, self._cache.files)
         twin.id = next(_ids)
         twin.blocks_read = 0
         return twin
@@ -247,22 +252,22 @@ class ColdRun:
         """Open the ``kind`` file (the snapshot, or a delta) of ``store_id`` at ``ref``; with
         ``verify`` every block's lengths and checksum are checked now (read, not decoded)."""
         path = os.fspath(path)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = cache.files.open(path)
         try:
-            size = os.fstat(fd).st_size
-            head = os.pread(fd, min(size, 65536), 0)
+            size = fd.size
+            head = fd.pread(min(size, 65536), 0)
             need = header_length(head, path)
             if len(head) < need:
-                head = os.pread(fd, need, 0)
+                head = fd.pread(need, 0)
             header = parse_header(head, path)
             if header.kind != kind or header.ref != ref or not header.matches(store_id):
                 raise CorruptFileError(path, f"the file is the {header.kind} of {header.store} at {header.ref}, "
                                              f"expected the {kind} of {store_id.to_json()} at {ref}", HEADER_FIXED)
-            tail = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
+            tail = fd.pread(TRAILER_SIZE, size - TRAILER_SIZE) if size >= TRAILER_SIZE else b""
             footer_at, footer_len, _ = read_trailer(tail, path)
             if footer_at < need or footer_at + footer_len + TRAILER_SIZE != size:
                 raise CorruptFileError(path, "footer and trailer do not line up (truncated or extended file)", footer_at)
-            footer = read_index(os.pread(fd, footer_len + TRAILER_SIZE, footer_at), path)
+            footer = read_index(fd.pread(footer_len + TRAILER_SIZE, footer_at), path)
             if footer.blocks and footer.blocks[0].offset != need:
                 raise CorruptFileError(path, "the first block does not follow the header", need)
             first_keys = footer.first_keys
@@ -276,7 +281,7 @@ class ColdRun:
                 run.blocks_read = 0
             return run
         except BaseException:
-            os.close(fd)
+            fd.release()
             raise
 
     def __len__(self) -> int:
@@ -286,17 +291,14 @@ class ColdRun:
         """Close the file and drop the run's cached blocks (idempotent). Also done when collected."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            os.close(fd)
+            fd.release()
             self._cache.drop_run(self.id)
 
     def __del__(self) -> None:
         fd = getattr(self, "_fd", None)
         if fd is not None:
             self._fd = None
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+            fd.release()
 
     # --- blocks ----------------------------------------------------------------------------------
     def _pread(self, i: int) -> tuple[BlockIndexEntry, bytes]:
@@ -306,7 +308,7 @@ class ColdRun:
         if fd is None:
             raise CorruptFileError(self.path, "the cold run was closed", None)
         e = self._blocks[i]
-        data = os.pread(fd, e.length, e.offset)
+        data = fd.pread(e.length, e.offset)
         if len(data) != e.length:
             raise CorruptFileError(self.path, f"block {i} at {e.offset}: truncated: {len(data)} of {e.length} bytes",
                                    e.offset)
