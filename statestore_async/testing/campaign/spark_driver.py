@@ -136,10 +136,10 @@ def operator_for(job: dict[str, Any], clock: BatchClock) -> Any:
     from statestore_async.spark.operator import StatefulOperator
     from statestore_async.testing import sessions as S
 
-    hook = CampaignHook(job["control"], tuple(tuple(e) for e in job["events"]))  # type: ignore[misc]
-    common: dict[str, Any] = dict(socket_path=job["socket"], daemon_env=job["daemon_env"], faults=hook,
-                                  fence_timeout=job["fence_timeout"], s3_options=job["s3_options"],
-                                  num_key_groups=job["key_groups"], time_only_batches="off", clock=clock)
+    hook = CampaignHook(job["control"], tuple(tuple(e) for e in job["events"]))
+    common: dict[str, Any] = {"socket_path": job["socket"], "daemon_env": job["daemon_env"], "faults": hook,
+                              "fence_timeout": job["fence_timeout"], "s3_options": job["s3_options"],
+                              "num_key_groups": job["key_groups"], "time_only_batches": "off", "clock": clock}
     if job["kind"] == "counter":
         return StatefulOperator(job["root"], job["operator"], ["user"], TtlCounter(job["ttl_ms"]), COUNTER_SCHEMA,
                                 job["partitions"], value_columns=["et"], **common)

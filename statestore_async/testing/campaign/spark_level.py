@@ -18,6 +18,8 @@ fires, and its parameters:
 * ``s3_outage`` / ``s3_latency`` / ``s3_lost_answer`` / ``s3_5xx``: through the fault proxy, every
   connection cut for a while, requests slowed, the answer of the next PUT under the root lost
   (the server did it), or a share of requests answered 503 for a while;
+* ``disk_full``: the daemon's file cache (``cache_dir``, on a 64 MiB tmpfs of its own) has no
+  space and no inodes left for a while (needs the right to mount; else it does not fire);
 * ``clock_jump``: the processing-time clock jumps forward or back from a batch on (TTL counter).
 
 Phases are the product's fault hook points (``runtime.fault_point``): ``before_commit`` and
@@ -38,9 +40,10 @@ a query again after it failed and starting a new driver after one was killed, th
   bound of docs/GUARANTEES.md).
 
 Not injected at this level (the store level does them): ``speculative_dup`` (Spark launches no
-speculative copy on a host that runs the task, and local mode is one host), ``disk_full`` (needs a
-size-limited file system for the daemon's cache), ``client_kill_mid_frame`` (a worker cannot be
-stopped between two bytes of one frame from a hook point; ``task_kill`` kills it between frames).
+speculative copy on a host that runs the task, and local mode is one host; ``task_fail`` after
+the commit leaves the same two committed attempts of one version, one after the other),
+``client_kill_mid_frame`` (a worker cannot be stopped between two bytes of one frame from a hook
+point; ``task_kill`` kills it between frames).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ from statestore_async.testing.campaign.spark_driver import REPLY, BatchClock
 
 LEVEL = "spark"
 FAULTS = ("daemon_kill", "daemon_term", "driver_kill", "task_fail", "task_kill", "s3_outage", "s3_latency",
-          "s3_lost_answer", "s3_5xx", "clock_jump")
+          "s3_lost_answer", "s3_5xx", "disk_full", "clock_jump")
 PHASES = ("before_commit", "after_commit", "before_fence", "after_manifest", "after_sink", "clock")
 TASK_POINTS = ("before_commit", "after_commit")
 DRIVER_POINTS = ("before_fence", "after_manifest", "after_sink")
@@ -80,6 +83,7 @@ PHASES_OF = {
     "s3_latency": TASK_POINTS + ("before_fence",),
     "s3_lost_answer": TASK_POINTS + ("before_fence",),
     "s3_5xx": TASK_POINTS + ("before_fence",),
+    "disk_full": TASK_POINTS + ("before_fence",),
     "clock_jump": ("clock",),
 }
 OPERATOR = "campaign"
@@ -88,6 +92,7 @@ MEMORY_BUDGET = 64 * MIB
 RSS_OVERHEAD = (65 + 48) * MIB   # the empty daemon's RSS and the working overhead (docs/GUARANTEES.md)
 CLOCK_T0_MS = 1_800_000_000_000
 CLOCK_STEP_MS = 10_000            # the processing-time clock's advance per batch
+CACHE_BYTES = 16 * MIB             # the daemon's file cache, on a 64 MiB tmpfs when this process may mount one
 MAX_RUNS = 10                     # query runs (failed, killed, clean) per part of a schedule
 
 
@@ -145,9 +150,10 @@ def draw(seed: int, size: int = 3) -> Schedule:
     batches = rng.randint(3, 5)
     before = rng.randint(1, 4)
     after = rng.choice([n for n in (1, 2, 3, 4) if n != before]) if rng.random() < 0.4 else before
-    workload = {"kind": kind, "store": rng.choice(("file", "s3")), "users": rng.randint(15, 50), "batches": batches,
-                "split": rng.randint(1, batches - 1), "partitions": (before, after), "stream_seed": rng.randrange(1 << 30),
-                "ttl_ms": rng.choice((15_000, 25_000, 35_000))}
+    workload: dict[str, Any] = {
+        "kind": kind, "store": rng.choice(("file", "s3")), "users": rng.randint(15, 50), "batches": batches,
+        "split": rng.randint(1, batches - 1), "partitions": (before, after), "stream_seed": rng.randrange(1 << 30),
+        "ttl_ms": rng.choice((15_000, 25_000, 35_000))}
     faults = [f for f in FAULTS if (workload["store"] == "s3" or not f.startswith("s3_"))
               and (kind == "counter" or f != "clock_jump")]
     events = []
@@ -159,7 +165,7 @@ def draw(seed: int, size: int = 3) -> Schedule:
         params: list[tuple[str, Any]] = []
         if phase in TASK_POINTS:
             params.append(("partition", rng.randrange(parts)))
-        if fault == "s3_outage":
+        if fault in ("s3_outage", "disk_full"):
             params.append(("seconds", round(rng.uniform(0.5, 4.0), 1)))
         elif fault in ("s3_latency", "s3_5xx"):
             params.append(("seconds", round(rng.uniform(1.0, 4.0), 1)))
@@ -271,6 +277,7 @@ class Env:
         self._root_prefix = ""
         self._timers: list[threading.Timer] = []
         self._outages = 0
+        self.cache: Any = None  # the daemon's cache disk (``store_level.CacheDisk``), which disk_full fills
 
     # paths
     @property
@@ -282,11 +289,11 @@ class Env:
         return os.path.join(self.sockdir, "control.sock")
 
     def daemon_env(self) -> dict[str, str]:
-        env = {"STATESTORE_MEMORY_BUDGET": str(MEMORY_BUDGET), "STATESTORE_EXIT_WHEN_IDLE": "0"}
+        env = {"STATESTORE_MEMORY_BUDGET": str(MEMORY_BUDGET), "STATESTORE_EXIT_WHEN_IDLE": "0",
+               "STATESTORE_CACHE_DIR": os.path.join(self.sockdir, "cache"), "STATESTORE_CACHE_BYTES": str(CACHE_BYTES)}
         if self.seaweed is not None:
             env.update(self.seaweed.env())
             env["STATESTORE_S3_ENDPOINT_URL"] = self.proxy.endpoint_url
-            env["STATESTORE_CACHE_DIR"] = os.path.join(self.sockdir, "cache")
         return env
 
     def s3_options(self, through_proxy: bool) -> dict[str, str]:
@@ -307,6 +314,7 @@ class Env:
                 self.seaweed = SeaweedFS(os.path.join(self.workdir, "seaweedfs")).start(timeout=90)
                 self.bucket = self.seaweed.create_bucket()
                 self.proxy = FaultProxy(self.seaweed.port, seed=1).start()
+            self.cache = _cache_disk(os.path.join(self.sockdir, "cache"))
             env = self
 
             class Handler(socketserver.StreamRequestHandler):
@@ -332,6 +340,9 @@ class Env:
             self._server.server_close()
             self._server = None
         self._reset_proxy()
+        if self.cache is not None:
+            self.cache.unmount()
+            self.cache = None
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
@@ -430,6 +441,8 @@ class Env:
         for t in self._timers:
             t.cancel()
         self._timers = []
+        if self.cache is not None:
+            self.cache.free()
         if self.proxy is not None:  # a lost answer armed and not used names a root no later schedule has
             self.proxy.latency = 0.0
             self.proxy.error_rate = 0.0
@@ -452,6 +465,8 @@ class Env:
                 return ""
             self._fired.add(index)
             event = self._events[index]
+            if event.fault == "disk_full" and not (self.cache is not None and self.cache.available):
+                return ""  # no disk of its own to fill (mounting a tmpfs needs root): not fired
             self._coverage.add((event.fault, event.phase))
         self.log(f"fire {event.fault} at batch {message['batch']} {message['point']} partition "
                  f"{message.get('partition')} attempt {message.get('attempt')}")
@@ -468,10 +483,15 @@ class Env:
                 except ProcessLookupError:
                     pass
             return ""
+        seconds = float(event.param("seconds", 1.0))
+        if fault == "disk_full":
+            cache = self.cache
+            cache.fill()
+            self._later(seconds, cache.free)
+            return ""
         proxy = self.proxy
         if proxy is None:
             return ""
-        seconds = float(event.param("seconds", 1.0))
         if fault == "s3_outage":
             self._outages += 1
             proxy.outage(seconds)
@@ -484,6 +504,21 @@ class Env:
         elif fault == "s3_lost_answer":
             proxy.drop_next_response("PUT", self._root_prefix)
         return ""
+
+
+def _cache_disk(path: str) -> Any:
+    """The daemon's cache folder on a tmpfs of its own (``store_level.CacheDisk``: mounted when this
+    process may, else ``available`` is False and ``disk_full`` does not fire); None without it."""
+    try:
+        from statestore_async.testing.campaign.store_level import CacheDisk
+    except ImportError:
+        os.makedirs(path, exist_ok=True)
+        return None
+    from pathlib import Path
+
+    disk = CacheDisk(Path(path))
+    disk.mount()
+    return disk
 
 
 class _RssSampler:
@@ -552,9 +587,25 @@ def job_for(schedule: Schedule, env: Env, paths: dict[str, str], part: int) -> d
             "events": events, "fence_timeout": 15, "timeout": 300}
 
 
-def run(schedule: Schedule, env: Env) -> Outcome:
-    """Run ``schedule`` on fresh roots and checkpoints in ``env``, then check it (module docstring)."""
-    t0 = time.monotonic()
+@dataclass
+class Execution:
+    """What running a schedule's queries left behind: its folder and root, and how it went."""
+
+    folder: str
+    paths: dict[str, str]            # src, root, ckpt, out
+    stream: S.SessionStream
+    finished: bool                   # both parts of the input processed to the end
+    detail: str                      # the last error, when not finished
+    rss_peak: int | None
+    coverage: set[tuple[str, str]]
+    runs: int
+    drivers: int
+
+
+def execute(schedule: Schedule, env: Env) -> Execution:
+    """Run ``schedule``'s queries on fresh roots and checkpoints in ``env``: the first part of the
+    input, then the rest (at the second partition count), each query run again after it failed or
+    its driver was killed (``MAX_RUNS`` runs at most)."""
     w = schedule.workload
     if w["store"] == "s3" and env.seaweed is None:
         raise RuntimeError("this schedule's root is on s3:// and the Env was made with s3=False")
@@ -566,7 +617,7 @@ def run(schedule: Schedule, env: Env) -> Outcome:
     stream = stream_of(schedule)
     env.arm(schedule.events, f"/{env.bucket}/{name}/" if w["store"] == "s3" else "")
     runs, drivers0, detail = 0, env.drivers_started, ""
-    done = True
+    finished = True
     try:
         with _RssSampler(env.socket) as rss:
             for part, files in enumerate((range(0, w["split"]), range(w["split"], w["batches"] + 1))):
@@ -574,28 +625,39 @@ def run(schedule: Schedule, env: Env) -> Outcome:
                 job = job_for(schedule, env, paths, part)
                 for _ in range(MAX_RUNS):
                     runs += 1
+                    started = time.monotonic()
                     status, error = env.run_query(job, timeout=job["timeout"] + 60)
-                    env.log(f"  part {part} run {runs}: {status} {error[:300]}")
+                    env.log(f"  part {part} run {runs}: {status} in {time.monotonic() - started:.1f}s {error[:300]}")
                     if status == "ok":
                         break
                     detail = error or detail
                 else:
-                    done = False
+                    finished = False
                     detail = f"part {part} did not finish in {MAX_RUNS} runs; last error: {detail[:1500]}"
                     break
     finally:
         coverage = env.disarm()
-    if not done:
-        outcome = Outcome(schedule, False, 0, 0, 0, 0, rss.peak or None, MEMORY_BUDGET + RSS_OVERHEAD, coverage,
-                          detail, time.monotonic() - t0, runs, env.drivers_started - drivers0)
+    if finished:  # the batches at and after a clock jump ran with the jumped clock
+        coverage |= {(e.fault, e.phase) for e in schedule.events if e.fault == "clock_jump"}
+    return Execution(folder, paths, stream, finished, detail, rss.peak or None, coverage, runs,
+                     env.drivers_started - drivers0)
+
+
+def run(schedule: Schedule, env: Env) -> Outcome:
+    """Run ``schedule`` (``execute``), then check it (``check``; module docstring). Its files are
+    removed when it passed, kept (and named in ``detail``) when not, unless ``env.keep_failed`` is off."""
+    t0 = time.monotonic()
+    ex = execute(schedule, env)
+    if ex.finished:
+        outcome = check(schedule, env, ex)
     else:
-        outcome = check(schedule, env, paths, stream, rss.peak or None)
-        outcome.coverage, outcome.runs, outcome.drivers = coverage, runs, env.drivers_started - drivers0
-        outcome.seconds = time.monotonic() - t0
+        outcome = Outcome(schedule, False, 0, 0, 0, 0, ex.rss_peak, MEMORY_BUDGET + RSS_OVERHEAD, set(), ex.detail, 0.0)
+    outcome.coverage, outcome.runs, outcome.drivers = ex.coverage, ex.runs, ex.drivers
+    outcome.seconds = time.monotonic() - t0
     if outcome.ok or not env.keep_failed:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(ex.folder, ignore_errors=True)
     else:
-        outcome.detail += f" (files kept in {folder})"
+        outcome.detail += f" (files kept in {ex.folder})"
     return outcome
 
 
@@ -604,7 +666,7 @@ def _outputs(out: str) -> dict[int, list[Row]]:
     for name in os.listdir(out) if os.path.isdir(out) else ():
         if name.endswith(".json") and name[:-5].isdigit():
             with open(os.path.join(out, name)) as f:
-                res[int(name[:-5])] = [tuple(r) for r in json.load(f)]  # type: ignore[misc]
+                res[int(name[:-5])] = [tuple(r) for r in json.load(f)]
     return res
 
 
@@ -618,17 +680,19 @@ def compare_outputs(expected: list[list[Row]], got: dict[int, list[Row]]) -> tup
     doubled = sum(c for r, c in extra.items() if r in exp_all)
     wrong = sum(c for r, c in extra.items() if r not in exp_all)
     detail = ""
+    misplaced = 0  # with the same rows in all: rows not in their batch
     for b in sorted(set(range(len(expected))) | set(got)):
         want = Counter(expected[b]) if b < len(expected) else Counter()
         have = Counter(got.get(b, []))
         if want != have:
-            if not (lost or doubled or wrong):
-                wrong += sum(((want - have) + (have - want)).values())  # right rows, wrong batches
+            misplaced += sum((want - have).values())
             if not detail:
                 missing = sorted((want - have).elements())[:3]
                 surplus = sorted((have - want).elements())[:3]
                 present = "absent" if b not in got else f"{len(got[b])} rows"
                 detail = f"batch {b} ({present}): missing {missing}, unexpected {surplus}"
+    if not (lost or doubled or wrong):
+        wrong = misplaced
     return lost, doubled, wrong, detail
 
 
@@ -640,27 +704,26 @@ def _state_sessions(value: Any) -> list[tuple[int, int, int]]:
     if isinstance(value, tuple) and len(value) == 4 and (value[3] is None or isinstance(value[3], bytes)):
         if value[3]:
             flat = np.frombuffer(value[3], "<i8").reshape(-1, 3)
-            return [tuple(int(x) for x in row) for row in flat]  # type: ignore[misc]
+            return [(int(row[0]), int(row[1]), int(row[2])) for row in flat]
         return [(int(value[0]), int(value[1]), int(value[2]))]
-    return [tuple(s) for s in value]  # type: ignore[misc]
+    return [tuple(s) for s in value]
 
 
-def check(schedule: Schedule, env: Env, paths: dict[str, str], stream: S.SessionStream,
-          rss_peak: int | None) -> Outcome:
-    """Compare a finished schedule's outputs and state with the oracle; load every manifest version."""
-    from statestore_async.spark.reader import load_state
-
+def check(schedule: Schedule, env: Env, ex: Execution) -> Outcome:
+    """Compare a finished execution's outputs and state with ``schedule``'s oracle; load every
+    manifest version; the daemon's RSS against its bound."""
+    paths, stream, rss_peak = ex.paths, stream_of(schedule), ex.rss_peak
     w = schedule.workload
     s3_options = env.s3_options(False) if w["store"] == "s3" else None
     details: list[str] = []
     if w["kind"] == "counter":
         expected, final, now = counter_batches(stream, clock_of(schedule), w["ttl_ms"])
-        stored = load_state(paths["root"], OPERATOR, s3_options=s3_options, now_ms=now)
-        got_state = {k[0]: (v[0], tuple(v[1])) for (n, k), v in stored.items() if n == "count"}
+        stored = _final_state(paths["root"], s3_options, now, details)
+        got_state: dict[str, Any] = {k[0]: (v[0], tuple(v[1])) for (n, k), v in stored.items() if n == "count"}
         want_state: dict = final
     else:
         expected, open_sessions = session_batches(stream)
-        stored = load_state(paths["root"], OPERATOR, s3_options=s3_options)
+        stored = _final_state(paths["root"], s3_options, None, details)
         got_state = {k[0]: sorted(_state_sessions(v)) for (n, k), v in stored.items() if n == "sessions"}
         want_state = {u: sorted(ss) for u, ss in open_sessions.items()}
     lost, doubled, wrong, first = compare_outputs(expected, _outputs(paths["out"]))
@@ -682,6 +745,18 @@ def check(schedule: Schedule, env: Env, paths: dict[str, str], stream: S.Session
     if versions == 0:
         details.append("no manifest was written")
     return Outcome(schedule, ok, lost, doubled, wrong, unloadable, rss_peak, bound, set(), "; ".join(details), 0.0)
+
+
+def _final_state(root: str, s3_options: dict | None, now_ms: int | None, details: list[str]) -> dict:
+    """The latest manifest's state (``reader.load_state``; TTL'd values expired by ``now_ms`` left
+    out), or ``{}`` with the reason in ``details`` when it does not load."""
+    from statestore_async.spark.reader import load_state
+
+    try:
+        return load_state(root, OPERATOR, s3_options=s3_options, now_ms=now_ms)
+    except Exception as exc:  # any failure to read it is a finding
+        details.append(f"the final state does not load: {type(exc).__name__}: {exc}"[:500])
+        return {}
 
 
 def load_every_version(root: str, s3_options: dict | None, env: Env) -> tuple[int, int, str]:
@@ -741,5 +816,21 @@ def shrink(schedule: Schedule, env: Env, budget: int = 30) -> Schedule:
     return best
 
 
-__all__ = ["DRIVER_POINTS", "Env", "Event", "FAULTS", "LEVEL", "Outcome", "PHASES", "Schedule", "TASK_POINTS",
-           "check", "compare_outputs", "counter_batches", "draw", "run", "session_batches", "shrink"]
+__all__ = [
+    "DRIVER_POINTS",
+    "FAULTS",
+    "LEVEL",
+    "PHASES",
+    "TASK_POINTS",
+    "Env",
+    "Event",
+    "Outcome",
+    "Schedule",
+    "check",
+    "compare_outputs",
+    "counter_batches",
+    "draw",
+    "run",
+    "session_batches",
+    "shrink",
+]
