@@ -16,6 +16,7 @@ A level's module is imported only when it runs, so a missing one does not stop t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -149,25 +150,49 @@ def seeds_of(args: argparse.Namespace) -> list[int]:
 
 
 def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any) -> Totals:
+    """Run the level's schedules; with ``--jobs N`` for the store level, in N threads, each with an
+    Env of its own (its daemons, fault proxy and cache disk) and one S3 server for all."""
     totals = Totals(level, module)
     seeds = seeds_of(args)
+    jobs = max(1, min(args.jobs, len(seeds))) if level == "store" else 1
     workdir = tempfile.mkdtemp(prefix=f"campaign-{level}-", dir=args.workdir)
-    print(f"[{level}] {len(seeds)} schedules from seed {seeds[0]}; work folder {workdir}", flush=True)
-    with module.Env(workdir, **({"keep_logs": True} if args.keep_logs and level == "store" else {})) as env:
-        for seed in seeds:
+    print(f"[{level}] {len(seeds)} schedules from seed {seeds[0]}; {jobs} at a time; work folder {workdir}",
+          flush=True)
+    lock = threading.Lock()
+
+    def work(env: Any, mine: list[int]) -> None:
+        for seed in mine:
             schedule = module.draw(seed, args.size) if args.size else module.draw(seed)
             o = module.run(schedule, env)
             rec = outcome_record(level, o)
-            totals.add(rec)
-            print(line(level, o), flush=True)
-            if out is not None:
-                out.write(json.dumps(rec) + "\n")
-                out.flush()
+            with lock:
+                totals.add(rec)
+                print(line(level, o), flush=True)
+                if out is not None:
+                    out.write(json.dumps(rec) + "\n")
+                    out.flush()
             if not o.ok and args.shrink:
-                print(f"[{level}] shrinking seed {seed} ...", flush=True)
                 small = module.shrink(schedule, env)
-                print(f"[{level}] shortest failing schedule found ({len(small.events)} of {len(schedule.events)} "
-                      f"events):\n{small.describe()}", flush=True)
+                with lock:
+                    print(f"[{level}] seed {seed}: shortest failing schedule found ({len(small.events)} of "
+                          f"{len(schedule.events)} events):\n{small.describe()}", flush=True)
+
+    opts: dict[str, Any] = {"keep_logs": True} if args.keep_logs and level == "store" else {}
+    if jobs == 1:
+        with module.Env(workdir, **opts) as env:
+            work(env, seeds)
+        return totals
+    from statestore_async.testing.seaweedfs import SeaweedFS
+
+    with SeaweedFS(os.path.join(workdir, "seaweedfs")) as s3, contextlib.ExitStack() as stack:
+        envs = [stack.enter_context(module.Env(os.path.join(workdir, f"job{i}"), seaweedfs=s3, **opts))
+                for i in range(jobs)]
+        threads = [threading.Thread(target=work, args=(env, seeds[i::jobs]), name=f"campaign-{i}")
+                   for i, env in enumerate(envs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     return totals
 
 
@@ -229,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="parent of the work folders (default: the system's temp)")
     ap.add_argument("--keep-logs", action="store_true", help="keep the daemons' logs of passing schedules too")
     ap.add_argument("--jobs", type=int, default=1,
-                    help="run the schedules in this many processes, each with its own S3 server (much of a "
-                         "schedule is waiting: retries' backoff, drains); the seeds and checks are the same")
+                    help="run this many schedules at a time (much of a schedule is waiting: uploads, retries' "
+                         "backoff, drains); the seeds and checks are the same. The store level runs them in "
+                         "threads with one S3 server, another level in processes")
     ap.add_argument("--shard", default=None, metavar="I/N", help=argparse.SUPPRESS)  # one process of --jobs
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--chart", default=os.path.relpath(campaign_chart.DEFAULT_PATH), metavar="PATH",
@@ -257,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         for lv, module in modules.items():
             if module is None:
                 continue
-            if args.jobs > 1 and args.only_seed is None:
+            if args.jobs > 1 and args.only_seed is None and lv != "store":
                 results[lv] = run_sharded(lv, module, args, out)
             else:
                 results[lv] = run_level(lv, module, args, out)

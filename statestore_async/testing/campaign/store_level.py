@@ -38,7 +38,6 @@ import random
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -53,7 +52,7 @@ from statestore_async.client import Client
 from statestore_async.client.blocking import StoreHandle
 from statestore_async.errors import StateStoreError, WriterConflictError
 from statestore_async.ids import CheckpointRef, StoreId
-from statestore_async.testing.daemon import start_daemon, stop_daemon
+from statestore_async.testing.daemon import serve_command, start_daemon, stop_daemon, wait_until_answering
 from statestore_async.testing.faultproxy import FaultProxy
 from statestore_async.testing.seaweedfs import SeaweedFS
 
@@ -486,13 +485,17 @@ class Daemon:
     def __init__(self, env: Env, profile: str):
         self.env = env
         self.profile = profile
-        self.socket = f"{env.sockdir}/{profile}.sock"
+        self.socket = ""
         self.proc: subprocess.Popen | None = None
+        # the next daemon, started ahead in the background: a restart on a loaded machine takes
+        # seconds, and a schedule should not wait for it (each daemon has a socket of its own)
+        self.standby: tuple[subprocess.Popen, str, str] | None = None
         self.log_paths: list[str] = []
         self.draining: list[subprocess.Popen] = []
         self.empty_rss: int | None = None
         self.peak = 0
         self.budget = _parse_size(PROFILES[profile]["memory_budget"])
+        self._started = 0
 
     def args(self) -> list[str]:
         env = self.env
@@ -511,33 +514,32 @@ class Daemon:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def _spawn(self) -> tuple[subprocess.Popen, str, str]:
+        self._started += 1
+        sock = f"{self.env.sockdir}/{self.profile}-{self._started}.sock"
+        log = self.env.log_path(f"daemon-{self.profile}")
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(serve_command(sock, *self.args()), stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self.env.daemon_env())
+        return proc, sock, log
+
     def ensure(self) -> None:
+        """A running daemon: the current one, else the standby (started ahead), else a new one."""
         if self.alive():
             return
-        self.proc = None
-        self._wait_listener_gone()
-        log = self.env.log_path(f"daemon-{self.profile}")
+        proc, sock, log = self.standby if self.standby is not None else self._spawn()
+        self.standby = None
         self.log_paths.append(log)
-        self.proc = start_daemon(self.socket, *self.args(), log_path=log, env=self.env.daemon_env())
+        try:
+            wait_until_answering(proc, sock, log_path=log)
+        except BaseException:
+            stop_daemon(proc, 5)
+            raise
+        self.proc, self.socket = proc, sock
         if self.empty_rss is None:
             time.sleep(1.0)  # settled, as benchmarks/bench_memory_soak.py measures it (once per profile)
-            self.empty_rss = _vm_kib(self.proc.pid, "VmRSS")
-
-    def _wait_listener_gone(self) -> None:
-        """A daemon draining after SIGTERM stops listening at once; wait until it has, so that the
-        successor's start does not find the socket live."""
-        if not any(p.poll() is None for p in self.draining):
-            return
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                probe.connect(self.socket)
-            except OSError:
-                return
-            finally:
-                probe.close()
-            time.sleep(0.02)
+            self.empty_rss = _vm_kib(proc.pid, "VmRSS")
+        self.standby = self._spawn()
 
     def sample(self) -> None:
         if self.proc is not None:
@@ -559,7 +561,7 @@ class Daemon:
             self.sample()
             self.proc.terminate()
             self.draining.append(self.proc)
-            self.proc = None  # a successor may start while it drains
+            self.proc = None  # its successor serves while it drains
 
     def reap(self) -> list[int]:
         """Wait for the daemons draining after SIGTERM (their exit codes; SIGKILL past the drain)."""
@@ -578,6 +580,9 @@ class Daemon:
         if self.proc is not None:
             stop_daemon(self.proc, DRAIN_TIMEOUT + 15)
             self.proc = None
+        if self.standby is not None:
+            stop_daemon(self.standby[0], 10)
+            self.standby = None
         self.reap()
 
     def client(self) -> Client:
