@@ -15,8 +15,6 @@ import pytest
 
 from statestore_async.testing.campaign import spark_level as L
 
-pytestmark = [pytest.mark.spark, pytest.mark.slow]
-
 # 486: per-key sessions on s3://, 4 -> 1 partitions, the daemon SIGKILLed after a manifest, a PUT's
 #      answer lost before a fence;
 # 422: vectorized sessions on a local root, 1 -> 4 partitions, a task's Python worker SIGKILLed
@@ -39,6 +37,8 @@ def test_the_sample_covers_both_session_processors_the_ttl_counter_and_a_rescale
     assert L.draw(486).events == L.draw(486).events
 
 
+@pytest.mark.spark
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", SEEDS)
 def test_seed_passes(env, seed):
     schedule = L.draw(seed)
@@ -60,6 +60,8 @@ def _rewrite(out: str, batch: int, rows: list) -> None:
         json.dump(rows, f)
 
 
+@pytest.mark.spark
+@pytest.mark.slow
 def test_the_checker_sees_lost_doubled_and_wrong_rows_a_wrong_oracle_and_a_state_that_does_not_load(env):
     schedule = replace(L.draw(422), events=())  # vectorized sessions, no fault
     ex = L.execute(schedule, env)
