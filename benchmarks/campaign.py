@@ -159,11 +159,18 @@ def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any
     print(f"[{level}] {len(seeds)} schedules from seed {seeds[0]}; {jobs} at a time; work folder {workdir}",
           flush=True)
     lock = threading.Lock()
+    stop = threading.Event()
 
     def work(env: Any, mine: list[int]) -> None:
         for seed in mine:
+            if stop.is_set():
+                return
             schedule = module.draw(seed, args.size) if args.size else module.draw(seed)
-            o = module.run(schedule, env)
+            try:
+                o = module.run(schedule, env)
+            except Exception as exc:  # the campaign's own error: counted as a failure, the run goes on
+                o = module.Outcome(schedule, False, 0, 0, 0, 0, None, None, set(),
+                                   f"the campaign failed: {type(exc).__name__}: {exc}", 0.0)
             rec = outcome_record(level, o)
             with lock:
                 totals.add(rec)
@@ -191,8 +198,16 @@ def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any
                    for i, env in enumerate(envs)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException:
+            # SIGTERM or ^C: each thread finishes the schedule it runs, then every Env stops
+            # what it started
+            stop.set()
+            for t in threads:
+                t.join()
+            raise
     return totals
 
 

@@ -95,6 +95,7 @@ MAX_TASK_ATTEMPTS = 4
 DURABLE_DEADLINE = 60.0  # seconds a batch attempt waits for its versions to be durable
 OPEN_DEADLINE = 30.0  # seconds a task retries an OPEN refused by a writer slot not yet freed
 DRAIN_TIMEOUT = 15.0
+START_TIMEOUT = 180.0  # seconds a daemon may take to answer its first PING (many starting on a loaded machine)
 CLIENT_TIMEOUT = 60.0
 
 
@@ -401,6 +402,7 @@ class Env:
         self.verifier: subprocess.Popen | None = None
         self.verifier_socket = ""
         self.daemons: dict[str, Daemon] = {}
+        self.closed = False
         self._serial = 0
 
     # -- lifecycle --
@@ -420,6 +422,7 @@ class Env:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.closed = True  # no daemon starts after this
         for d in list(self.daemons.values()):
             d.stop()
         self.daemons.clear()
@@ -454,7 +457,7 @@ class Env:
         self.verifier = start_daemon(
             self.verifier_socket, "--s3-endpoint-url", self.s3.endpoint_url, "--s3-region", "us-east-1",
             "--s3-addressing-style", "path", "--cache-dir", "", "--memory-budget", "64MiB",
-            log_path=self.log_path("verifier"), env=self.daemon_env())
+            log_path=self.log_path("verifier"), env=self.daemon_env(), timeout=START_TIMEOUT)
 
     def verifier_client(self) -> Client:
         if self.verifier is None or self.verifier.poll() is not None:
@@ -515,6 +518,8 @@ class Daemon:
         return self.proc is not None and self.proc.poll() is None
 
     def _spawn(self) -> tuple[subprocess.Popen, str, str]:
+        if self.env.closed:
+            raise RuntimeError("the campaign's Env is closed: no daemon starts")
         self._started += 1
         sock = f"{self.env.sockdir}/{self.profile}-{self._started}.sock"
         log = self.env.log_path(f"daemon-{self.profile}")
@@ -531,7 +536,7 @@ class Daemon:
         self.standby = None
         self.log_paths.append(log)
         try:
-            wait_until_answering(proc, sock, log_path=log)
+            wait_until_answering(proc, sock, log_path=log, timeout=START_TIMEOUT)
         except BaseException:
             stop_daemon(proc, 5)
             raise
@@ -1007,7 +1012,11 @@ def run(schedule: Schedule, env: Env, *, before_check: Callable[[Run], None] | N
     ``before_check(run)`` is called between the run and the checks (the tests of the checker use it
     to damage a file or the oracle, and show that the checks catch it)."""
     start = time.monotonic()
-    r = Run(schedule, env)
+    try:
+        r = Run(schedule, env)
+    except (StateStoreError, OSError, RuntimeError) as exc:  # no daemon could be started
+        return Outcome(schedule, False, 0, 0, 0, 0, None, None, set(),
+                       f"the campaign could not start: {type(exc).__name__}: {exc}"[:2000], time.monotonic() - start)
     error = ""
     checked = 0
     try:
