@@ -113,3 +113,21 @@ def test_compare_outputs_counts_each_kind_of_difference():
     lost, doubled, wrong, detail = L.compare_outputs(expected, {0: [], 1: [("a", 1, 2, 1), ("b", 3, 4, 2),
                                                                           ("c", 5, 6, 1)]})
     assert (lost, doubled) == (0, 0) and wrong == 1 and detail.startswith("batch 0")
+
+
+def test_shrink_keeps_only_what_makes_the_schedule_fail(monkeypatch):
+    schedule = L.draw(1000)
+    assert len(schedule.events) == 3
+    culprit = schedule.events[1]
+    ran = []
+
+    def run(s: L.Schedule, env) -> L.Outcome:  # fails while the culprit event is in the schedule
+        ran.append(s)
+        ok = culprit not in s.events
+        return L.Outcome(s, ok, 0, 0, 0 if ok else 1, 0, None, None, set(), "", 0.0)
+
+    monkeypatch.setattr(L, "run", run)
+    small = L.shrink(schedule, env=None, budget=30)
+    assert small.events == (culprit,)
+    assert small.workload["users"] < schedule.workload["users"] and small.workload["batches"] >= culprit.step
+    assert 0 < len(ran) <= 30
