@@ -68,6 +68,9 @@ class Totals:
         self.level = level
         self.faults = tuple(module.FAULTS)
         self.phases = tuple(module.PHASES)
+        # the (fault, phase) pairs the level can draw, when it says (store: ALLOWED; spark: PHASES_OF)
+        allowed = getattr(module, "ALLOWED", None) or getattr(module, "PHASES_OF", None)
+        self.allowed = ({f: list(ps) for f, ps in allowed.items()} if isinstance(allowed, dict) else None)
         self.schedules = 0
         self.failures: list[int] = []
         self.counts: Counter[str] = Counter()
@@ -123,7 +126,7 @@ class Totals:
         return {"faults": list(self.faults), "phases": list(self.phases), "schedules": self.schedules,
                 "failures": self.failures, "totals": dict(self.counts), "rss_peak": self.rss_peak,
                 "rss_bound_at_peak": self.rss_bound_at_peak, "worst_rss_margin": self.worst_margin,
-                "seconds": round(self.seconds, 1),
+                "seconds": round(self.seconds, 1), "allowed": self.allowed,
                 "counts": {f"{f}|{p}": n for (f, p), n in sorted(self.coverage.items())}}
 
 
@@ -149,10 +152,9 @@ def seeds_of(args: argparse.Namespace) -> list[int]:
     return seeds
 
 
-def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any) -> Totals:
+def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any, totals: Totals) -> Totals:
     """Run the level's schedules; with ``--jobs N`` for the store level, in N threads, each with an
     Env of its own (its daemons, fault proxy and cache disk) and one S3 server for all."""
-    totals = Totals(level, module)
     seeds = seeds_of(args)
     jobs = max(1, min(args.jobs, len(seeds))) if level == "store" else 1
     workdir = tempfile.mkdtemp(prefix=f"campaign-{level}-", dir=args.workdir)
@@ -211,10 +213,9 @@ def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any
     return totals
 
 
-def run_sharded(level: str, module: ModuleType, args: argparse.Namespace, out: Any) -> Totals:
+def run_sharded(level: str, module: ModuleType, args: argparse.Namespace, out: Any, totals: Totals) -> Totals:
     """``run_level`` split over ``args.jobs`` child processes (``--shard i/N``); their lines are
     passed on as they come, their outcomes added up."""
-    totals = Totals(level, module)
     shard_dir = tempfile.mkdtemp(prefix=f"campaign-{level}-shards-", dir=args.workdir)
     procs = []
     for i in range(args.jobs):
@@ -257,6 +258,42 @@ def run_sharded(level: str, module: ModuleType, args: argparse.Namespace, out: A
     return totals
 
 
+def report(results: dict[str, Totals], args: argparse.Namespace, wall: float, note: str = "") -> None:
+    """Print the summary; with ``--out``, write coverage.json and (unless --no-chart) the chart."""
+    print(f"\nsummary ({note}{wall:.0f} s wall)", flush=True)
+    for t in results.values():
+        print(t.summary(), flush=True)
+    if args.out:
+        cov_path = os.path.join(args.out, "coverage.json")
+        doc = {"command": charts.command_line(), "date": charts.today(), "wall_seconds": round(wall, 1),
+               "note": note.rstrip(": "), "levels": {lv: t.to_json() for lv, t in results.items()}}
+        os.makedirs(args.out, exist_ok=True)
+        with open(cov_path, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"coverage: {cov_path}", flush=True)
+        if not args.no_chart:
+            campaign_chart.render([cov_path], args.chart)
+
+
+def summarize(args: argparse.Namespace) -> int:
+    """``--summarize``: the totals of outcomes already written, as a run would print them."""
+    results: dict[str, Totals] = {}
+    for path in args.summarize:
+        with open(path) as f:
+            for text in f:
+                rec = json.loads(text)
+                lv = rec["level"]
+                if lv not in results:
+                    module = load_level(lv)
+                    if module is None:
+                        print(f"[{lv}] level not available: its outcomes are skipped", flush=True)
+                        continue
+                    results[lv] = Totals(lv, module)
+                results[lv].add(rec)
+    report(results, args, 0.0, f"added up from {', '.join(args.summarize)}: ")
+    return 1 if any(t.failures for t in results.values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--level", choices=(*LEVELS, "all"), default="store")
@@ -273,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
                          "backoff, drains); the seeds and checks are the same. The store level runs them in "
                          "threads with one S3 server, another level in processes")
     ap.add_argument("--shard", default=None, metavar="I/N", help=argparse.SUPPRESS)  # one process of --jobs
+    ap.add_argument("--summarize", nargs="+", default=None, metavar="JSONL",
+                    help="run nothing: add up these outcomes.jsonl files (e.g. of a run stopped early) into the "
+                         "summary, --out DIR/coverage.json and the chart")
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--chart", default=os.path.relpath(campaign_chart.DEFAULT_PATH), metavar="PATH",
                    help="the coverage chart (needs --out)")
@@ -281,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like an exception, so every Env stops what it started (daemons, S3, the tmpfs)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    if args.summarize:
+        return summarize(args)
     levels = LEVELS if args.level == "all" else (args.level,)
     modules = {lv: load_level(lv) for lv in levels}
     missing = [lv for lv, m in modules.items() if m is None]
@@ -294,32 +336,25 @@ def main(argv: list[str] | None = None) -> int:
         out = open(os.path.join(args.out, "outcomes.jsonl"), "a")
     started = time.monotonic()
     results: dict[str, Totals] = {}
+    stopped = False
     try:
         for lv, module in modules.items():
             if module is None:
                 continue
+            results[lv] = Totals(lv, module)
             if args.jobs > 1 and args.only_seed is None and lv != "store":
-                results[lv] = run_sharded(lv, module, args, out)
+                run_sharded(lv, module, args, out, results[lv])
             else:
-                results[lv] = run_level(lv, module, args, out)
+                run_level(lv, module, args, out, results[lv])
+    except (KeyboardInterrupt, SystemExit):
+        stopped = True  # the summary of what ran
     finally:
         if out is not None:
             out.close()
     wall = time.monotonic() - started
-    print(f"\nsummary ({wall:.0f} s wall)", flush=True)
-    for t in results.values():
-        print(t.summary(), flush=True)
-    if args.out:
-        cov_path = os.path.join(args.out, "coverage.json")
-        doc = {"command": charts.command_line(), "date": charts.today(), "wall_seconds": round(wall, 1),
-               "levels": {lv: t.to_json() for lv, t in results.items()}}
-        with open(cov_path, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"coverage: {cov_path}", flush=True)
-        if not args.no_chart:
-            campaign_chart.render([cov_path], args.chart)
+    report(results, args, wall, "stopped early: " if stopped else "")
     failed = any(t.failures for t in results.values())
-    return 1 if failed or (missing and args.level != "all") else 0
+    return 1 if failed or stopped or (missing and args.level != "all") else 0
 
 
 if __name__ == "__main__":

@@ -54,12 +54,16 @@ def render(paths: Sequence[str], out: str) -> str:
             f, p = pair.split("|", 1)
             if f in faults and p in phases:
                 grid[faults.index(f), phases.index(p)] = n
+        allowed = lv.get("allowed")
         shown = np.where(grid > 0, np.log10(np.maximum(grid, 1)) + 1, 0)
         ax.imshow(shown, cmap="Blues", aspect="auto", vmin=0, vmax=max(1.0, float(shown.max())))
-        for i in range(len(faults)):
-            for j in range(len(phases)):
+        for i, f in enumerate(faults):
+            for j, p in enumerate(phases):
                 n = int(grid[i, j])
-                ax.text(j, i, str(n) if n else "·", ha="center", va="center", fontsize=8,
+                drawn = allowed is None or p in allowed.get(f, ())
+                if not drawn and not n:
+                    ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, color="#dddddd"))
+                ax.text(j, i, str(n) if n else ("·" if drawn else ""), ha="center", va="center", fontsize=8,
                         color="white" if shown[i, j] > 0.6 * max(1.0, float(shown.max())) else "#222222")
         ax.set_xticks(range(len(phases)), phases, rotation=40, ha="right", fontsize=9)
         ax.set_yticks(range(len(faults)), faults, fontsize=9)
@@ -69,8 +73,9 @@ def render(paths: Sequence[str], out: str) -> str:
                      f"{hit} pairs hit", fontsize=10)
         captions.append(f"{name}: {lv['command']} on {lv['date']}; lost {t.get('lost', 0)}, doubled "
                         f"{t.get('doubled', 0)}, wrong {t.get('wrong', 0)}, unloadable {t.get('unloadable', 0)}")
-    caption = ("Cells: schedules in which that fault fired in that phase (· never). " + " | ".join(captions))
-    fig.subplots_adjust(left=0.16, right=0.98, top=0.88, bottom=charts._caption_space(caption) + 0.17, wspace=0.45)
+    caption = ("Cells: schedules in which that fault fired in that phase (· never; grey: a pair the level does "
+               "not draw). " + " | ".join(captions))
+    fig.subplots_adjust(left=0.16, right=0.98, top=0.88, bottom=charts._caption_space(caption) + 0.12, wspace=0.45)
     return charts._finish(plt, fig, out, "Seeded fault campaign: faults × phases hit", caption)
 
 
