@@ -110,7 +110,8 @@ class RunFiles:
             raise
         with self._lock:
             self.files += 1
-            self._open[f.id] = f
+            if not f.pinned:  # a pinned file is never closed: outside the LRU
+                self._open[f.id] = f
             self._shrink_locked()
         return f
 
@@ -166,9 +167,10 @@ class RunFiles:
                 f._fd = fd
                 self.opens += 1
             f._reads += 1
-            self._open[f.id] = f
-            self._open.move_to_end(f.id)
-            self._shrink_locked()
+            if not f.pinned:
+                self._open[f.id] = f
+                self._open.move_to_end(f.id)
+                self._shrink_locked()
             return fd
 
     def _done(self, f: RunFile) -> None:
@@ -177,21 +179,22 @@ class RunFiles:
             self._shrink_locked()
 
     def _shrink_locked(self) -> None:
-        """Close the least recently read files past ``max_open`` that are linked and not being read."""
+        """Close the least recently read files past ``max_open`` that are not being read."""
         over = len(self._open) - self.max_open
-        if over > 0:
-            for fid in list(self._open):
-                if over <= 0:
-                    break
-                f = self._open[fid]
-                if f.pinned or f._reads or f._fd is None:
-                    continue
-                os.close(f._fd)
-                f._fd = None
-                del self._open[fid]
-                self.closes += 1
-                over -= 1
-        self.peak_open = max(self.peak_open, len(self._open))
+        kept: list[RunFile] = []  # the least recently read that must stay open, oldest first
+        while over > 0 and self._open:
+            _, f = self._open.popitem(last=False)
+            if f._reads or f._fd is None:
+                kept.append(f)
+                continue
+            os.close(f._fd)
+            f._fd = None
+            self.closes += 1
+            over -= 1
+        for f in reversed(kept):  # back in their places, least recently read first
+            self._open[f.id] = f
+            self._open.move_to_end(f.id, last=False)
+        self.peak_open = max(self.peak_open, len(self._open) + self.pinned)
 
     def _release(self, f: RunFile) -> None:
         with self._lock:
@@ -216,8 +219,8 @@ class RunFiles:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"files": self.files, "open": len(self._open), "max_open": self.max_open, "peak_open": self.peak_open,
-                    "opens": self.opens, "closes": self.closes, "pinned": self.pinned}
+            return {"files": self.files, "open": len(self._open) + self.pinned, "max_open": self.max_open,
+                    "peak_open": self.peak_open, "opens": self.opens, "closes": self.closes, "pinned": self.pinned}
 
 
 def _remove_leftovers(root: str) -> None:
