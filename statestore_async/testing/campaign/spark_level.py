@@ -245,6 +245,82 @@ def counter_batches(stream: S.SessionStream, clock: BatchClock, ttl_ms: int,
 
 
 # -- the environment ------------------------------------------------------------------------------
+class _Driver:
+    """One ``spark_driver`` process in a session of its own, started at once; ``ready`` waits for
+    its first line (its SparkSession is up)."""
+
+    def __init__(self, master: str, log_path: str):
+        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop
+        self.proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.campaign.spark_driver", master],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=env, start_new_session=True)
+        self._ok = False
+        self._stopped = False
+        self._starting = threading.Thread(target=self._wait_ready, name="campaign-driver-start", daemon=True)
+        self._starting.start()
+
+    def _wait_ready(self) -> None:
+        reply = self.reply(timeout=600)
+        self._ok = bool(reply and reply.get("ready"))
+
+    def ready(self) -> bool:
+        self._starting.join()
+        return self._ok and self.alive()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def ask(self, job: dict, timeout: float) -> dict | None:
+        """Send ``job``; its reply, or None when the driver died or hung (then it is killed)."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        return self.reply(timeout)
+
+    def reply(self, timeout: float) -> dict | None:
+        """The driver's next reply line, or None when it died (or gave none within ``timeout``:
+        then it is killed)."""
+        out = self.proc.stdout
+        assert out is not None
+        result: list[dict | None] = [None]
+
+        def read() -> None:
+            for line in out:
+                if line.startswith(REPLY):
+                    result[0] = json.loads(line[len(REPLY):])
+                    return
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        t.join(timeout)
+        if t.is_alive():  # hung
+            self.stop()
+            t.join(10)
+        return result[0]
+
+    def stop(self) -> None:
+        """SIGKILL its session: the driver, its JVM and its Python workers."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        self._log.close()
+
+
 class _Control(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -253,10 +329,12 @@ class _Control(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 class Env:
     """What schedules share: SeaweedFS and the fault proxy in front of it, the node's daemon socket
     (its daemon started by the first task, again after a kill), the control socket the hooks ask,
-    and the long-lived driver process. Everything is stopped on exit, even on failure."""
+    and the long-lived driver process, with a spare one (started while the driver works, it
+    takes over when a schedule kills the driver: no JVM start in the schedule's time). Everything
+    is stopped on exit, even on failure."""
 
     def __init__(self, workdir: str, *, master: str = "local[2,3]", keep_failed: bool = True,
-                 s3: bool = True, log=None) -> None:
+                 s3: bool = True, spare_driver: bool = True, log=None) -> None:
         self.workdir = os.path.abspath(workdir)
         self.master = master
         self.keep_failed = keep_failed
@@ -266,8 +344,9 @@ class Env:
         self.seaweed: Any = None
         self.proxy: Any = None
         self.bucket = ""
-        self.driver: subprocess.Popen | None = None
-        self._driver_log: Any = None
+        self.spare_driver = spare_driver
+        self.driver: _Driver | None = None
+        self._spare: _Driver | None = None
         self.drivers_started = 0
         self._server: _Control | None = None
         self._lock = threading.Lock()
@@ -330,7 +409,7 @@ class Env:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop_driver()
+        self.stop_driver(spare=True)
         for _ in range(2):
             if not placement.stop_daemon(self.socket, signal.SIGTERM, timeout=20):
                 break
@@ -354,71 +433,39 @@ class Env:
 
     # the driver
     def start_driver(self) -> None:
+        """Make a new driver the current one: the spare when there is one (started while the
+        previous driver worked, so a killed driver costs no JVM start), then start the next spare."""
         self.stop_driver()
-        env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-        self._driver_log = open(os.path.join(self.workdir, "driver.log"), "ab")  # noqa: SIM115 - closed in stop_driver
-        self.driver = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.campaign.spark_driver",
-                                        self.master], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=self._driver_log, text=True, env=env, start_new_session=True)
+        d, self._spare = self._spare, None
+        if d is None or not d.ready():
+            if d is not None:
+                d.stop()
+            d = _Driver(self.master, os.path.join(self.workdir, "driver.log"))
+            if not d.ready():
+                d.stop()
+                raise RuntimeError(f"the campaign's driver did not start; see {self.workdir}/driver.log")
+        self.driver = d
         self.drivers_started += 1
-        reply = self._read_reply(timeout=300)
-        if not reply or not reply.get("ready"):
-            raise RuntimeError(f"the campaign's driver did not start; see {self.workdir}/driver.log")
+        if self.spare_driver:
+            self._spare = _Driver(self.master, os.path.join(self.workdir, "driver.log"))
 
-    def stop_driver(self) -> None:
-        p = self.driver
-        if p is not None:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # its JVM and Python workers too
-            except ProcessLookupError:
-                pass
-            p.wait()
-            for f in (p.stdin, p.stdout):
-                if f is not None:
-                    try:
-                        f.close()
-                    except OSError:
-                        pass
+    def stop_driver(self, spare: bool = False) -> None:
+        """Kill the current driver (and with ``spare`` the spare too)."""
+        if self.driver is not None:
+            self.driver.stop()
             self.driver = None
-        if self._driver_log is not None:
-            self._driver_log.close()
-            self._driver_log = None
-
-    def _read_reply(self, timeout: float) -> dict | None:
-        """The driver's next reply line, or None when it died (or gave none within ``timeout``)."""
-        p = self.driver
-        assert p is not None and p.stdout is not None
-        result: list[dict | None] = [None]
-
-        def read() -> None:
-            assert p.stdout is not None
-            for line in p.stdout:
-                if line.startswith(REPLY):
-                    result[0] = json.loads(line[len(REPLY):])
-                    return
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        t.join(timeout)
-        if t.is_alive():  # hung: kill it, the caller starts another
-            self.stop_driver()
-            t.join(10)
-        return result[0]
+        if spare and self._spare is not None:
+            self._spare.stop()
+            self._spare = None
 
     def run_query(self, job: dict, timeout: float) -> tuple[str, str]:
         """Run ``job`` in the driver: ``("ok", "")``, ``("failed", error)``, or ``("killed", "")``
         when the driver died (the caller runs it again in a new driver)."""
-        if self.driver is None or self.driver.poll() is not None:
+        if self.driver is None or not self.driver.alive():
             self.start_driver()
-        p = self.driver
-        assert p is not None and p.stdin is not None
-        try:
-            p.stdin.write(json.dumps(job) + "\n")
-            p.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self.stop_driver()
-            return "killed", ""
-        reply = self._read_reply(timeout)
+        d = self.driver
+        assert d is not None
+        reply = d.ask(job, timeout)
         if reply is None:
             self.stop_driver()
             return "killed", ""
