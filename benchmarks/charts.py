@@ -182,21 +182,23 @@ def soak_chart(path: str, title: str, t: Sequence[float], mib: dict[str, Sequenc
     daemon's RSS and its own count), open files below, each with labelled horizontal lines (bounds)."""
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11.0, 7.5), sharex=True, height_ratios=(3, 2))
-    for ax, series, lines, ylabel in ((top, mib, mib_lines, "MiB"), (bottom, files, files_lines, "open files")):
+    panels = ((top, mib, mib_lines, "MiB", "center right"), (bottom, files, files_lines, "open files", "upper right"))
+    for ax, series, lines, ylabel, where in panels:
         for i, (label, ys) in enumerate(series.items()):
             ax.plot(t, ys, label=label, color=COLOURS[i % len(COLOURS)], linewidth=1.4)
-        for value, label in lines:
+        for k, (value, label) in enumerate(lines):  # labels above, then below their lines: close lines stay legible
             ax.axhline(value, color="#888888", linestyle="--", linewidth=1)
-            ax.annotate(label, (0.005, value), xycoords=("axes fraction", "data"), va="bottom", fontsize=8,
-                        color="#555555")
+            ax.annotate(label, (0.005, value), xycoords=("axes fraction", "data"), va="bottom" if k % 2 == 0 else "top",
+                        fontsize=8, color="#555555")
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, max([*(max(ys) for ys in series.values() if ys), *(v for v, _ in lines)]) * 1.15)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=9, frameon=False, loc="lower right")
+        ax.legend(fontsize=9, frameon=True, framealpha=0.9, loc=where)
     third = (t[-1] - t[0]) / 3 if t else 0
     for ax in (top, bottom):  # the thirds the flatness verdict compares
         for k in (1, 2):
             ax.axvline(t[0] + k * third, color="#bbbbbb", linestyle=":", linewidth=1)
     bottom.set_xlabel("seconds")
-    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=_caption_space(caption) + 0.07, hspace=0.08)
+    fig.subplots_adjust(left=0.07, right=0.98, top=0.93, bottom=0.03 + 0.022 * len(textwrap.wrap(caption, 150)) + 0.05,
+                        hspace=0.08)
     return _finish(plt, fig, path, title, caption)
