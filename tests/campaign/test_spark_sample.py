@@ -25,7 +25,7 @@ SEEDS = (486, 422, 26)
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    with L.Env(str(tmp_path_factory.mktemp("spark-campaign"))) as env:
+    with L.Env(str(tmp_path_factory.mktemp("spark-campaign")), spare_driver=False) as env:  # no seed kills the driver
         yield env
 
 

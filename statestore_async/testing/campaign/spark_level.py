@@ -773,6 +773,13 @@ def check(schedule: Schedule, env: Env, ex: Execution) -> Outcome:
         stored = _final_state(paths["root"], s3_options, None, details)
         got_state = {k[0]: sorted(_state_sessions(v)) for (n, k), v in stored.items() if n == "sessions"}
         want_state = {u: sorted(ss) for u, ss in open_sessions.items()}
+        # and the timers: one per open session, at its close time
+        timers: dict[str, list[int]] = {}
+        for u, at in final_timers(paths["root"], s3_options):
+            timers.setdefault(f"timers of {u}", []).append(at)
+        got_state.update({k: sorted(v) for k, v in timers.items()})
+        want_state.update({f"timers of {u}": sorted(e + stream.gap_ms for _, e, _ in ss)
+                           for u, ss in open_sessions.items()})
     lost, doubled, wrong, first = compare_outputs(expected, _outputs(paths["out"]))
     if first:
         details.append(first)
@@ -804,6 +811,33 @@ def _final_state(root: str, s3_options: dict | None, now_ms: int | None, details
     except Exception as exc:  # any failure to read it is a finding
         details.append(f"the final state does not load: {type(exc).__name__}: {exc}"[:500])
         return {}
+
+
+def final_timers(root: str, s3_options: dict | None) -> list[tuple[str, int]]:
+    """``(user, at_ms)`` of every timer (its by-time record) in the latest manifest's state."""
+    from statestore_async.codecs import valuecodec
+    from statestore_async.files.manifest import list_manifest_versions, read_manifest
+    from statestore_async.ids import DEFAULT_STORE_NAME
+    from statestore_async.spark import timekeys
+    from statestore_async.spark.reader import load_records, on_root
+
+    async def go(r: str, store: Any) -> list[tuple[str, int]]:
+        versions = await list_manifest_versions(store, OPERATOR)
+        if not versions:
+            return []
+        m = await read_manifest(store, OPERATOR, versions[-1])
+        out = []
+        for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
+            for k, _ in await load_records(store, r, OPERATOR, p, ref):
+                if len(k) > 2 and k[2] == timekeys.TIMER_AT:
+                    _, _, at, enc = timekeys.parse_timer_at(k)
+                    out.append((valuecodec.decode_row(enc)[0], at))
+        return out
+
+    try:
+        return on_root(root, s3_options, go)
+    except Exception:  # a state that does not load is counted by load_every_version
+        return []
 
 
 def load_every_version(root: str, s3_options: dict | None, env: Env) -> tuple[int, int, str]:
