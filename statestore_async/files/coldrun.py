@@ -298,7 +298,10 @@ class ColdRun:
         fd = getattr(self, "_fd", None)
         if fd is not None:
             self._fd = None
-            fd.release()
+            try:
+                fd.release()
+            except Exception:  # collected at interpreter exit: the process's end closes it
+                pass
 
     # --- blocks ----------------------------------------------------------------------------------
     def _pread(self, i: int) -> tuple[BlockIndexEntry, bytes]:

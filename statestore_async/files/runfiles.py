@@ -125,7 +125,7 @@ class RunFiles:
                     _remove_leftovers(root)
                     self._park = tempfile.mkdtemp(prefix=f"{_PARK_PREFIX}{os.getpid()}-", dir=root)
                     self._park_dev = os.stat(self._park).st_dev
-                    atexit.register(shutil.rmtree, self._park, True)
+                    atexit.register(_remove_folder, self._park, os.getpid())
                 except OSError:
                     self._park = ""
             return self._park or None
@@ -221,6 +221,12 @@ class RunFiles:
         with self._lock:
             return {"files": self.files, "open": len(self._open) + self.pinned, "max_open": self.max_open,
                     "peak_open": self.peak_open, "opens": self.opens, "closes": self.closes, "pinned": self.pinned}
+
+
+def _remove_folder(path: str, pid: int) -> None:
+    """At exit: remove the folder of links ``path`` made by process ``pid`` (not by a forked child)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _remove_leftovers(root: str) -> None:
