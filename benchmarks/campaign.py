@@ -20,6 +20,7 @@ import contextlib
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -157,6 +158,8 @@ def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any
     Env of its own (its daemons, fault proxy and cache disk) and one S3 server for all."""
     seeds = seeds_of(args)
     jobs = max(1, min(args.jobs, len(seeds))) if level == "store" else 1
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=f"campaign-{level}-", dir=args.workdir)
     print(f"[{level}] {len(seeds)} schedules from seed {seeds[0]}; {jobs} at a time; work folder {workdir}",
           flush=True)
@@ -187,10 +190,24 @@ def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any
                           f"{len(schedule.events)} events):\n{small.describe()}", flush=True)
 
     opts: dict[str, Any] = {"keep_logs": True} if args.keep_logs and level == "store" else {}
-    if jobs == 1:
-        with module.Env(workdir, **opts) as env:
-            work(env, seeds)
-        return totals
+    try:
+        if jobs == 1:
+            with module.Env(workdir, **opts) as env:
+                work(env, seeds)
+        else:
+            run_threads(module, workdir, jobs, seeds, work, stop, opts)
+    finally:
+        shutil.rmtree(os.path.join(workdir, "seaweedfs"), ignore_errors=True)
+        if totals.failures or args.keep_logs:
+            print(f"[{level}] logs kept in {workdir}", flush=True)
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return totals
+
+
+def run_threads(module: ModuleType, workdir: str, jobs: int, seeds: list[int], work: Any, stop: threading.Event,
+                opts: dict[str, Any]) -> None:
+    """``work(env, seeds)`` in ``jobs`` threads, each with its own Env, one S3 server for all."""
     from statestore_async.testing.seaweedfs import SeaweedFS
 
     with SeaweedFS(os.path.join(workdir, "seaweedfs")) as s3, contextlib.ExitStack() as stack:
@@ -210,7 +227,6 @@ def run_level(level: str, module: ModuleType, args: argparse.Namespace, out: Any
             for t in threads:
                 t.join()
             raise
-    return totals
 
 
 def run_sharded(level: str, module: ModuleType, args: argparse.Namespace, out: Any, totals: Totals) -> Totals:
