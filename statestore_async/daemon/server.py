@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any, Self, cast
 from statestore_async import __version__
 from statestore_async.codecs.packed import PackedList
 from statestore_async.config import DaemonConfig
+from statestore_async.daemon.commits import Commits
 from statestore_async.daemon.maintenance import Maintenance
 from statestore_async.daemon.metrics import COMMIT_LATENCY_BOUNDS, Buckets, start_metrics
 from statestore_async.daemon.objectstores import ObjectStores, open_root
 from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.snapshotter import SnapshotWorker
 from statestore_async.daemon.unixsocket import peer_credentials, prepare_socket_path
-from statestore_async.daemon.uploader import DEFERRED_APPLY_DELAY, Uploader, _Upload
+from statestore_async.daemon.uploader import Uploader
 from statestore_async.engine.store import State, StoreVersion
 from statestore_async.errors import (
     FrameBudgetError,
@@ -583,62 +584,24 @@ class _Connection(asyncio.Protocol):
         self._opened(ev.request_id, w)
 
     def _commit(self, ev: Commit) -> None:
-        started = time.perf_counter()  # to the answer: ``Daemon.commit_latency``
-        d = self.daemon
-        uploader = d.uploader
-        assert uploader is not None  # set by start(), before any connection
+        """COMMIT: ``daemon.commits.Commits`` runs it; the connection answers and keeps its handles."""
+        commits = self.daemon.commits
+        assert commits is not None  # set by start(), before any connection
         w = self._writer(ev.handle, "commit")
-        ref = w.prepare_commit(ev.ckptid)  # every check a commit makes; raises before anything is done
-        answered = uploader.would_admit(w.upload_bound())
-        if answered:
-            # The answer goes first and the work after: applying the changes to the store's map
-            # costs O(changed keys) (~0.4 ms for 1000 keys of a 200k-key map, cache misses) that
-            # the task need not wait for. The commit is deferred (head, lineage and history move
-            # now, nothing below can fail on checked input) and its changes applied once the loop
-            # has slept: a Unix-socket wake-up often puts the client on this very core, where it
-            # would wait for the apply. Any use of the store or of the delta's records applies
-            # them first, so nothing sees the commit half done.
-            self._write(self.proto.send_committed(ev.request_id, ref))
-            d.commit_latency.observe(time.perf_counter() - started)
-            # The client's request woke this thread on the client's core (a Unix-socket write is a
-            # synchronous wake-up) and preempted it there: runnable, answer in hand, it waits
-            # for that core until this thread sleeps, the other core idle or not. Yielding lets
-            # it run now; the commit's own work and whatever the loop has queued (uploads,
-            # snapshot steps) follow. Measured on 2 cores, 1000 commits, S3 +50 ms: p50 0.28 →
-            # 0.10 ms, p99 1.93 → 0.78 ms. With no other task on this core it returns at once.
-            os.sched_yield()
+        rid = ev.request_id
         try:
-            if d.registry is not None:
-                d.registry.before_commit(w)  # large changes over the budget go to disk first
-            delta = w.commit(ref.ckptid, defer=answered)
-            self._finish(ev.handle, w)
-            up = uploader.enqueue(delta)
-            if answered:
-                asyncio.get_running_loop().call_later(DEFERRED_APPLY_DELAY, delta.apply)
-        except BaseException:
-            if answered:
-                # never (memory aside): the client was told COMMITTED, so it must not get a second
-                # answer; cutting the connection fails its task, and the driver's fence never
-                # sees a file for this version
-                log.exception("commit of %s failed after it was answered; closing the connection", w.store_id)
-                self.closed = True
-                self.transport.abort()
-                return
-            raise
-        d.check_budget_soon()
-        if answered:
-            return
-        if up.admitted.is_set():
-            self._write(self.proto.send_committed(ev.request_id, delta.ref))
-            d.commit_latency.observe(time.perf_counter() - started)
-        else:
-            d.counters["commits_waited"] += 1
-            self._spawn(self._commit_wait(ev.request_id, up, delta.ref, started), keep_on_close=True)
+            waiting = commits.commit(w, ev.ckptid, lambda ref: self._write(self.proto.send_committed(rid, ref)),
+                                     self._cut)
+        finally:
+            if w.state is not State.UPDATING:
+                self._finish(ev.handle, w)
+        if waiting is not None:
+            self._spawn(waiting, keep_on_close=True)
 
-    async def _commit_wait(self, rid: int, up: _Upload, ref: CheckpointRef, started: float) -> None:
-        await up.admitted.wait()
-        self._write(self.proto.send_committed(rid, ref))
-        self.daemon.commit_latency.observe(time.perf_counter() - started)
+    def _cut(self) -> None:
+        """Close the connection at once, without an answer (see ``Commits.commit``)."""
+        self.closed = True
+        self.transport.abort()
 
     def _scan(self, ev: Scan) -> None:
         pairs = list(self._writer(ev.handle, "scan").scan(ev.prefix))
@@ -720,6 +683,7 @@ class Daemon:
         self.uploader: Uploader | None = None
         self.registry: StoreRegistry | None = None
         self.maintenance: Maintenance | None = None
+        self.commits: Commits | None = None
         self.connections: set[_Connection] = set()
         self.stopping = False
         self._server: asyncio.AbstractServer | None = None
@@ -782,6 +746,8 @@ class Daemon:
                                        snapshot_delta_bytes=cfg.snapshot_delta_bytes,
                                        retention_versions=cfg.retention_versions, worker=worker,
                                        served=lambda: self.counters["requests"])
+        self.commits = Commits(self.uploader, self.registry, latency=self.commit_latency, counters=self.counters,
+                               after_commit=self.check_budget_soon)
         self.uploader.on_durable = self._on_durable
         await s3_warm_up()
         prepare_socket_path(cfg.socket, cfg.socket_mode)

@@ -1,4 +1,4 @@
-"""``Uploader``: makes committed deltas durable in the background (DESIGN §7, docs/GUARANTEES.md).
+"""``Uploader``: makes committed deltas durable in the background (docs/GUARANTEES.md).
 
 ``submit(delta)`` registers the delta at once (its durability is queryable from then on) and
 returns as soon as the upload queue has room for it: when ``queue_bytes`` or ``queue_count``
@@ -73,7 +73,10 @@ _DEGRADING = (ObjectStoreAccessError, StorageFullError)
 _PERMANENT = (CheckpointConflictError, InterfaceError)
 
 
-class _Upload:
+class Upload:
+    """One delta on its way to the object store: ``admitted`` is set once the queue has room for
+    it (its COMMIT may be answered), ``done`` once it is durable or failed for good."""
+
     __slots__ = ("admitted", "attempts", "delta", "done", "enqueued", "error", "lineage", "ref", "size", "state",
                  "store_id")
 
@@ -103,7 +106,7 @@ class _Upload:
 
 class _Durable:
     """What the uploader keeps of a finished, durable upload: its state. The delta, the lineage and
-    the events go with the ``_Upload`` (thousands of durable uploads are remembered)."""
+    the events go with the ``Upload`` (thousands of durable uploads are remembered)."""
 
     __slots__ = ()
     state = UploadState.DURABLE
@@ -123,12 +126,6 @@ class _Degraded:
         self.error = error
         self.since = time.time()
         self.count = 1
-
-
-# How long a COMMIT answered before its changes were applied leaves them pending: the event loop
-# sleeps in between, so the client woken by the answer — often onto the daemon's own core — runs
-# first (see server._Connection._commit). One timer tick of uvloop (milliseconds).
-DEFERRED_APPLY_DELAY = 0.001
 
 
 class _Slots:
@@ -206,11 +203,11 @@ class Uploader:
         self._keep_done = keep_done
         self._encode = encode
         self.queued_bytes = 0
-        self._waiting: deque[_Upload] = deque()  # not yet admitted, FIFO
-        self._by_store: dict[StoreId, deque[_Upload]] = {}
+        self._waiting: deque[Upload] = deque()  # not yet admitted, FIFO
+        self._by_store: dict[StoreId, deque[Upload]] = {}
         self._workers: dict[StoreId, asyncio.Task[None]] = {}
         # every upload not yet trimmed, in commit order; a durable one is only ``_DURABLE``
-        self._status: OrderedDict[tuple[StoreId, CheckpointRef], _Upload | _Durable] = OrderedDict()
+        self._status: OrderedDict[tuple[StoreId, CheckpointRef], Upload | _Durable] = OrderedDict()
         # the keys of ``_status`` made ``_DURABLE``, oldest first: what ``_trim`` forgets first. Trimming
         # walks only what it forgets (iterating ``_status`` would hash every StoreId it holds, on each
         # upload: ~10 ms at 10,000 entries, a fifth of a busy daemon's time)
@@ -222,6 +219,9 @@ class Uploader:
         self._degraded: dict[str, _Degraded] = {}  # root -> why it is degraded
         self._swept: set[StoreId] = set()  # stores whose leftovers were looked for
         self._closed = False
+        #: awaited with each delta before it is encoded: the commit's owner (``daemon.commits``)
+        #: applies a deferred commit's changes there, on the loop (None: nothing to wait for)
+        self.before_encode: Callable[[Delta], Awaitable[None]] | None = None
         #: called as ``on_durable(store_id, ref, nbytes, lineage)`` after each delta is in the object store
         self.on_durable: Callable[[StoreId, CheckpointRef, int, tuple[CheckpointRef, ...]], None] | None = None
         self.counters = {"submitted": 0, "durable": 0, "failed": 0, "retries": 0, "bytes_uploaded": 0,
@@ -239,11 +239,11 @@ class Uploader:
         if not up.admitted.is_set():
             await asyncio.shield(up.admitted.wait())
 
-    def enqueue(self, delta: Delta) -> _Upload:
+    def enqueue(self, delta: Delta) -> Upload:
         """Register ``delta`` now (ordered after earlier commits of its store); admission may wait."""
         if self._closed:
             raise InterfaceError("the uploader is closed: the daemon is stopping")
-        up = _Upload(delta, delta_size(delta))
+        up = Upload(delta, delta_size(delta))
         key = (up.store_id, up.ref)
         self._status[key] = up  # a second upload of the same name fails with ObjectExistsError
         self._status.move_to_end(key)
@@ -278,7 +278,7 @@ class Uploader:
             self._waiting.popleft()
             self._take(up)
 
-    def _take(self, up: _Upload) -> None:
+    def _take(self, up: Upload) -> None:
         self.queued_bytes += up.size
         self.queued_count += 1
         up.admitted.set()
@@ -352,16 +352,16 @@ class Uploader:
             log.info("aborted %d incomplete uploads under %s/%s left by an earlier writer", n, store_id.root,
                      store_id.prefix)
 
-    def _failed_ancestor(self, up: _Upload) -> _Upload | None:
+    def _failed_ancestor(self, up: Upload) -> Upload | None:
         """The first upload of ``up``'s lineage that failed for good, if any."""
         status = self._status
         for r in up.lineage:
             a = status.get((up.store_id, r))
-            if isinstance(a, _Upload) and a.state is UploadState.FAILED:
+            if isinstance(a, Upload) and a.state is UploadState.FAILED:
                 return a
         return None
 
-    async def _upload(self, up: _Upload) -> None:
+    async def _upload(self, up: Upload) -> None:
         key = up.key
         delay = self.retry_base
         delta = up.delta  # set to None by _run_store only once this returns
@@ -372,15 +372,9 @@ class Uploader:
             # reported durable and still not load
             self._fail(up, _dependent_error(up, failed))
             return
-        deferred = not getattr(delta, "applied", True)
-        if deferred:
-            # a deferred commit (the daemon answered it before applying its changes to the map):
-            # give the loop the time to sleep first, as the daemon does, then apply it here on the
-            # loop if that has not happened yet — never in the encoding thread
-            await asyncio.sleep(DEFERRED_APPLY_DELAY)
         try:
-            if deferred:
-                delta.apply()  # a no-op if applied meanwhile; StoreBrokenError if its changes fail part-way
+            if self.before_encode is not None:
+                await self.before_encode(delta)  # StoreBrokenError if a deferred commit's changes fail part-way
             data = await asyncio.to_thread(self._encode, delta)
         except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
             self._fail(up, exc)
@@ -426,7 +420,7 @@ class Uploader:
                     log.exception("on_durable listener failed for %s", key)
             return
 
-    def _attempt_failed(self, up: _Upload, exc: Exception, delay: float) -> None:
+    def _attempt_failed(self, up: Upload, exc: Exception, delay: float) -> None:
         root = up.store_id.root
         if isinstance(exc, _DEGRADING):
             deg = self._degraded.get(root)
@@ -452,7 +446,7 @@ class Uploader:
                         time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(deg.since)))
             self._notify_root(root)
 
-    def _fail(self, up: _Upload, exc: BaseException) -> None:
+    def _fail(self, up: Upload, exc: BaseException) -> None:
         up.state = UploadState.FAILED
         up.error = _typed(up, exc)
         self.counters["failed"] += 1
@@ -496,7 +490,7 @@ class Uploader:
     def pending_ref(self, store_id: StoreId, ref: CheckpointRef) -> bool:
         """Whether the upload of ``ref`` of ``store_id`` is queued or running."""
         up = self._status.get((store_id, ref))
-        return isinstance(up, _Upload) and not up.finished
+        return isinstance(up, Upload) and not up.finished
 
     async def wait_settled(self, store_id: StoreId, timeout: float | None = None) -> bool:
         """Return once no upload of ``store_id`` is queued or running (each ends durable or failed):
@@ -550,7 +544,7 @@ class Uploader:
             return False
         if up.state is UploadState.DURABLE:
             return True
-        assert isinstance(up, _Upload)  # only a durable upload is kept as _DURABLE
+        assert isinstance(up, Upload)  # only a durable upload is kept as _DURABLE
         if up.state is UploadState.FAILED:
             assert isinstance(up.error, StateStoreError)  # _fail types it
             raise up.error
@@ -606,7 +600,7 @@ class Uploader:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for up in self._status.values():
-            if isinstance(up, _Upload) and not up.finished:
+            if isinstance(up, Upload) and not up.finished:
                 why = f": the last attempt failed with {type(up.error).__name__}: {up.error}" if up.error else ""
                 up.state = UploadState.FAILED
                 up.error = UploadFailedError(f"{up.key} was not uploaded before the daemon stopped{why}", up.key)
@@ -620,7 +614,7 @@ class Uploader:
     def not_durable(self) -> list[tuple[StoreId, CheckpointRef, BaseException | None]]:
         """Every acknowledged commit this uploader knows of that is not durable (pending or failed),
         in commit order, with its error."""
-        return [(up.store_id, up.ref, up.error) for up in self._status.values() if isinstance(up, _Upload)
+        return [(up.store_id, up.ref, up.error) for up in self._status.values() if isinstance(up, Upload)
                 and up.state is not UploadState.DURABLE]
 
     def degraded(self) -> dict[str, dict[str, Any]]:
@@ -666,14 +660,14 @@ class Uploader:
         }
 
 
-def _typed(up: _Upload, exc: BaseException) -> StateStoreError:
+def _typed(up: Upload, exc: BaseException) -> StateStoreError:
     """The error a failed upload is answered with: typed, naming the file."""
     if isinstance(exc, ObjectStoreError) and exc.key == up.key:
         return exc
     return UploadFailedError(f"the upload of {up.key} failed for good: {type(exc).__name__}: {exc}", up.key)
 
 
-def _dependent_error(up: _Upload, failed: _Upload) -> UploadFailedError:
+def _dependent_error(up: Upload, failed: Upload) -> UploadFailedError:
     return UploadFailedError(
         f"{up.store_id} at {up.ref} cannot become durable: its lineage needs {failed.key}, whose upload failed "
         f"for good ({type(failed.error).__name__}: {failed.error})", failed.key)
