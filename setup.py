@@ -63,6 +63,8 @@ class build_ext(_build_ext):
             self.distribution.ext_modules,
             compiler_directives=directives,
             annotate=ANNOTATE,
+            # a module's .pxd (``statestore_async/_native/table.pxd``) is found by its package name
+            include_path=[HERE],
             force=DEBUG,
             quiet=True,
         )

@@ -1,5 +1,6 @@
-# Byte helpers shared by the Cython modules that hash and compare keys (table, arrowcodec): a fast
-# 64-bit hash of a byte string, an equality test for short ones and a prefetch. Plain C, inlined into each module
+# Byte helpers shared by the Cython modules that hash, compare and copy keys and values (table,
+# arrowcodec, payloads): a fast 64-bit hash of a byte string, an equality test and a copy for short
+# ones, and a prefetch. Plain C, inlined into each module
 # that cimports them (nothing here is a module of its own); the hash is never stored nor sent, so
 # it may change between versions.
 from libc.stdint cimport uint8_t, uint64_t
@@ -81,6 +82,31 @@ cdef extern from *:
         return 1;
     }
 
+    /* n bytes from s to d; keys and values are mostly short, where a call to memcpy costs more
+       than the copy: up to 32 bytes by two or four overlapping loads, then the stores (all loads
+       first: s and d may overlap) */
+    static inline void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) {
+        if (n > 16 && n <= 32) {
+            uint64_t a = ssa_rd64(s), b = ssa_rd64(s + 8), c = ssa_rd64(s + n - 16), e = ssa_rd64(s + n - 8);
+            memcpy(d, &a, 8);
+            memcpy(d + 8, &b, 8);
+            memcpy(d + n - 16, &c, 8);
+            memcpy(d + n - 8, &e, 8);
+        } else if (n >= 8 && n <= 16) {
+            uint64_t x = ssa_rd64(s), y = ssa_rd64(s + n - 8);
+            memcpy(d, &x, 8);
+            memcpy(d + n - 8, &y, 8);
+        } else if (n >= 4 && n < 8) {
+            uint32_t x, y;
+            memcpy(&x, s, 4);
+            memcpy(&y, s + n - 4, 4);
+            memcpy(d, &x, 4);
+            memcpy(d + n - 4, &y, 4);
+        } else if (n) {
+            memmove(d, s, n);
+        }
+    }
+
     static inline void ssa_prefetch(const void* p) {
     #if defined(__GNUC__)
         __builtin_prefetch(p);
@@ -92,3 +118,4 @@ cdef extern from *:
     uint64_t ssa_hash(const uint8_t* p, size_t n) noexcept nogil
     int ssa_eq(const uint8_t* a, const uint8_t* b, size_t n) noexcept nogil
     void ssa_prefetch(const void* p) noexcept nogil
+    void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) noexcept nogil

@@ -9,7 +9,8 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
 
-from _wire cimport rd32 as _rd32, wr32 as _wr32, WIRE_HEADER
+from _spans cimport rd32 as _rd32, wr32 as _wr32
+from _wire cimport WIRE_HEADER
 
 from statestore_async.errors import DecodeError, EncodeError
 

@@ -20,7 +20,7 @@ from libc.stdint cimport int64_t, uint8_t, uint64_t, uint32_t
 from libc.stdlib cimport malloc, realloc, free
 from libc.string cimport memcmp, memcpy
 
-from _wire cimport check_spans
+from _spans cimport check_spans
 
 from statestore_async.errors import CorruptBlockError, EncodeError, InterfaceError
 

@@ -11,7 +11,8 @@ from cpython.tuple cimport PyTuple_GET_SIZE
 from libc.stdint cimport int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 
-from _wire cimport payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32, WIRE_HEADER
+from _spans cimport rd32 as _rd32, wr32 as _wr32
+from _wire cimport WIRE_HEADER, payload_count, payload_start, walk_list, walk_pairs
 
 from statestore_async.errors import DecodeError, EncodeError
 

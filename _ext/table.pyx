@@ -24,8 +24,9 @@ Layout of a ``Table``:
   the prefix; the pending refs are merged into the sorted array (dropping dead refs) when they,
   with the refs killed since, pass 1/8 of it. Readers walk both arrays, skipping dead records.
 
-Every read of a request payload below is checked against ``end`` by hand (boundscheck is off), and
-every payload is checked whole before anything is set, so a bad batch changes nothing.
+The engine reads no request payload: the daemon's request routines (``_ext/payloads.pyx``) check
+a payload whole, then hand its records over in place through ``set_records`` and ``find_records``
+(``table.pxd``), so a bad batch changes nothing and nothing is copied on the way.
 """
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -36,23 +37,21 @@ from libc.stdint cimport int64_t, intptr_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcmp, memcpy, memmove
 
-from _bytes cimport ssa_eq, ssa_hash, ssa_prefetch  # with them, the C helpers they use (ssa_rd64, ssa_rd32x)
-from _wire cimport check_spans, payload_count, payload_start, rd32 as _rd32, walk_list, walk_pairs, wr32 as _wr32
+from _bytes cimport ssa_copy, ssa_eq, ssa_hash, ssa_prefetch  # with them, the C helpers they use (ssa_rd64, ssa_rd32x)
+from _spans cimport check_spans, rd32 as _rd32, wr32 as _wr32
 
-from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
+from statestore_async.errors import InterfaceError, KeyFormatError, StoreStateError
 
 __all__ = [
     "Table",
     "TableView",
     "apply",
     "get_list",
-    "get_packed",
     "load_records",
     "lookup_spans",
+    "pack_keys",
     "put_items",
-    "put_packed",
     "remove_keys",
-    "remove_packed",
 ]
 
 cdef extern from *:
@@ -110,31 +109,6 @@ cdef extern from *:
         return q;
     }
 
-    /* n bytes from s to d; keys and values are mostly short, where a call to memcpy costs more
-       than the copy: up to 32 bytes by two or four overlapping loads, then the stores (all loads
-       first: s and d may overlap) */
-    static inline void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) {
-        if (n > 16 && n <= 32) {
-            uint64_t a = ssa_rd64(s), b = ssa_rd64(s + 8), c = ssa_rd64(s + n - 16), e = ssa_rd64(s + n - 8);
-            memcpy(d, &a, 8);
-            memcpy(d + 8, &b, 8);
-            memcpy(d + n - 16, &c, 8);
-            memcpy(d + n - 8, &e, 8);
-        } else if (n >= 8 && n <= 16) {
-            uint64_t x = ssa_rd64(s), y = ssa_rd64(s + n - 8);
-            memcpy(d, &x, 8);
-            memcpy(d + n - 8, &y, 8);
-        } else if (n >= 4 && n < 8) {
-            uint32_t x, y;
-            memcpy(&x, s, 4);
-            memcpy(&y, s + n - 4, 4);
-            memcpy(d, &x, 4);
-            memcpy(d + n - 4, &y, 4);
-        } else if (n) {
-            memmove(d, s, n);
-        }
-    }
-
     static inline void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl,
                                  const uint8_t* v, uint32_t vl, int tomb) {
         uint8_t* q = p + 1;
@@ -190,7 +164,6 @@ cdef extern from *:
     void ssa_write(uint8_t* p, size_t size, const uint8_t* k, uint32_t kl, const uint8_t* v, uint32_t vl,
                    int tomb) noexcept nogil
     int ssa_cmp(const uint8_t* a, size_t al, const uint8_t* b, size_t bl) noexcept nogil
-    void ssa_copy(uint8_t* d, const uint8_t* s, size_t n) noexcept nogil
     const uint8_t* ssa_key_of(const uint8_t* arena, uint32_t ref, uint32_t* kl) noexcept nogil
     int ssa_cmp_refs(const uint8_t* arena, uint32_t x, uint32_t y) noexcept nogil
     int ssa_cmp_ref_key(const uint8_t* arena, uint32_t x, const uint8_t* k, size_t kl) noexcept nogil
@@ -326,7 +299,6 @@ cdef extern from *:
     uint8_t* ssa_wvar(uint8_t* q, uint32_t x) noexcept nogil
 
 
-cdef uint32_t _NONE = 0xFFFFFFFF
 cdef size_t MAX_LEN = 0xFFFFFFFE
 # a slot holds ref + 1 in 32 bits: refs up to 0xFFFFFFFE units of 4 bytes
 cdef size_t MAX_ARENA = (<size_t>0xFFFFFFFE) << 2
@@ -338,14 +310,8 @@ _CHANGED = "Table changed during iteration"
 _RELEASED = "the table view was released"
 
 
-cdef struct Found:
-    const uint8_t* val
-    uint32_t vl
-    bint none
-
-
 # --- argument checks (the messages of _ref.table) ------------------------------------
-cdef object _key_error(Py_ssize_t n, Py_ssize_t min_key):
+cdef object key_error(Py_ssize_t n, Py_ssize_t min_key):
     return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
 
 
@@ -370,7 +336,7 @@ cdef bytes _check_key(object key, Py_ssize_t min_key):
         else:
             raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
     if PyBytes_GET_SIZE(key) < min_key:
-        raise _key_error(PyBytes_GET_SIZE(key), min_key)
+        raise key_error(PyBytes_GET_SIZE(key), min_key)
     return <bytes>key
 
 
@@ -1356,12 +1322,6 @@ cdef class _ViewItems:
 
 
 # --- batch routines ---------------------------------------------------------------------------------
-cdef int _trailing(Py_ssize_t pos, Py_ssize_t end, str what) except -1:
-    if pos != end:
-        raise DecodeError(f"{what}: {end - pos} unexpected trailing bytes")
-    return 0
-
-
 cdef inline Py_ssize_t _hash_ahead(Table table, const uint8_t* buf, Py_ssize_t pos, uint32_t m, bint pairs,
                                    Py_ssize_t* kpos, uint64_t* hs) noexcept:
     """The next ``m`` entries of a checked list payload (``pairs``: of a pairs payload) from ``pos``:
@@ -1414,47 +1374,23 @@ cdef int _write_entries(Table table, const uint8_t* buf, Py_ssize_t first, uint3
     return 0
 
 
-def put_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
-               unsigned long long max_count=0xFFFFFFFF):
-    """See ``statestore_async._ref.table.put_packed``."""
-    cdef const uint8_t[::1] mv = buf
-    cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = payload_start(offset, end, "pairs")
-    cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = payload_count(base, pos, end, max_count, 8, "pairs")
-    cdef Py_ssize_t first = pos + 4, short_key = -1
-    pos = walk_pairs(base, first, end, n, min_key, &short_key)
-    _trailing(pos, end, "pairs")
-    if short_key >= 0:
-        raise _key_error(short_key, min_key)
-    if n:
-        # room for the batch at once: a version's changes mostly add keys, and a PUT_MANY of more
-        # than ``max_batch`` pairs arrives in several frames; growing entry by entry would rehash
-        # the index at every 20% of growth (~6 times for a 316k-pair PUT_MANY in four frames)
-        table._reserve_index(table.count + n)
-        if table.count == 0:
-            table._reserve_arena(<size_t>(pos - first))  # a record takes no more room than its pair
-    _write_entries(table, base, first, n, True)
-    return n
-
-
-def remove_packed(Table table not None, buf, Py_ssize_t offset, Py_ssize_t min_key,
-                  unsigned long long max_count=0xFFFFFFFF):
-    """See ``statestore_async._ref.table.remove_packed``."""
-    cdef const uint8_t[::1] mv = buf
-    cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = payload_start(offset, end, "list")
-    cdef const uint8_t* base = &mv[0]
-    cdef uint32_t n = payload_count(base, pos, end, max_count, 4, "list")
-    cdef Py_ssize_t first = pos + 4, short_key = -1
-    pos = walk_list(base, first, end, n, min_key, &short_key)
-    _trailing(pos, end, "list")
-    if short_key >= 0:
-        raise _key_error(short_key, min_key)
-    # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
-    table._reserve_index(table.count + n)
-    _write_entries(table, base, first, n, False)
-    return n
+cdef int set_records(object table, const uint8_t* buf, Py_ssize_t first, Py_ssize_t nbytes, uint32_t n,
+                     bint pairs) except -1:
+    """See ``table.pxd``."""
+    cdef Table t = <Table?>table
+    if pairs:
+        if n:
+            # room for the batch at once: a version's changes mostly add keys, and a PUT_MANY of more
+            # than ``max_batch`` pairs arrives in several frames; growing entry by entry would rehash
+            # the index at every 20% of growth (~6 times for a 316k-pair PUT_MANY in four frames)
+            t._reserve_index(t.count + n)
+            if t.count == 0:
+                t._reserve_arena(<size_t>nbytes)  # a record takes no more room than its pair
+    else:
+        # removals are mostly of keys the table lacks (an overlay's tombstones of committed keys)
+        t._reserve_index(t.count + n)
+    _write_entries(t, buf, first, n, pairs)
+    return 0
 
 
 cdef list _checked_pairs(list seq, Py_ssize_t min_key):
@@ -1550,70 +1486,36 @@ def get_list(overlay, Table base not None, keys):
     return out
 
 
-def get_packed(overlay, Table base not None, buf, Py_ssize_t offset, unsigned long long max_count=0xFFFFFFFF):
-    """See ``statestore_async._ref.table.get_packed``."""
+cdef Py_ssize_t find_records(object overlay, object base, const uint8_t* b, Py_ssize_t first,
+                              uint32_t n, Found* found) except -1:
+    """See ``table.pxd``."""
     cdef Table ov = <Table?>overlay if overlay is not None else None
-    cdef const uint8_t[::1] mv = buf
-    cdef Py_ssize_t end = mv.shape[0]
-    cdef Py_ssize_t pos = payload_start(offset, end, "list")
-    cdef const uint8_t* b = &mv[0]
-    cdef uint32_t n = payload_count(b, pos, end, max_count, 4, "list")
-    cdef Py_ssize_t first = pos + 4, short_key = -1
-    pos = walk_list(b, first, end, n, 0, &short_key)
-    _trailing(pos, end, "list")
-    # look every value up (nothing changes the tables meanwhile), sizing the answer
-    cdef Found* found = <Found*>malloc((<size_t>n + 1) * sizeof(Found))
-    if found == NULL:
-        raise MemoryError()
-    cdef uint32_t i, kl
-    cdef size_t total = 4
-    cdef bytes out
-    cdef uint8_t* o
+    cdef Table bt = <Table?>base
+    cdef Py_ssize_t pos = first, total = 0
+    cdef uint32_t i = 0, c, j, m, kl
     # in chunks of APPLY_CHUNK keys: hashes first with the base's slots prefetched (``_hash_ahead``),
     # then the records the slots name, then the lookups (as ``apply`` does)
     cdef Py_ssize_t poss[APPLY_CHUNK]
     cdef uint64_t hs[APPLY_CHUNK]
-    cdef uint32_t c, j, m
-    cdef size_t cap = base.cap
+    cdef size_t cap = bt.cap
     cdef uint64_t s
-    try:
-        pos = first
-        i = 0
-        while i < n:
-            m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
-            pos = _hash_ahead(base, b, pos, m, False, poss, hs)
-            if cap:
-                for j in range(m):
-                    s = base.slots[((hs[j] >> 32) * cap) >> 32]
-                    if s:
-                        ssa_prefetch(base.arena + (((s & REF_MASK) - 1) << 2))
+    while i < n:
+        m = n - i if n - i < APPLY_CHUNK else APPLY_CHUNK
+        pos = _hash_ahead(bt, b, pos, m, False, poss, hs)
+        if cap:
             for j in range(m):
-                c = i + j
-                kl = _rd32(b + poss[j])
-                if not _get2h(ov, base, b + poss[j] + 4, kl, hs[j], &found[c]):
-                    found[c].none = True
-                if found[c].none:
-                    total += 4
-                else:
-                    total += 4 + found[c].vl
-            i += m
-        out = PyBytes_FromStringAndSize(NULL, total)
-        o = <uint8_t*>PyBytes_AS_STRING(out)
-        _wr32(o, n)
-        o += 4
-        for i in range(n):
-            if found[i].none:
-                _wr32(o, _NONE)
-                o += 4
-            else:
-                _wr32(o, found[i].vl)
-                o += 4
-                if found[i].vl:
-                    ssa_copy(o, found[i].val, found[i].vl)
-                o += found[i].vl
-    finally:
-        free(found)
-    return out
+                s = bt.slots[((hs[j] >> 32) * cap) >> 32]
+                if s:
+                    ssa_prefetch(bt.arena + (((s & REF_MASK) - 1) << 2))
+        for j in range(m):
+            c = i + j
+            kl = _rd32(b + poss[j])
+            if not _get2h(ov, bt, b + poss[j] + 4, kl, hs[j], &found[c]):
+                found[c].none = True
+            if not found[c].none:
+                total += found[c].vl
+        i += m
+    return total
 
 
 cdef Table _copy_live(Table src, size_t upto):
@@ -1784,6 +1686,27 @@ def load_records(Table table not None, records, bint keep_tombstones=False):
         table._tidy()  # a compaction merges the order index itself
     finally:
         table._release_order(held)
+
+
+def pack_keys(keys):
+    """See ``statestore_async._ref.table.pack_keys``."""
+    cdef list seq = [_length(_key_arg(k)) for k in keys]
+    cdef Py_ssize_t n = len(seq), i, total = 0, pos = 0, kl
+    for i in range(n):
+        total += 4 + PyBytes_GET_SIZE(<bytes>PyList_GET_ITEM(seq, i))
+    cdef bytes kbuf = PyBytes_FromStringAndSize(NULL, total)
+    cdef bytes koff = PyBytes_FromStringAndSize(NULL, n * 8)
+    cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(kbuf)
+    cdef int64_t* offs = <int64_t*>PyBytes_AS_STRING(koff)
+    cdef bytes k
+    for i in range(n):
+        k = <bytes>PyList_GET_ITEM(seq, i)
+        kl = PyBytes_GET_SIZE(k)
+        _wr32(o + pos, <uint32_t>kl)
+        memcpy(o + pos + 4, PyBytes_AS_STRING(k), kl)
+        offs[i] = pos + 4
+        pos += 4 + kl
+    return kbuf, koff
 
 
 def lookup_spans(Table table not None, const uint8_t[::1] kbuf, const int64_t[::1] koff, const int64_t[::1] js,

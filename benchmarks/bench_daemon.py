@@ -298,18 +298,19 @@ def bench(args) -> None:
 
 def engine_round_us(keys: list[bytes], values: list[bytes], seconds: float = 1.0) -> float:
     """µs the daemon's engine work of one (b) round takes in-process: the PUT_MANY payload into an
-    open version's overlay, then the GET_MANY answer for the same keys (``engine.table`` routines,
-    as ``StoreVersion.put_many`` / ``get_many_packed`` call them)."""
+    open version's overlay, then the GET_MANY answer for the same keys (the request routines of
+    ``daemon.payloads`` on ``engine.table`` tables, as the daemon calls them)."""
+    from statestore_async.daemon import payloads as P
     from statestore_async.engine import table as T
 
     pairs, klist = framing.encode_pairs(list(zip(keys, values))), framing.encode_list(keys)
     base, overlay = T.Table(), T.Table()
-    T.put_packed(overlay, pairs, 0, 2)
+    P.put_packed(overlay, pairs, 0, 2)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for _ in range(20):
-            T.put_packed(overlay, pairs, 0, 2)
-            T.get_packed(overlay, base, klist, 0)
+            P.put_packed(overlay, pairs, 0, 2)
+            P.get_packed(overlay, base, klist, 0)
         n += 20
     return (time.perf_counter() - t0) / n * 1e6
 

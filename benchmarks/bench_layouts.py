@@ -265,9 +265,10 @@ class TableLayout(Layout):
 
     def __init__(self, folder, cache_bytes):
         super().__init__(folder, cache_bytes)
+        from statestore_async.daemon import payloads as P
         from statestore_async.engine import table as T
 
-        self.T = T
+        self.T, self.P = T, P
         self.base = T.Table()
         self.ov = None
 
@@ -279,10 +280,10 @@ class TableLayout(Layout):
         self.ov = self.T.Table()
 
     def put_packed(self, buf, offset):
-        self.T.put_packed(self.ov, buf, offset, MIN_KEY, MAX_COUNT)
+        self.P.put_packed(self.ov, buf, offset, MIN_KEY, MAX_COUNT)
 
     def get_packed(self, buf, offset):
-        return self.T.get_packed(self.ov, self.base, buf, offset, MAX_COUNT)
+        return self.P.get_packed(self.ov, self.base, buf, offset, MAX_COUNT)
 
     def commit(self):
         records, undo = self.T.apply(self.base, self.ov)
@@ -981,7 +982,7 @@ def table_available(allow_reference: bool) -> str | None:
             from statestore_async.engine import table as T
     except ImportError as exc:
         return f"statestore_async.engine.table does not import ({exc})"
-    missing = [f for f in ("Table", "put_packed", "get_packed", "apply", "load_records") if not hasattr(T, f)]
+    missing = [f for f in ("Table", "apply", "load_records") if not hasattr(T, f)]
     if missing:
         return f"engine.table lacks {', '.join(missing)}"
     if not T.Table.__module__.startswith("statestore_async._native") and not allow_reference:

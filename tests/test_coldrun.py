@@ -12,6 +12,7 @@ import xxhash
 from statestore_async.codecs import framing
 from statestore_async.codecs.keylayout import store_key
 from statestore_async.codecs.packed import PackedList
+from statestore_async.daemon import payloads
 from statestore_async.engine.store import VersionedStore, table_of
 from statestore_async.engine.table import Table
 from statestore_async.errors import CorruptFileError, InterfaceError, VersionNotFoundError
@@ -148,7 +149,7 @@ def _compare(a: VersionedStore, b: VersionedStore, rnd: random.Random, universe:
     wa, wb = a.open(a.head.version, a.head.ckptid), b.open(b.head.version, b.head.ckptid)
     assert wa.get_many(probe) == wb.get_many(probe)
     packed = PackedList(framing.encode_list(probe), 0, len(probe))
-    assert wa.get_many_packed(packed) == wb.get_many_packed(packed)
+    assert payloads.get_many(wa, packed) == payloads.get_many(wb, packed)
     lo, hi = sorted(rnd.sample(universe, 2))
     assert wa.scan_range(lo, hi) == wb.scan_range(lo, hi)
     assert wa.scan_range(lo, None, limit=7) == wb.scan_range(lo, None, limit=7)

@@ -19,6 +19,7 @@ from statestore_async.errors import InterfaceError, KeyFormatError, StateStoreEr
 IMPLS = implementations("table")
 FR = twins.reference("framing")
 REF = twins.reference("table")  # the reference twin defines the batch checks' messages
+PREF = twins.reference("payloads")  # the daemon's request routines on tables, which the table tests cover too
 BC = twins.reference("blockcodec")  # defines the payloads chunk_packed writes
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 native_only = pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules disabled")
@@ -27,6 +28,11 @@ native_only = pytest.mark.skipif(twins.NO_EXTENSIONS, reason="compiled modules d
 @pytest.fixture(params=IMPLS)
 def tb(request):
     return resolve_impl(request.param)
+
+
+def _pl(table_module):
+    """The twin of the request routines (``daemon.payloads``) that goes with a table twin."""
+    return PREF if table_module is REF else twins.native("payloads")
 
 
 def _all_impls():
@@ -382,8 +388,8 @@ def test_export_sort_orders_like_bytes(shape):
 def test_put_packed_and_put_items_set_in_order(tb, start, items):
     want = dict(start)
     want.update(items)
-    for put in (lambda t: tb.put_packed(t, b"xy" + FR.encode_pairs(items), 2, 2),
-                lambda t: tb.put_packed(t, FR.encode_pairs(items), 0, 2, len(items)),
+    for put in (lambda t: _pl(tb).put_packed(t, b"xy" + FR.encode_pairs(items), 2, 2),
+                lambda t: _pl(tb).put_packed(t, FR.encode_pairs(items), 0, 2, len(items)),
                 lambda t: tb.put_items(t, items, 2),
                 lambda t: tb.put_items(t, iter(items), 2)):
         t = _table(tb, start)
@@ -402,12 +408,12 @@ def test_put_packed_over_several_chunks(tb, empty, n, seed):
     items = [(b"p%04d" % rng.randrange(400) + b"x" * rng.randrange(0, 14), rng.randbytes(rng.randrange(0, 24)))
              for _ in range(n)]
     t = _table(tb, start)
-    assert tb.put_packed(t, FR.encode_pairs(items), 0, 2) == n
+    assert _pl(tb).put_packed(t, FR.encode_pairs(items), 0, 2) == n
     want = dict(start)
     want.update(items)
     _check(t, want)
     gone = [b"p%04d" % rng.randrange(500) for _ in range(rng.randrange(0, 2 * n + 1))]  # removals too
-    assert tb.remove_packed(t, FR.encode_list(gone), 0, 2) == len(gone)
+    assert _pl(tb).remove_packed(t, FR.encode_list(gone), 0, 2) == len(gone)
     want.update(dict.fromkeys(gone))
     _check(t, want)
 
@@ -416,8 +422,8 @@ def test_put_packed_over_several_chunks(tb, empty, n, seed):
 @given(start=models, ks=st.lists(st.binary(min_size=2, max_size=4), max_size=20))
 def test_removes_put_tombstones(tb, start, ks):
     want = {**start, **dict.fromkeys(ks)}
-    for rm in (lambda t: tb.remove_packed(t, FR.encode_list(ks), 0, 2),
-               lambda t: tb.remove_packed(t, b"\x00" + FR.encode_list(ks), 1, 2, 100),
+    for rm in (lambda t: _pl(tb).remove_packed(t, FR.encode_list(ks), 0, 2),
+               lambda t: _pl(tb).remove_packed(t, b"\x00" + FR.encode_list(ks), 1, 2, 100),
                lambda t: tb.remove_keys(t, ks, 2),
                lambda t: tb.remove_keys(t, (k for k in ks), 2)):
         t = _table(tb, start)
@@ -433,11 +439,11 @@ def test_reads_see_the_overlay_then_the_base(tb, overlay, base, ks):
     o, b = _table(tb, overlay), _table(tb, base)
     assert tb.get_list(o, b, ks) == want
     assert tb.get_list(o, b, iter(ks)) == want
-    assert tb.get_packed(o, b, FR.encode_list(ks), 0) == FR.encode_optional_list(want)
-    assert tb.get_packed(o, b, b"\x01\x02" + FR.encode_list(ks), 2, len(ks)) == FR.encode_optional_list(want)
+    assert _pl(tb).get_packed(o, b, FR.encode_list(ks), 0) == FR.encode_optional_list(want)
+    assert _pl(tb).get_packed(o, b, b"\x01\x02" + FR.encode_list(ks), 2, len(ks)) == FR.encode_optional_list(want)
     alone = [base.get(k) for k in ks]
     assert tb.get_list(None, b, ks) == alone
-    assert tb.get_packed(None, b, FR.encode_list(ks), 0) == FR.encode_optional_list(alone)
+    assert _pl(tb).get_packed(None, b, FR.encode_list(ks), 0) == FR.encode_optional_list(alone)
 
 
 # keys and values of every length up to 40 (the native table compares and copies short ones without
@@ -458,13 +464,13 @@ def test_keys_and_values_of_every_short_length(tb, shape, lengths, seed):
     t, base = _table(tb, {}), _table(tb, {})
     for n in lengths:  # each round overwrites every key: in place when the length stays, moved when not
         items = [(k, rng.randbytes(n)) for k in keys]
-        tb.put_packed(t, FR.encode_pairs(items), 0, 0)
+        _pl(tb).put_packed(t, FR.encode_pairs(items), 0, 0)
         want.update(items)
         probes = keys + [stem + b"\x00"]
         expect = [want.get(k) for k in probes]
-        assert tb.get_packed(t, base, FR.encode_list(probes), 0) == FR.encode_optional_list(expect)
+        assert _pl(tb).get_packed(t, base, FR.encode_list(probes), 0) == FR.encode_optional_list(expect)
         assert tb.get_list(t, base, probes) == expect
-    tb.remove_packed(t, FR.encode_list(keys[:1]), 0, 0)
+    _pl(tb).remove_packed(t, FR.encode_list(keys[:1]), 0, 0)
     want[keys[0]] = None
     _check(t, want)
 
@@ -477,31 +483,31 @@ def test_bad_batches_raise_as_framing_does_and_change_nothing(tb):
     bad_pairs = [pairs[:cut] for cut in range(len(pairs))] + [pairs + b"!", b"\xff\xff\xff\xff" + pairs[4:]]
     bad_lists = [keys[:cut] for cut in range(len(keys))] + [keys + b"!", b"\x09\x00\x00\x00" + keys[4:]]
     for buf in bad_pairs:
-        got = _outcome(tb.put_packed, t, buf, 0, 2)
+        got = _outcome(_pl(tb).put_packed, t, buf, 0, 2)
         assert got[0] == "DecodeError"
-        assert got == _outcome(REF.put_packed, REF.Table(), buf, 0, 2)  # framing's messages (and trailing bytes)
+        assert got == _outcome(PREF.put_packed, REF.Table(), buf, 0, 2)  # framing's messages (and trailing bytes)
         if buf != pairs + b"!":
             assert got == _outcome(FR.check_pairs, buf, 0)
     for buf in bad_lists:
-        for fn in (lambda b: tb.remove_packed(t, b, 0, 2), lambda b: tb.get_packed(None, t, b, 0)):
+        for fn in (lambda b: _pl(tb).remove_packed(t, b, 0, 2), lambda b: _pl(tb).get_packed(None, t, b, 0)):
             got = _outcome(fn, buf)
             assert got[0] == "DecodeError"
-            assert got == _outcome(REF.remove_packed, REF.Table(), buf, 0, 2)
+            assert got == _outcome(PREF.remove_packed, REF.Table(), buf, 0, 2)
     # count above max_count, offset outside the buffer
-    for fn, ov_fn, buf in ((lambda b, *a: tb.put_packed(t, b, *a), REF.put_packed, pairs),
-                           (lambda b, *a: tb.remove_packed(t, b, *a), REF.remove_packed, keys)):
+    for fn, ov_fn, buf in ((lambda b, *a: _pl(tb).put_packed(t, b, *a), PREF.put_packed, pairs),
+                           (lambda b, *a: _pl(tb).remove_packed(t, b, *a), PREF.remove_packed, keys)):
         got = _outcome(fn, buf, 0, 2, 2)
         assert got == ("DecodeError", got[1]) and "at most 2 allowed" in got[1]
         assert got == _outcome(ov_fn, REF.Table(), buf, 0, 2, 2)
         for offset in (-1, len(buf) + 1):
             assert _outcome(fn, buf, offset, 2) == _outcome(ov_fn, REF.Table(), buf, offset, 2)
-    assert _outcome(tb.get_packed, None, t, keys, 0, 2) == _outcome(REF.get_packed, None, REF.Table(), keys, 0, 2)
+    assert _outcome(_pl(tb).get_packed, None, t, keys, 0, 2) == _outcome(PREF.get_packed, None, REF.Table(), keys, 0, 2)
     # a short key: KeyFormatError, after the payload checks
     short = FR.encode_pairs([(b"\x00\x01b", b"v"), (b"z", b"v")])
-    assert _outcome(tb.put_packed, t, short, 0, 2) == \
+    assert _outcome(_pl(tb).put_packed, t, short, 0, 2) == \
         ("KeyFormatError", "a store key starts with its 2-byte key group, got 1 bytes")
-    assert _outcome(tb.put_packed, t, short + b"!", 0, 2)[0] == "DecodeError"
-    assert _outcome(tb.remove_packed, t, FR.encode_list([b"\x00\x01b", b""]), 0, 2) == \
+    assert _outcome(_pl(tb).put_packed, t, short + b"!", 0, 2)[0] == "DecodeError"
+    assert _outcome(_pl(tb).remove_packed, t, FR.encode_list([b"\x00\x01b", b""]), 0, 2) == \
         ("KeyFormatError", "a store key starts with its 2-byte key group, got 0 bytes")
     # Python batches: the reference twin's checks and messages
     for bad in ([(b"\x00\x01b", b"v"), (b"x", b"v")], [(b"\x00\x01b", b"v"), (b"\x00\x01c", "str")],
@@ -536,14 +542,15 @@ def test_bytes_like_items_are_copied(tb):
        start=models, min_key=st.integers(0, 3))
 def test_twins_agree_on_any_bytes(data, offset, max_count, start, min_key):
     ref, nat = twins.reference("table"), twins.native("table")
+    pref, pnat = twins.reference("payloads"), twins.native("payloads")
     for name in ("put_packed", "remove_packed"):
         t1, t2 = _table(ref, start), _table(nat, start)
-        assert _outcome(getattr(ref, name), t1, data, offset, min_key, max_count) == \
-            _outcome(getattr(nat, name), t2, data, offset, min_key, max_count)
+        assert _outcome(getattr(pref, name), t1, data, offset, min_key, max_count) == \
+            _outcome(getattr(pnat, name), t2, data, offset, min_key, max_count)
         assert _contents(t1) == _contents(t2)
     t1, t2 = _table(ref, start), _table(nat, start)
-    assert _outcome(ref.get_packed, t1, t1, data, offset, max_count) == \
-        _outcome(nat.get_packed, t2, t2, data, offset, max_count)
+    assert _outcome(pref.get_packed, t1, t1, data, offset, max_count) == \
+        _outcome(pnat.get_packed, t2, t2, data, offset, max_count)
 
 
 # --- apply / undo -----------------------------------------------------------------------------------
@@ -662,13 +669,13 @@ class TableMachine(RuleBasedStateMachine):
     def put_batch(self, items, packed):
         buf = b"\x07" + FR.encode_pairs(items)
         for m, t in zip(self.mods, self.tables):
-            assert (m.put_packed(t, buf, 1, 0) if packed else m.put_items(t, items, 0)) == len(items)
+            assert (_pl(m).put_packed(t, buf, 1, 0) if packed else m.put_items(t, items, 0)) == len(items)
         self.model.update(items)
 
     @rule(ks=st.lists(key_st, max_size=12), packed=st.booleans())
     def remove_batch(self, ks, packed):
         for m, t in zip(self.mods, self.tables):
-            m.remove_packed(t, FR.encode_list(ks), 0, 0) if packed else m.remove_keys(t, ks, 0)
+            _pl(m).remove_packed(t, FR.encode_list(ks), 0, 0) if packed else m.remove_keys(t, ks, 0)
         self.model.update(dict.fromkeys(ks))
 
     @rule(records=st.lists(st.tuples(key_st, opt_value_st), max_size=12))
@@ -700,9 +707,9 @@ class TableMachine(RuleBasedStateMachine):
         buf = FR.encode_list(ks)
         for m, t in zip(self.mods, self.tables):
             o = _table(m, overlay)
-            assert m.get_packed(o, t, buf, 0) == FR.encode_optional_list(want)
+            assert _pl(m).get_packed(o, t, buf, 0) == FR.encode_optional_list(want)
             assert m.get_list(o, t, ks) == want
-            assert m.get_packed(None, t, buf, 0) == FR.encode_optional_list([self.model.get(k) for k in ks])
+            assert _pl(m).get_packed(None, t, buf, 0) == FR.encode_optional_list([self.model.get(k) for k in ks])
 
     @rule(prefix=short_keys)
     def scan(self, prefix):
@@ -826,11 +833,11 @@ def test_long_random_runs_agree(seed, scan_every):
         elif op < 0.75:
             ks = rnd.sample(keyspace, 20)
             want = FR.encode_optional_list([model.get(x) for x in ks])
-            same([m.get_packed(None, t, FR.encode_list(ks), 0) for m, t in zip(mods, tables)] + [want])
+            same([_pl(m).get_packed(None, t, FR.encode_list(ks), 0) for m, t in zip(mods, tables)] + [want])
         elif op < 0.8:
             batch = [(rnd.choice(keyspace), rnd.randbytes(rnd.choice((0, 5, 16)))) for _ in range(30)]
             for m, t in zip(mods, tables):
-                m.put_packed(t, FR.encode_pairs(batch), 0, 0)
+                _pl(m).put_packed(t, FR.encode_pairs(batch), 0, 0)
             model.update(batch)
         elif op < 0.82:
             changes = {rnd.choice(keyspace): (None if rnd.random() < 0.4 else rnd.randbytes(6)) for _ in range(25)}
@@ -890,7 +897,7 @@ def _packed_records(n: int, start: int = 0, value: bytes = b"v" * 16) -> bytes:
 
 @native_only
 def test_a_million_records_take_at_most_1_75_times_their_bytes():
-    nat = twins.native("table")
+    nat, pnat = twins.native("table"), twins.native("payloads")
     # a snapshot's load
     t = nat.Table()
     payload = _packed_records(1_000_000)
@@ -903,11 +910,11 @@ def test_a_million_records_take_at_most_1_75_times_their_bytes():
     t2 = nat.Table()
     for i in range(0, 1_000_000, 1024):
         n = min(1024, 1_000_000 - i)
-        nat.put_packed(t2, _packed_records(n, i), 0, 2)
+        pnat.put_packed(t2, _packed_records(n, i), 0, 2)
     assert len(t2) == 1_000_000 and t2.nbytes <= 1.75 * t2.record_bytes, t2.nbytes / t2.record_bytes
-    nat.put_packed(t2, _packed_records(1024, 5000, b"w" * 16), 0, 2)
+    pnat.put_packed(t2, _packed_records(1024, 5000, b"w" * 16), 0, 2)
     assert t2.nbytes <= 1.75 * t2.record_bytes
-    assert nat.get_packed(None, t2, FR.encode_list([b"\xff" * 12]), 0) == FR.encode_optional_list([None])
+    assert pnat.get_packed(None, t2, FR.encode_list([b"\xff" * 12]), 0) == FR.encode_optional_list([None])
     # no order index until an ordered call; a snapshot's freeze sorts for its view alone
     assert not t2._layout()["order_index"]
     before = t2.nbytes
@@ -1001,7 +1008,7 @@ def test_a_batch_write_merges_the_order_index_once_at_its_end(op):
     """A batch of many new or removed keys into a table read in order merges its order index at
     most once, after the batch (a merge reads every sorted record): not once per eighth of the
     table as single writes do. Ordered reads see the batch whole."""
-    nat = twins.native("table")
+    nat, pnat = twins.native("table"), twins.native("payloads")
     t = nat.Table()
     nat.put_items(t, [(b"\x00\x01a%07d" % i, b"v") for i in range(0, 40_000, 2)], 2)
     assert len(t.scan(b"\x00\x01")) == 20_000  # builds the order index
@@ -1015,10 +1022,10 @@ def test_a_batch_write_merges_the_order_index_once_at_its_end(op):
         nat.apply(t, changes)
         want = new
     elif op == "put_packed":
-        nat.put_packed(t, FR.encode_pairs(new), 0, 2)
+        pnat.put_packed(t, FR.encode_pairs(new), 0, 2)
         want = sorted(new + [(k, b"v") for k in gone])
     elif op == "remove_packed":
-        nat.remove_packed(t, FR.encode_list(gone), 0, 2)
+        pnat.remove_packed(t, FR.encode_list(gone), 0, 2)
         want = [(k, None) for k in gone]
     elif op == "put_items":
         nat.put_items(t, new, 2)

@@ -13,9 +13,8 @@ import sys
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
-from statestore_async._ref import framing as _fr
 from statestore_async._ref.blockcodec import _answer, _check_spans, encode_records_raw
-from statestore_async.errors import DecodeError, InterfaceError, KeyFormatError, StoreStateError
+from statestore_async.errors import InterfaceError, KeyFormatError, StoreStateError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -27,13 +26,11 @@ __all__ = [
     "TableView",
     "apply",
     "get_list",
-    "get_packed",
     "load_records",
     "lookup_spans",
+    "pack_keys",
     "put_items",
-    "put_packed",
     "remove_keys",
-    "remove_packed",
 ]
 
 MAX_LEN = 0xFFFFFFFF
@@ -45,7 +42,7 @@ _CHANGED = "Table changed during iteration"
 _RELEASED = "the table view was released"
 
 
-def _key_error(n: int, min_key: int) -> KeyFormatError:
+def key_error(n: int, min_key: int) -> KeyFormatError:
     return KeyFormatError(f"a store key starts with its {min_key}-byte key group, got {n} bytes")
 
 
@@ -56,7 +53,7 @@ def _check_key(key: object, min_key: int) -> bytes:
         else:
             raise KeyFormatError(f"keys are bytes, got {type(key).__name__}")
     if len(key) < min_key:
-        raise _key_error(len(key), min_key)
+        raise key_error(len(key), min_key)
     return key
 
 
@@ -353,36 +350,19 @@ class TableView:
 
 
 # --- batch routines ---------------------------------------------------------------------------------
-def _whole(end: int, buf: Buffer, what: str) -> None:
-    n = len(memoryview(buf))
-    if end != n:
-        raise DecodeError(f"{what}: {n - end} unexpected trailing bytes")
-
-
-def put_packed(table: Table, buf: Buffer, offset: int, min_key: int, max_count: int = _fr.MAX_U32) -> int:
-    """Put the pairs of an ``encode_pairs`` payload at ``offset`` of ``buf`` (to its end); the count."""
-    items, end = _fr.decode_pairs(buf, offset, max_count)
-    _whole(end, buf, "pairs")
-    for k, _ in items:
-        if len(k) < min_key:
-            raise _key_error(len(k), min_key)
-    for k, v in items:
+def set_records(table: Table, records: Iterable[tuple[bytes, bytes | None]]) -> None:
+    """Set checked (key, value | None) records in order, None setting a tombstone entry: the
+    request routines' way in (``daemon.payloads``; the compiled twin's ``set_records`` of
+    ``table.pxd``), as one batch write."""
+    for k, v in records:
         table._set(k, v)
     table._version += 1
-    return len(items)
 
 
-def remove_packed(table: Table, buf: Buffer, offset: int, min_key: int, max_count: int = _fr.MAX_U32) -> int:
-    """A tombstone for each key of an ``encode_list`` payload at ``offset`` of ``buf``; the count."""
-    keys, end = _fr.decode_list(buf, offset, max_count)
-    _whole(end, buf, "list")
-    for k in keys:
-        if len(k) < min_key:
-            raise _key_error(len(k), min_key)
-    for k in keys:
-        table._set(k, None)
-    table._version += 1
-    return len(keys)
+def find_records(overlay: Table | None, base: Table, keys: Iterable[bytes]) -> list[bytes | None]:
+    """Each checked key's value: ``overlay``'s entry when it has the key (None: a tombstone), else
+    ``base``'s (None: absent); the compiled twin's ``find_records``."""
+    return [_lookup(overlay, base, k) for k in keys]
 
 
 def put_items(table: Table, items: Iterable[tuple[BytesLike, BytesLike]], min_key: int) -> int:
@@ -415,13 +395,6 @@ def _lookup(overlay: Table | None, base: Table, k: bytes) -> bytes | None:
 def get_list(overlay: Table | None, base: Table, keys: Iterable[BytesLike]) -> list[bytes | None]:
     """Each key's value: the overlay's entry when it has the key (None for a tombstone), else the base's."""
     return [_lookup(overlay, base, _key(k)) for k in keys]
-
-
-def get_packed(overlay: Table | None, base: Table, buf: Buffer, offset: int, max_count: int = _fr.MAX_U32) -> bytes:
-    """The values of the keys of an ``encode_list`` payload, as an ``encode_optional_list`` payload."""
-    keys, end = _fr.decode_list(buf, offset, max_count)
-    _whole(end, buf, "list")
-    return _fr.encode_optional_list([_lookup(overlay, base, k) for k in keys])
 
 
 def apply(base: Table, changes: Table) -> tuple[Table, Table]:
@@ -470,6 +443,21 @@ def load_records(table: Table, records: Iterable[tuple[BytesLike, BytesLike | No
         else:
             table._set(k, v)
     table._version += 1
+
+
+def pack_keys(keys: Iterable[BytesLike]) -> tuple[bytes, bytes]:
+    """``keys`` laid end to end, each after its u32 length (little-endian), and each key's offset
+    (int64, native order) there: what ``lookup_spans`` and ``engine.lookup.KeyLookup`` read. A key
+    that is not bytes-like raises ``KeyFormatError``."""
+    ks = [_length(_key(k)) for k in keys]
+    parts: list[bytes] = []
+    offsets: list[int] = []
+    pos = 0
+    for k in ks:
+        parts += (len(k).to_bytes(4, "little"), k)
+        offsets.append(pos + 4)
+        pos += 4 + len(k)
+    return b"".join(parts), b"".join(o.to_bytes(8, sys.byteorder, signed=True) for o in offsets)
 
 
 def lookup_spans(table: Table, kbuf: Buffer, koff: Any, js: Iterable[int], found: Any, voff: Any, vlen: Any,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Self, cast
 from statestore_async import __version__
 from statestore_async.codecs.packed import PackedList
 from statestore_async.config import DaemonConfig
+from statestore_async.daemon import payloads
 from statestore_async.daemon.commits import Commits
 from statestore_async.daemon.maintenance import Maintenance
 from statestore_async.daemon.metrics import COMMIT_LATENCY_BOUNDS, Buckets, start_metrics
@@ -480,18 +481,18 @@ class _Connection(asyncio.Protocol):
             if cls is GetMany:
                 keys = ev.keys
                 if type(keys) is PackedList:
-                    self._writelines(proto.send_values_packed(rid, self._writer(ev.handle, "get from")
-                                                              .get_many_packed(keys)))
+                    self._writelines(proto.send_values_packed(rid, payloads.get_many(self._writer(ev.handle,
+                                                                                                  "get from"), keys)))
                 else:
                     self._write(proto.send_values(rid, self._writer(ev.handle, "get from").get_many(keys)))
             elif cls is PutMany:
                 w = self._writer(ev.handle, "put to")
-                w.put_many(ev.items)
+                payloads.put_many(w, ev.items)
                 self._write(proto.send_count(rid, Op.PUT_MANY, len(ev.items)))
                 d.note_changes(w)  # an open version's changes count too (the registry flushes them)
             elif cls is RemoveMany:
                 w = self._writer(ev.handle, "remove from")
-                w.remove_many(ev.keys)
+                payloads.remove_many(w, ev.keys)
                 self._write(proto.send_count(rid, Op.REMOVE_MANY, len(ev.keys)))
                 d.note_changes(w)
             elif cls is Commit:

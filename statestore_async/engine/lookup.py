@@ -2,13 +2,14 @@
 
 A spilled version answers a GET_MANY from several levels (its changes, its flushed runs, the hot
 part, the cold runs' blocks), each asked only for the keys no newer level has an entry for. A
-``KeyLookup`` reads the keys where they are — a request's ``framing.encode_list`` payload, through
-each key's offset in it — and each level copies the values it finds into a chunk of its own
-(``table.lookup_spans``, ``blockcodec.RecordBlock.lookup_spans``), recording per key where its
-value lies. The answer is then written in request order in one step (``framing.encode_found``).
-So the working memory of a lookup is a few bytes per key plus the values, never a Python object
-per key or per value: a GET_MANY of 475k keys holds ~30 bytes per key besides its request and its
-answer, where lists of ``bytes`` held ~95.
+``KeyLookup`` reads the keys where they are — in any buffer, each after its u32 length, through
+each key's offset in it (the daemon hands a request's payload over so, ``daemon.payloads``) — and
+each level copies the values it finds into a chunk of its own (``table.lookup_spans``,
+``blockcodec.RecordBlock.lookup_spans``), recording per key where its value lies. Whoever asked
+then reads the values in key order in one step (the daemon writes its answer from ``value_bytes``,
+``voff``, ``vlen`` and ``found``). So the working memory of a lookup is a few bytes per key plus
+the values, never a Python object per key or per value: a GET_MANY of 475k keys holds ~30 bytes
+per key besides its request and its answer, where lists of ``bytes`` held ~95.
 """
 from __future__ import annotations
 
@@ -16,15 +17,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from statestore_async.codecs import blockcodec, framing
+from statestore_async.codecs import blockcodec
 from statestore_async.engine import table as _table
-from statestore_async.errors import EncodeError, KeyFormatError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from statestore_async._ref import Buffer
-    from statestore_async.codecs.packed import PackedList
     from statestore_async.engine.table import Table
 
 
@@ -37,11 +36,11 @@ class KeyLookup:
 
     __slots__ = ("_chunks", "_size", "found", "kbuf", "koff", "vlen", "voff")
 
-    def __init__(self, buf: Buffer, offset: int = 0) -> None:
-        """The keys of the ``framing.encode_list`` payload at ``offset`` of ``buf`` (checked)."""
-        offsets, _end = framing.list_offsets(buf, offset)
-        self.kbuf = buf
-        self.koff = np.frombuffer(offsets, np.int64)
+    def __init__(self, kbuf: Buffer, koff: np.ndarray) -> None:
+        """The keys at the offsets ``koff`` (int64) of ``kbuf``, each after its u32 length there
+        (checked by each level before it reads them)."""
+        self.kbuf = kbuf
+        self.koff = koff
         n = len(self.koff)
         self.found = np.zeros(n, np.uint8)
         self.voff = np.zeros(n, np.int64)
@@ -53,15 +52,8 @@ class KeyLookup:
     def of(cls, keys: Sequence[bytes]) -> KeyLookup:
         """A lookup of a Python sequence of keys (packed first; a key that is not bytes-like raises
         ``KeyFormatError``)."""
-        try:
-            return cls(framing.encode_list(keys))
-        except EncodeError as exc:
-            raise KeyFormatError(f"keys are bytes: {exc}") from None
-
-    @classmethod
-    def of_packed(cls, keys: PackedList) -> KeyLookup:
-        """A lookup of a request's keys, read in place."""
-        return cls(keys.buf, keys.offset)
+        kbuf, koff = _table.pack_keys(keys)
+        return cls(kbuf, np.frombuffer(koff, np.int64))
 
     def __len__(self) -> int:
         return len(self.koff)
@@ -94,19 +86,15 @@ class KeyLookup:
             self._chunks.append(chunk)
             self._size += len(chunk)
 
-    def _values(self) -> bytes:
+    def value_bytes(self) -> bytes:
+        """The found values end to end (``voff``, ``vlen`` name each key's)."""
         if len(self._chunks) > 1:
             self._chunks = [b"".join(self._chunks)]
         return self._chunks[0] if self._chunks else b""
 
-    def packed(self) -> bytes:
-        """The answer as a ``framing.encode_optional_list`` payload in key order (None: absent or a
-        tombstone), written without a Python object per value."""
-        return framing.encode_found(self._values(), self.voff, self.vlen, self.found)
-
     def values(self, absent: object = None) -> list[object]:
         """The answer as a list in key order: a key's value, None for a tombstone, ``absent`` where
         no level had an entry."""
-        data = self._values()
+        data = self.value_bytes()
         return [absent if not f else None if ln < 0 else data[o : o + ln]
                 for f, o, ln in zip(self.found.tolist(), self.voff.tolist(), self.vlen.tolist())]

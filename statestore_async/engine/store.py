@@ -51,7 +51,6 @@ import numpy as np
 
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import KEY_GROUP_BYTES, key_group_or_zero
-from statestore_async.codecs.packed import PackedList, PackedPairs
 from statestore_async.engine import table as _table
 from statestore_async.engine.lookup import KeyLookup
 from statestore_async.engine.table import Table, TableView
@@ -79,8 +78,6 @@ MISSING = object()
 
 # key -> value, or None for a removed key (a tombstone): what a caller may pass as changes
 Changes: TypeAlias = Mapping[bytes, bytes | None]
-# a request's key count is checked by the protocol already: the table routines need no lower cap
-_ANY_COUNT = (1 << 32) - 1
 
 
 class ColdLevel(Protocol):
@@ -1022,14 +1019,25 @@ class StoreVersion:
             return _table.get_list(self._overlay, self._base, keys)
         return cast("list[bytes | None]", self._look_up(KeyLookup.of(list(keys))).values())
 
-    def get_many_packed(self, keys: PackedList) -> bytes:
-        """The values of the keys of a packed list, as a packed optional list (None: absent), written
-        straight from the tables' memory (once spilled: from the levels' chunks of values, see
-        ``engine.lookup``) without a Python object per key or value."""
+    def memory_tables(self) -> tuple[Table, Table] | None:
+        """(this version's changes, the committed table) when the version reads from memory alone,
+        for a batch routine that reads both at once (the daemon's GET_MANY: ``daemon.payloads``),
+        without a Python object per key or value; None once its store is spilled (then
+        ``look_up``). The tables are read, never changed."""
         self._check_updating("get from")
         if self._cold is None:
-            return _table.get_packed(self._overlay, self._base, keys.buf, keys.offset, _ANY_COUNT)
-        return self._look_up(KeyLookup.of_packed(keys)).packed()
+            return self._overlay, self._base
+        return None
+
+    def look_up(self, lookup: KeyLookup) -> KeyLookup:
+        """Find the keys of ``lookup`` (``engine.lookup``: keys read in place, values gathered in
+        chunks, no Python object per key or value); ``lookup`` itself, filled."""
+        self._check_updating("get from")
+        if self._cold is None:
+            lookup.from_table(self._overlay, lookup.all())
+            lookup.from_table(self._base, lookup.pending(lookup.all()))
+            return lookup
+        return self._look_up(lookup)
 
     def _look_up(self, lookup: KeyLookup) -> KeyLookup:
         """A spilled version's read, level by level: the changes, then the flushed runs newest first
@@ -1128,15 +1136,9 @@ class StoreVersion:
         _table.put_items(self._overlay, ((key, value),), KEY_GROUP_BYTES)
 
     def put_many(self, items: Iterable[tuple[bytes, bytes]]) -> None:
-        """Put every (key, value); all are checked before any is applied.
-
-        ``items`` may be a ``packed.PackedPairs`` (a request payload): it is read straight into the overlay.
-        """
+        """Put every (key, value); all are checked before any is applied."""
         self._check_updating("put to")
-        if type(items) is PackedPairs:
-            _table.put_packed(self._overlay, items.buf, items.offset, KEY_GROUP_BYTES, _ANY_COUNT)
-        else:
-            _table.put_items(self._overlay, items, KEY_GROUP_BYTES)
+        _table.put_items(self._overlay, items, KEY_GROUP_BYTES)
 
     def remove(self, key: bytes) -> None:
         self._check_updating("remove from")
@@ -1145,10 +1147,17 @@ class StoreVersion:
     def remove_many(self, keys: Iterable[bytes]) -> None:
         """Remove every key (a tombstone each); all are checked before any is applied."""
         self._check_updating("remove from")
-        if type(keys) is PackedList:
-            _table.remove_packed(self._overlay, keys.buf, keys.offset, KEY_GROUP_BYTES, _ANY_COUNT)
-        else:
-            _table.remove_keys(self._overlay, keys, KEY_GROUP_BYTES)
+        _table.remove_keys(self._overlay, keys, KEY_GROUP_BYTES)
+
+    def write_batch(self, write: Callable[[Table], int], op: str) -> int:
+        """Changes set by a batch routine straight into this version's change table:
+        ``write(changes)`` puts (or removes: a tombstone entry) keys of at least ``KEY_GROUP_BYTES``
+        bytes, checks everything it is given before it sets anything, and returns a count, which
+        this returns. ``op`` names the request in the error of a finished version ("put to",
+        "remove from"). The daemon reads a request's payload in this way, with no copy
+        (``daemon.payloads``)."""
+        self._check_updating(op)
+        return write(self._overlay)
 
     # --- ending the version -----------------------------------------------------------------------
     def prepare_commit(self, ckptid: str | None = None) -> CheckpointRef:

@@ -44,26 +44,17 @@ of ``bytes`` comparison (memcmp, a shorter prefix first).
     ``blockcodec.encode_block``), with the smallest and largest key group (a key's first two bytes,
     big-endian; 0 for a shorter key) among them; ``(b"", pos, 0, 0)`` at the end. Checkpoint files
     are written with it (``files.checkpoint``): no Python object per record.
-Batch routines (the daemon's hot paths: the compiled twin reads request payloads straight into the
-arena and writes answers straight from it, with no Python object per record):
+Batch routines (the compiled twin writes and reads the arena with no Python object per record; the
+daemon's request routines, ``daemon.payloads``, read request payloads into tables through
+``_native/table.pxd``):
 
-``put_packed(table, buf, offset, min_key, max_count=0xFFFFFFFF) -> int``
-    Put the pairs of a ``framing.encode_pairs`` payload at ``offset`` of ``buf`` (it runs to the
-    end of ``buf``; trailing bytes are an error, as the daemon always did). The whole payload is
-    checked first: a malformed one raises ``DecodeError`` as ``framing.check_pairs`` does (same
-    messages), then a key shorter than ``min_key`` raises ``KeyFormatError``; nothing is set in
-    either case. Returns the count.
-``remove_packed(table, buf, offset, min_key, max_count=0xFFFFFFFF) -> int``
-    A tombstone for each key of a ``framing.encode_list`` payload, checked the same way.
 ``put_items(table, items, min_key) -> int`` / ``remove_keys(table, keys, min_key) -> int``
-    The same for Python iterables of (key, value) / keys, with the checks and messages of
-    the engine's single-record ``put`` / ``remove``; all are checked before any is set.
-``get_packed(overlay, base, buf, offset, max_count=0xFFFFFFFF) -> bytes``
-    For each key of the ``encode_list`` payload: ``overlay``'s entry when it has the key (a
-    tombstone gives None), else ``base``'s value (None when absent); the answer is exactly
-    ``framing.encode_optional_list(values)``. ``overlay`` may be None.
+    Put every (key, value) of an iterable / a tombstone for every key, with the checks and
+    messages of the engine's single-record ``put`` / ``remove`` (a key shorter than ``min_key``
+    raises ``KeyFormatError``); all are checked before any is set. Returns the count.
 ``get_list(overlay, base, keys) -> list[bytes | None]``
-    The same for a Python iterable of keys.
+    For each key: ``overlay``'s entry when it has the key (a tombstone gives None), else
+    ``base``'s value (None when absent). ``overlay`` may be None.
 ``apply(base, changes) -> (applied, undo)``
     Apply ``changes`` (a table, tombstones allowed) to ``base`` (no tombstones): a value sets the
     key, a tombstone deletes it. ``applied`` holds the entries of ``changes`` that changed
@@ -75,6 +66,10 @@ arena and writes answers straight from it, with no Python object per record):
     Bulk put of (key, value | None) pairs in order, where None deletes the key (not a tombstone):
     rebuilding a state from checkpoint files. With ``keep_tombstones`` a None sets a tombstone
     entry instead (a delta file's block read as a run). All are checked before any is set.
+``pack_keys(keys) -> (kbuf, koff)``
+    ``keys`` laid end to end, each after its u32 length (little-endian), and the int64 offsets of
+    the keys there (native order): the form ``lookup_spans`` reads (``KeyFormatError`` for a key
+    that is not bytes-like).
 ``lookup_spans(table, kbuf, koff, js, found, voff, vlen, base) -> bytes``
     ``blockcodec.RecordBlock.lookup_spans`` over the table's entries (a tombstone entry is found,
     its ``vlen`` -1): a spilled version's reads ask it of their changes and hot part, then the

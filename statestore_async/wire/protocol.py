@@ -611,7 +611,7 @@ class ServerProtocol:
     @staticmethod
     def send_values_packed(rid: int, payload: bytes) -> tuple[bytes, bytes]:
         """The GET_MANY answer of a payload already encoded as a packed optional list
-        (``StoreVersion.get_many_packed``): the frame header and the payload, to be written one
+        (``daemon.payloads.get_many``): the frame header and the payload, to be written one
         after the other (no copy of the payload)."""
         if len(payload) > 0xFFFFFFFF:
             raise EncodeError(f"a payload of {len(payload)} bytes does not fit a frame")
