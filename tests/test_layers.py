@@ -2,13 +2,21 @@
 
 A module may import its own layer and the layers below it, never one above. The table is the
 folder list of ``docs/ARCHITECTURE.md``; a new module must be placed in it.
+
+The compiled modules are held to the same rule through their ``cimport``s: ``_ext/<name>.pyx``
+(``statestore_async._native.<name>``) belongs to the layer of the one module that imports it (its
+facade: ``_native.table`` is ``engine``'s, ``_native.payloads`` the ``daemon``'s), and the shared
+``.pxd`` headers to the bottom of ``codecs``. And the engine reads no wire format: no engine module,
+Python or compiled, imports the frame and payload codecs or cimports ``_wire``.
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "statestore_async"
+EXT = PACKAGE.parent / "_ext"
 
 # top to bottom; each entry is a package (folder) or a top-level module of statestore_async
 LAYERS: list[tuple[str, ...]] = [
@@ -25,6 +33,15 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 # test support (fault proxy, S3 server, daemon process) may use anything, and nothing uses it but tests
 TEST_SUPPORT = "testing"
+# .pxd headers of _ext/ that are no module of their own (inlined into each module that cimports them)
+SHARED_PXD = {"_bytes": "codecs", "_spans": "codecs", "_wire": "codecs"}
+# the wire format (frames, batch payloads): nothing in these layers may import or cimport it
+NO_WIRE_LAYERS = ("engine",)
+WIRE_FORMAT = ("statestore_async.wire", "statestore_async.codecs.framing", "statestore_async.codecs.packed",
+               "statestore_async.codecs.arrowframes", "_wire")
+# cimports of Cython's and C's own declarations
+_C_LEVEL = ("cython", "cpython", "libc", "libcpp", "numpy")
+_CIMPORT = re.compile(r"^\s*(?:from\s+([\w.]+)\s+cimport\b|cimport\s+([\w.]+))", re.M)
 
 
 def _rank(unit: str) -> int:
@@ -49,8 +66,9 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]]:
-    """``(line, absolute module)`` of every statestore_async import in a module, nested ones included."""
+def _imports(module: str, source: str, is_package: bool, names: bool = False) -> list[tuple[int, str]]:
+    """``(line, absolute module)`` of every statestore_async import in a module, nested ones included;
+    with ``names``, a ``from m import a`` also gives ``m.a`` (``a`` may be a module)."""
     tree = ast.parse(source, module)
     here = module.split(".")
     package = here if is_package else here[:-1]
@@ -70,11 +88,18 @@ def _imports(module: str, source: str, is_package: bool) -> list[tuple[int, str]
                 found += [(node.lineno, f"statestore_async.{a.name}") for a in node.names]
             else:
                 found.append((node.lineno, mod))
+                if names:
+                    found += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
     return found
 
 
+def _is_wire(mod: str) -> bool:
+    return any(mod == w or mod.startswith(w + ".") for w in WIRE_FORMAT)
+
+
 def _violations(modules: list[tuple[str, str, bool]]) -> list[str]:
-    """What imports a higher layer, among ``(module name, source, is package)``."""
+    """What imports a higher layer (or, in the engine, the wire format), among ``(module name,
+    source, is package)``."""
     wrong = []
     for module, source, is_package in modules:
         unit = _unit(module)
@@ -89,7 +114,69 @@ def _violations(modules: list[tuple[str, str, bool]]) -> list[str]:
                 wrong.append(f"{module}:{line} imports test support {mod}")
             elif _rank(other) < mine:
                 wrong.append(f"{module}:{line} ({unit}) imports {mod} ({other}, a higher layer)")
+        if unit in NO_WIRE_LAYERS:
+            seen = set()
+            for line, mod in _imports(module, source, is_package, names=True):
+                if _is_wire(mod) and line not in seen:
+                    seen.add(line)
+                    wrong.append(f"{module}:{line} ({unit}) imports the wire format {mod}")
     return wrong
+
+
+def _cimports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of every cimport of a Cython source but Cython's and C's own."""
+    found = []
+    for m in _CIMPORT.finditer(source):
+        mod = m.group(1) or m.group(2)
+        if mod.split(".")[0] not in _C_LEVEL:
+            found.append((source.count("\n", 0, m.start()) + 1, mod))
+    return found
+
+
+def _facades(modules: list[tuple[str, str, bool]]) -> dict[str, str]:
+    """Compiled module name -> the layer of the package module that imports it (its facade)."""
+    facades: dict[str, set[str]] = {}
+    for module, source, is_package in modules:
+        unit = _unit(module)
+        if unit in ("_native", "_ref"):
+            continue
+        for _, mod in _imports(module, source, is_package):
+            parts = mod.split(".")
+            if parts[:2] == ["statestore_async", "_native"] and len(parts) == 3:
+                facades.setdefault(parts[2], set()).add(unit)
+    for name, units in facades.items():
+        assert len(units) == 1, f"statestore_async._native.{name} is imported from several layers: {sorted(units)}"
+    return {name: units.pop() for name, units in facades.items()}
+
+
+def _compiled_layer(name: str, facades: dict[str, str]) -> str:
+    """The layer of a cimported name: a shared header, or a compiled module (by its facade)."""
+    if name in SHARED_PXD:
+        return SHARED_PXD[name]
+    short = name.removeprefix("statestore_async._native.")
+    assert short in facades, f"_ext/{short}: no module of the package imports statestore_async._native.{short}"
+    return facades[short]
+
+
+def _cython_violations(sources: list[tuple[str, str]], facades: dict[str, str]) -> list[str]:
+    """What a Cython source (``(file name, source)``: ``_ext/*.pyx``, ``*.pxd``) cimports against
+    the layers."""
+    wrong = []
+    for filename, source in sources:
+        stem = filename.split("/")[-1].split(".")[0]
+        unit = _compiled_layer(stem, facades)
+        for line, mod in _cimports(source):
+            other = _compiled_layer(mod, facades)
+            if _rank(other) < _rank(unit):
+                wrong.append(f"{filename}:{line} ({unit}) cimports {mod} ({other}, a higher layer)")
+            elif unit in NO_WIRE_LAYERS and _is_wire(mod):
+                wrong.append(f"{filename}:{line} ({unit}) cimports the wire format {mod}")
+    return wrong
+
+
+def _cython_sources() -> list[tuple[str, str]]:
+    files = sorted(EXT.glob("*.pyx")) + sorted(EXT.glob("*.pxd")) + sorted((PACKAGE / "_native").glob("*.pxd"))
+    return [(str(p.relative_to(PACKAGE.parent)), p.read_text()) for p in files]
 
 
 def _package_modules() -> list[tuple[str, str, bool]]:
@@ -100,6 +187,19 @@ def _package_modules() -> list[tuple[str, str, bool]]:
 def test_no_module_imports_a_higher_layer():
     wrong = _violations(_package_modules())
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_no_compiled_module_cimports_a_higher_layer():
+    sources = _cython_sources()
+    assert any(name.endswith(".pyx") for name, _ in sources), f"no Cython sources under {EXT}"
+    wrong = _cython_violations(sources, _facades(_package_modules()))
+    assert not wrong, "cimports against the layers:\n" + "\n".join(wrong)
+
+
+def test_every_compiled_module_has_a_facade():
+    facades = _facades(_package_modules())
+    for pyx in sorted(EXT.glob("*.pyx")):
+        assert pyx.stem in facades, f"_ext/{pyx.name}: no module of the package imports statestore_async._native.{pyx.stem}"
 
 
 def test_every_package_and_top_level_module_has_a_layer():
@@ -128,4 +228,24 @@ def test_the_check_sees_a_violation():
         "statestore_async.engine.probe:1 (engine) imports statestore_async.daemon (daemon, a higher layer)",
         "statestore_async.codecs.probe:2 (codecs) imports statestore_async.files (files, a higher layer)",
         "statestore_async.engine:1 imports test support statestore_async.testing",
+    ]
+    wire = [("statestore_async.engine.probe", "from statestore_async.codecs.packed import PackedList\n", False),
+            ("statestore_async.engine.probe2", "def f():\n    from ..codecs import framing\n", False),
+            ("statestore_async.daemon.probe", "from statestore_async.codecs import framing\n", False)]
+    assert _violations(wire) == [
+        "statestore_async.engine.probe:1 (engine) imports the wire format statestore_async.codecs.packed",
+        "statestore_async.engine.probe2:2 (engine) imports the wire format statestore_async.codecs.framing",
+    ]
+
+
+def test_the_cimport_check_sees_a_violation():
+    """The same for the compiled modules: a codec cimporting the engine's table, the engine's table
+    cimporting the wire format's header; a comment or a string naming them is not a cimport."""
+    facades = {"table": "engine", "payloads": "daemon", "framing": "codecs"}
+    sources = [("_ext/framing.pyx", "from libc.stdint cimport uint8_t\nfrom statestore_async._native.table cimport Found\n"),
+               ("_ext/table.pyx", "cimport cython\n# from _wire cimport rd32\nfrom _wire cimport payload_count\n"),
+               ("_ext/payloads.pyx", "from _wire cimport walk_list\nfrom statestore_async._native.table cimport Found\n")]
+    assert _cython_violations(sources, facades) == [
+        "_ext/framing.pyx:2 (codecs) cimports statestore_async._native.table (engine, a higher layer)",
+        "_ext/table.pyx:3 (engine) cimports the wire format _wire",
     ]
