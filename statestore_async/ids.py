@@ -3,7 +3,7 @@
 A store is one state partition of one stateful operator under a checkpoint root. A committed
 state is a (version, checkpoint id) pair: several attempts at the same version (task retries,
 speculation, replays) each get their own checkpoint id, so their files never collide and the
-driver's manifest decides which one counts (DESIGN §3–§4).
+driver's manifest decides which one counts (docs/ARCHITECTURE.md, "Identities and versions").
 """
 from __future__ import annotations
 

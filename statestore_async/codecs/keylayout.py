@@ -4,7 +4,7 @@ A key is ``kg (2 bytes, big-endian) + payload``. The key group ``kg`` comes from
 ``xxhash64`` of the grouping key's columns, ``pmod(hash, G)`` (see ``statestore_async.codecs.sparkhash``),
 so every piece of state of one grouping key lives in one key group, snapshots can keep their
 records grouped by key group, and a rescale can read just the key groups a partition owns
-(DESIGN §8). Prefix scans include the 2 key-group bytes. ``G`` is at most 65536.
+(docs/ARCHITECTURE.md, "Identities and versions"). Prefix scans include the 2 key-group bytes. ``G`` is at most 65536.
 
 This module is the one owner of that layout in Python: everything that builds or cuts a store
 key's key-group prefix calls it (the compiled codecs in ``_ext/`` read the same two bytes in C).

@@ -2,7 +2,7 @@
 
 The JVM routes rows with the built-in ``pyspark.sql.functions.xxhash64(key columns...)``; this
 module computes the very same value in Python, so both sides always agree on a key's key group
-(DESIGN.md §8).
+(docs/ARCHITECTURE.md, "Identities and versions").
 
 Spark's rule (``XxHash64Function``): the running hash starts at the seed 42; for each key column in
 order, a null leaves it unchanged, any other value replaces it with ``XXH64(bytes, seed=hash)``

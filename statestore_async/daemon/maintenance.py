@@ -1,4 +1,5 @@
-"""Maintenance in the daemon, off the request path: snapshots and retention (DESIGN §4, §5).
+"""Maintenance in the daemon, off the request path: snapshots and retention
+(docs/ARCHITECTURE.md, "The daemon": ``Maintenance``).
 
 When the uploader reports a delta durable, its store is checked: if the head's delta chain (the
 deltas since its last snapshot) is ``snapshot_interval`` long or holds more than

@@ -1,4 +1,5 @@
-"""``StoreRegistry``: the stores a daemon holds in memory, by ``StoreId`` (DESIGN §2, §5).
+"""``StoreRegistry``: the stores a daemon holds in memory, by ``StoreId``
+(docs/ARCHITECTURE.md, "The daemon"; the budget's promise: docs/GUARANTEES.md, "The memory budget").
 
 ``open`` hands out a writer (engine ``StoreVersion``) for a committed (version, ckptid):
 

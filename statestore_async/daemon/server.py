@@ -1,4 +1,5 @@
-"""The daemon: serves the stores of one node to its Python workers over a Unix socket (DESIGN §2, §6).
+"""The daemon: serves the stores of one node to its Python workers over a Unix socket
+(docs/ARCHITECTURE.md, "The daemon" and "The wire protocol").
 
 ``Daemon`` owns the ``StoreRegistry`` and the ``Uploader`` and listens on ``config.socket`` (no
 TCP). Each connection is an ``asyncio.Protocol`` that feeds a sans-IO ``ServerProtocol``:

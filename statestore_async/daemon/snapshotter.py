@@ -1,4 +1,5 @@
-"""Snapshots built in a process of their own, from the files already durable (DESIGN §4).
+"""Snapshots built in a process of their own, from the files already durable
+(docs/ARCHITECTURE.md, "The daemon": ``snapshot_builder = "process"``).
 
 A snapshot of a 200k-key store is ~10 MB to encode and send. Done inside the daemon, even in
 small steps between requests, it costs the event loop milliseconds here and there — listing the

@@ -1,4 +1,5 @@
-"""The versioned key-value engine: no IO, no asyncio (DESIGN §5).
+"""The versioned key-value engine: no IO, no asyncio, no wire format
+(docs/ARCHITECTURE.md, "The engine").
 
 A ``VersionedStore`` holds the committed map of one store at its head ``(version, ckptid)``.
 ``open(version)`` hands out a ``StoreVersion``: an overlay (changed keys and tombstones) over the

@@ -1,4 +1,5 @@
-"""Checkpoint files: deltas and snapshots of one store (DESIGN §4). Pure bytes in, bytes out.
+"""Checkpoint files: deltas and snapshots of one store (docs/ARCHITECTURE.md, "Checkpoint
+files"). Pure bytes in, bytes out.
 
 File layout (every integer little-endian)::
 

@@ -1,4 +1,5 @@
-"""Rebuild a committed state of a store from its checkpoint files (DESIGN §4).
+"""Rebuild a committed state of a store from its checkpoint files
+(docs/ARCHITECTURE.md, "Loading and retention").
 
 ``load_store`` reads the snapshot of (version, ckptid) if there is one; otherwise the delta of that
 state, whose header lists its lineage back to a base (a snapshot, or the empty version 0); it then

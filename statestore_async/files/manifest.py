@@ -1,6 +1,7 @@
 """The operator manifest ``<operator>/_commits/<version>.json``: which checkpoint of each partition counts.
 
-The driver writes it after every file a batch produced is present in the object store (DESIGN §7).
+The driver writes it after every file a batch produced is present in the object store
+(docs/ARCHITECTURE.md, "Spark integration", step 5; docs/GUARANTEES.md, "The promises").
 A later load of partition p at that version opens exactly the (version, ckptid) it names, so files
 of other attempts are ignored (and later collected). The manifest also fixes the operator's number
 of partitions and key groups, which may not change silently.

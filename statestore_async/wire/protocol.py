@@ -1,4 +1,5 @@
-"""The client ⇄ daemon wire protocol, sans-IO (DESIGN §6): no sockets, no asyncio.
+"""The client ⇄ daemon wire protocol, sans-IO (docs/ARCHITECTURE.md, "The wire
+protocol"): no sockets, no asyncio.
 
 Frames (see ``statestore_async.codecs.framing``)::
 
