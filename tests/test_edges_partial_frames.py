@@ -17,7 +17,7 @@ import pytest
 from statestore_async import errors
 from statestore_async.client.clients import Client
 from statestore_async.config import DaemonConfig
-from statestore_async.daemon import server
+from statestore_async.daemon import connection
 from statestore_async.testing.daemon import wait_until
 from statestore_async.wire.protocol import CLOSED, NEED_DATA, ClientProtocol, ErrorResponse, Op, Response
 
@@ -106,7 +106,7 @@ async def test_partial_frames_share_one_budget_and_go_with_their_connection(daem
 
 async def test_a_frame_stalled_mid_way_while_others_wait_is_refused_and_its_room_handed_on(daemon_factory,
                                                                                           monkeypatch):
-    monkeypatch.setattr(server, "PARTIAL_FRAME_WAIT", 0.5)
+    monkeypatch.setattr(connection, "PARTIAL_FRAME_WAIT", 0.5)
     d = await daemon_factory(max_frame_bytes=4 * MIB, partial_frames_bytes=4 * MIB)
     stalled = await RawClient.connect(d.config.socket)
     rid = stalled.start_ping(4 * MIB, 1 * MIB)  # a client stalled mid-frame holds the whole budget
@@ -128,7 +128,7 @@ async def test_a_frame_stalled_mid_way_while_others_wait_is_refused_and_its_room
 
 async def test_a_frame_that_waits_too_long_behind_live_frames_is_refused_with_a_typed_error(daemon_factory,
                                                                                           monkeypatch):
-    monkeypatch.setattr(server, "PARTIAL_FRAME_WAIT", 0.5)
+    monkeypatch.setattr(connection, "PARTIAL_FRAME_WAIT", 0.5)
     d = await daemon_factory(max_frame_bytes=4 * MIB, partial_frames_bytes=4 * MIB)
     slow = await RawClient.connect(d.config.socket)
     slow.start_ping(4 * MIB, 1 * MIB)  # a slow sender holds the whole budget, still sending

@@ -425,7 +425,7 @@ async def test_a_missing_bucket_degrades_until_it_exists_then_the_retried_upload
 _SMALL_MULTIPART_DAEMON = textwrap.dedent("""
     import asyncio, sys
     from statestore_async.config import DaemonConfig
-    from statestore_async.daemon import server
+    from statestore_async.daemon import process, server
     from statestore_async.objectstore.s3 import S3ObjectStore
 
     socket, endpoint = sys.argv[1], sys.argv[2]
@@ -435,7 +435,7 @@ _SMALL_MULTIPART_DAEMON = textwrap.dedent("""
         return S3ObjectStore.from_uri(uri, endpoint_url=endpoint, region="us-east-1", addressing_style="path",
                                       multipart_threshold=1 << 20, part_size=5 << 20)
 
-    server.configure_logging(config)
+    process.configure_logging(config)
     sys.exit(asyncio.run(server.serve(config, open_objstore=open_objstore)))
 """)
 

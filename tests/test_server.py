@@ -487,14 +487,14 @@ def test_the_daemon_makes_malloc_return_large_freed_blocks():
     # tables and payloads stay resident; the daemon fixes the threshold at start (daemon.server.run)
     import platform
 
-    from statestore_async.daemon import server
+    from statestore_async.daemon import process
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt and malloc_trim are glibc's")
-    assert server.return_freed_memory() is True
+    assert process.return_freed_memory() is True
     # and after evictions it hands the heap's free pages back (malloc_trim)
-    assert server._MALLOC_TRIM is not None
-    server.give_back_free_pages()
+    assert process._MALLOC_TRIM is not None
+    process.give_back_free_pages()
 
 
 async def test_a_slow_cleanup_holds_up_no_snapshot(make_daemon, root, monkeypatch):
