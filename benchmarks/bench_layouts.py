@@ -67,7 +67,7 @@ import charts
 import numpy as np
 
 from statestore_async.codecs import framing
-from statestore_async.engine.store import merge_ordered
+from statestore_async.engine.levels import merge_ordered
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

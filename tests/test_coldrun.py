@@ -13,7 +13,8 @@ from statestore_async.codecs import framing
 from statestore_async.codecs.keylayout import store_key
 from statestore_async.codecs.packed import PackedList
 from statestore_async.daemon import payloads
-from statestore_async.engine.store import VersionedStore, table_of
+from statestore_async.engine.delta import table_of
+from statestore_async.engine.store import VersionedStore
 from statestore_async.engine.table import Table
 from statestore_async.errors import CorruptFileError, InterfaceError, VersionNotFoundError
 from statestore_async.files import checkpoint

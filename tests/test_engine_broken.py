@@ -7,7 +7,8 @@ import pytest
 
 from statestore_async import errors
 from statestore_async.client.clients import AsyncClient
-from statestore_async.engine.store import State, VersionedStore, table_of
+from statestore_async.engine.delta import table_of
+from statestore_async.engine.store import State, VersionedStore
 from statestore_async.ids import StoreId
 
 SID = StoreId("file:///tmp/unused", "op", 0)

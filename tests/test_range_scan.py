@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from statestore_async import errors
 from statestore_async.client.clients import AsyncClient, Client
 from statestore_async.codecs import framing
-from statestore_async.engine.store import VersionedStore, merge_lazy
+from statestore_async.engine.levels import merge_lazy
+from statestore_async.engine.store import VersionedStore
 from statestore_async.ids import StoreId
 from statestore_async.wire import protocol as P
 

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_spill import DEADLINE, key, value, wait_for  # the same keys, values and waits as the spill tests
 
-from statestore_async.engine.store import MISSING, VersionedStore
+from statestore_async.engine.levels import MISSING
+from statestore_async.engine.store import VersionedStore
 from statestore_async.engine.table import Table
 from statestore_async.errors import InterfaceError
 from statestore_async.files import checkpoint

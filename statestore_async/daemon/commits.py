@@ -33,7 +33,8 @@ from typing import Any
 from statestore_async.daemon.metrics import Buckets
 from statestore_async.daemon.registry import StoreRegistry
 from statestore_async.daemon.uploader import Upload, Uploader
-from statestore_async.engine.store import Delta, StoreVersion
+from statestore_async.engine.delta import Delta
+from statestore_async.engine.store import StoreVersion
 from statestore_async.ids import CheckpointRef
 
 log = logging.getLogger("statestore_async.daemon")

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
-from statestore_async.engine.store import FrozenView
+from statestore_async.engine.views import FrozenView
 from statestore_async.errors import StateStoreError
 from statestore_async.files.checkpoint import FileHeader, block_bytes_for, snapshot_steps
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key

@@ -53,7 +53,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 from statestore_async.daemon.objectstores import ObjectStores
 from statestore_async.daemon.uploader import Uploader, UploadState
-from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, FlushedRun, StoreVersion, VersionedStore
+from statestore_async.engine.levels import ColdLevel, FlushedRun
+from statestore_async.engine.store import DEFAULT_HISTORY, StoreVersion, VersionedStore
 from statestore_async.engine.table import Table
 from statestore_async.errors import OpenTimeoutError, StateStoreError, VersionNotFoundError, WriterConflictError
 from statestore_async.files import loader

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from statestore_async.daemon.metrics import DURABLE_LATENCY_BOUNDS, Buckets
-from statestore_async.engine.store import Delta
+from statestore_async.engine.delta import Delta
 from statestore_async.errors import (
     CheckpointConflictError,
     InterfaceError,

@@ -42,19 +42,27 @@ from __future__ import annotations
 
 import enum
 import functools
-import heapq
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias, TypeVar, cast
+from dataclasses import dataclass
+from typing import TypeAlias, TypeVar, cast
 
-import numpy as np
-
-from statestore_async.codecs import blockcodec
-from statestore_async.codecs.keylayout import KEY_GROUP_BYTES, key_group_or_zero
+from statestore_async.codecs.keylayout import KEY_GROUP_BYTES
 from statestore_async.engine import table as _table
+from statestore_async.engine.delta import Delta, table_of
+from statestore_async.engine.levels import (
+    ColdLevel,
+    FlushedRun,
+    StackRuns,
+    WriteRun,
+    merge_entries,
+    merge_lazy,
+    merge_ordered,
+    prefix_stop,
+)
 from statestore_async.engine.lookup import KeyLookup
-from statestore_async.engine.table import Table, TableView
+from statestore_async.engine.table import Table
+from statestore_async.engine.views import FrozenView
 from statestore_async.errors import (
     InterfaceError,
     StoreBrokenError,
@@ -73,199 +81,14 @@ SPILLED_HISTORY = 2
 # Refs a commit's lineage names at most (a delta file's header carries it); see _lineage_tail.
 MAX_LINEAGE = 1000
 
-# a FlushedRun's ``lookup_many`` (and a cold level's): the run has no entry for the key (a
-# tombstone gives None)
-MISSING = object()
-
 # key -> value, or None for a removed key (a tombstone): what a caller may pass as changes
 Changes: TypeAlias = Mapping[bytes, bytes | None]
-
-
-class ColdLevel(Protocol):
-    """The committed records of one state (``ref``) outside memory, read on demand: key order, no
-    tombstones. ``nbytes`` is what it holds in memory itself (its index)."""
-
-    ref: CheckpointRef
-    nbytes: int
-
-    def __len__(self) -> int: ...
-
-    def get(self, key: bytes) -> bytes | None: ...
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
-
-    def lookup_into(self, lookup: KeyLookup, js: np.ndarray) -> None:
-        """Look the keys of ``js`` (int64 indexes of ``lookup``'s keys, none found yet) up in the
-        level's blocks (``KeyLookup.from_block``)."""
-        ...
-
-    def items(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes]]: ...
-
-    def close(self) -> None:
-        """Let go of what it holds (its store replaced it; no view of it is left)."""
-
-
-class FlushedRun(Protocol):
-    """Changes of an open version written out in key order by a write-buffer flush (see the module
-    doc), tombstones kept: in the daemon a ``files.coldrun.ColdRun`` of a delta file on local
-    disk. ``nbytes`` is what it holds in memory (its index)."""
-
-    ref: CheckpointRef
-    nbytes: int
-
-    def __len__(self) -> int: ...
-
-    def lookup_many(self, keys: Sequence[bytes]) -> list[object]:
-        """Per key: its value, None for a tombstone, ``MISSING`` when the run has no entry."""
-        ...
-
-    def lookup_into(self, lookup: KeyLookup, js: np.ndarray) -> None:
-        """``ColdLevel.lookup_into``, a tombstone found (its length -1)."""
-        ...
-
-    def entries(self, start: bytes = b"", stop: bytes | None = None) -> Iterator[tuple[bytes, bytes | None]]:
-        """(key, value | None) with ``start <= key < stop`` in key order, tombstones included."""
-        ...
-
-    def reopen(self) -> FlushedRun:
-        """The same run read through a handle of its own (closing either leaves the other open)."""
-        ...
-
-    def close(self) -> None: ...
-
-
-# write_run(overlay) -> the flushed run of it; stack(runs newest first, cold level, state) -> the
-# cold level holding ``state``: the runs over the cold level (see StoreVersion.flush)
-WriteRun: TypeAlias = Callable[[Table], FlushedRun]
-StackRuns: TypeAlias = Callable[[Sequence[FlushedRun], ColdLevel, CheckpointRef], ColdLevel]
 
 
 class State(enum.Enum):
     UPDATING = "UPDATING"
     COMMITTED = "COMMITTED"
     ABORTED = "ABORTED"
-
-
-class Records(Mapping[bytes, "bytes | None"]):
-    """A read-only mapping over a table of changes: key → value, or None for a removed key.
-
-    Iteration is in key order (key groups ascending). ``table`` is the table itself, for the
-    routines that read it whole (file encoding); nothing may change it.
-    """
-
-    __slots__ = ("table",)
-
-    def __init__(self, table: Table):
-        self.table = table
-
-    def __getitem__(self, key: bytes) -> bytes | None:
-        if key not in self.table:
-            raise KeyError(key)
-        return self.table.get(key)
-
-    def __contains__(self, key: object) -> bool:
-        return type(key) is bytes and key in self.table
-
-    def __iter__(self) -> Iterator[bytes]:
-        return (k for k, _ in self.table.items())
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def items(self) -> Iterator[tuple[bytes, bytes | None]]:  # type: ignore[override]
-        """(key, value | None) in key order."""
-        return self.table.items()
-
-    def __repr__(self) -> str:
-        return f"Records({len(self.table)} records)"
-
-
-@dataclass(frozen=True, eq=False)
-class Delta:
-    """What one commit changed: the records to persist for ``ref``.
-
-    ``records`` maps key → new value, or None for a removed key (a tombstone), in key order.
-    ``lineage`` lists the committed states this one builds on, newest first, back to its base (a
-    state with a snapshot, or the empty state, version 0). ``lineage[0]`` is the parent.
-
-    The delta of a deferred commit (``StoreVersion.commit(defer=True)``) has its records once the
-    store has applied the changes: reading ``records`` applies them (``VersionedStore.apply_pending``)
-    if that has not happened yet; ``applied`` tells without doing it.
-    """
-
-    store_id: StoreId
-    ref: CheckpointRef
-    lineage: tuple[CheckpointRef, ...]
-    _records: Table | None
-    # bytes of the records' keys and values (+ 8 each): what the upload queue counts (for a deferred
-    # commit, counted from the changes before they were applied: an upper bound)
-    nbytes: int = 0
-    _store: VersionedStore | None = field(default=None, repr=False)
-    # a commit of a version that flushed: its runs (newest first, handles of the delta's own), which
-    # hold the changes made before the last flush; ``_records`` holds those made after it
-    runs: tuple[FlushedRun, ...] = ()
-
-    @property
-    def records(self) -> Records:
-        return Records(self.table)
-
-    @property
-    def table(self) -> Table:
-        """The records as the engine's table (read only). A delta with ``runs`` has no such table
-        (its records are mostly on disk): read ``entries()``."""
-        if self.runs:
-            raise InterfaceError(f"the delta of {self.store_id} at {self.ref} has {len(self.runs)} flushed runs: "
-                                 "read its records with entries()")
-        return self._table()
-
-    def _table(self) -> Table:
-        self.apply()
-        records = self._records
-        assert records is not None  # apply() set them
-        return records
-
-    def entries(self) -> Iterator[tuple[bytes, bytes | None]]:
-        """Every (key, value | None) of the delta in key order, its flushed runs merged in (the
-        newest entry of a key wins)."""
-        table = self._table()
-        if not self.runs:
-            return table.items()
-        return merge_entries([table.items(), *(run.entries() for run in self.runs)])
-
-    @property
-    def entries_in_memory(self) -> int:
-        """Changes of the delta held in memory (made after its version's last flush)."""
-        return len(self._table())
-
-    def close_runs(self) -> None:
-        """Let go of the runs' handles (the delta file is written). Idempotent."""
-        for run in self.runs:
-            run.close()
-
-    @property
-    def applied(self) -> bool:
-        return self._records is not None
-
-    def apply(self) -> None:
-        """Apply a deferred commit's changes now (nothing if they are applied already)."""
-        if self._records is None:
-            assert self._store is not None  # a deferred commit's delta names its store
-            self._store.apply_pending()
-
-    @property
-    def parent(self) -> CheckpointRef:
-        return self.lineage[0]
-
-    @property
-    def version(self) -> int:
-        return self.ref.version
-
-    @property
-    def ckptid(self) -> str:
-        return self.ref.ckptid
-
-    def __len__(self) -> int:
-        return len(self.table)
 
 
 @dataclass
@@ -281,177 +104,6 @@ class _Commit:
     @property
     def nbytes(self) -> int:
         return (self.undo.nbytes if self.undo is not None else 0) + (self.redo.nbytes if self.redo is not None else 0)
-
-
-def table_of(records: Mapping[bytes, bytes | None] | Iterable[tuple[bytes, bytes | None]]) -> Table:
-    """A new table holding ``records`` (a mapping, or (key, value | None) pairs; None is kept as
-    a tombstone entry)."""
-    t = Table()
-    pairs = records.items() if isinstance(records, Mapping) else records
-    for k, v in pairs:
-        t.put(k, v)
-    return t
-
-
-class FrozenView:
-    """A read-only view of one committed state that later commits do not change.
-
-    Made by ``VersionedStore.freeze()`` for snapshot writing: the committed table is frozen
-    (``Table.freeze``: its arena stays append-only while the view lives, and the view keeps the
-    records' order), so reading the view stays exact while puts and commits go on. ``release()``
-    it when done. A spilled store's view is its frozen hot table over its cold level (which
-    never changes); its ``chunk``/``chunk_packed`` are read in order, from position 0, and its
-    snapshot is written block by block from the cold level (``merged_blocks``).
-    """
-
-    def __init__(self, store: VersionedStore):
-        self._store: VersionedStore | None = store  # None once released: a view kept around holds no store
-        self.store_id = store.store_id
-        self.ref = store.head
-        self.lineage = store.lineage
-        self._view: TableView | None = store._data.freeze()
-        self._cold = store._cold
-        self._len: int | None = None
-        self._cursor: tuple[int, Iterator[tuple[bytes, bytes]], tuple[bytes, bytes] | None] | None = None
-
-    def _live(self) -> TableView:
-        if self._view is None:
-            raise StoreStateError(f"the frozen view of store {self.store_id} at {self.ref} was released")
-        return self._view
-
-    def __len__(self) -> int:
-        if self._view is None:
-            return 0
-        if self._cold is None:
-            return len(self._view)
-        if self._len is None:
-            self._len = sum(1 for _ in self.items())
-        return self._len
-
-    def keys(self) -> list[bytes]:
-        """The keys of the frozen state, in key order."""
-        if self._view is None:
-            return []
-        return [k for k, _ in self.items()]
-
-    def get(self, key: bytes) -> bytes | None:
-        """The frozen value of ``key`` (None if it was not in the frozen state)."""
-        view = self._live()
-        if self._cold is None or view.get(key) is not None:
-            return view.get(key)
-        if _has_entry(view, key):
-            return None  # removed since the cold state
-        return self._cold.get(key)
-
-    def items(self) -> Iterator[tuple[bytes, bytes]]:
-        """The frozen records in key order (key groups ascending)."""
-        view = self._live()
-        if self._cold is None:
-            return view.items()  # type: ignore[return-value]  # a committed table holds no tombstone
-        return merge_lazy(view.items(), self._cold.items())
-
-    def _merged_chunk(self, pos: int, max_bytes: int,
-                      size_of: Callable[[bytes, bytes], int]) -> list[tuple[bytes, bytes]]:
-        """A spilled store's merged records from position ``pos`` (the position the last chunk
-        ended at, or 0) while their ``size_of`` adds up to at most ``max_bytes`` (at least one)."""
-        self._live()
-        cursor = self._cursor
-        if cursor is not None and cursor[0] == pos:
-            it, held = cursor[1], cursor[2]
-        elif pos == 0:
-            it, held = self.items(), None
-        else:
-            raise InterfaceError(f"the view of spilled store {self.store_id} is read in order: position {pos} "
-                                 f"follows {cursor[0] if cursor else 0}")
-        out: list[tuple[bytes, bytes]] = []
-        size = 0
-        while True:
-            rec = held if held is not None else next(it, None)
-            held = None
-            if rec is None:
-                break
-            n = size_of(rec[0], rec[1])
-            if out and size + n > max_bytes:
-                held = rec
-                break
-            out.append(rec)
-            size += n
-        self._cursor = (pos + len(out), it, held)
-        return out
-
-    def chunk(self, pos: int, max_bytes: int) -> tuple[list[tuple[bytes, bytes]], int]:
-        """The records from position ``pos`` in key order while ``len(key) + len(value) + 11``
-        adds up to at most ``max_bytes`` (at least one when any is left), and the next position;
-        an empty list at the end."""
-        if self._cold is None:
-            return self._live().chunk(pos, max_bytes)  # type: ignore[return-value]
-        out = self._merged_chunk(pos, max_bytes, lambda k, v: len(k) + len(v) + 11)
-        return out, pos + len(out)
-
-    def chunk_packed(self, pos: int, max_bytes: int) -> tuple[bytes, int, int, int]:
-        """The records from position ``pos`` as one encoded block payload (``TableView.chunk_packed``):
-        ``(payload, next_pos, min_kg, max_kg)``."""
-        if self._cold is None:
-            return self._live().chunk_packed(pos, max_bytes)
-        out = self._merged_chunk(pos, max_bytes, _record_size)
-        if not out:
-            return b"", pos, 0, 0
-        kgs = [key_group_or_zero(k) for k, _ in out]
-        return blockcodec.encode_records_raw(out), pos + len(out), min(kgs), max(kgs)
-
-    def merged_blocks(self, max_payload: int) -> Iterator[tuple[bytes, int, int, int, bytes, bool]] | None:
-        """A spilled store's snapshot blocks: its cold level's ``merged_blocks`` of the frozen hot
-        part (a compaction that copies untouched blocks through: ``files.coldrun``); None when the
-        store is not spilled (write ``chunk_packed``) or its cold level cannot merge by block."""
-        view = self._live()
-        merge = getattr(self._cold, "merged_blocks", None)
-        if merge is None:
-            return None
-        blocks: Iterator[tuple[bytes, int, int, int, bytes, bool]] = merge(view.items(), max_payload)
-        return blocks
-
-    @property
-    def approx_bytes(self) -> int:
-        """About how many bytes the view's records take (its store's memory; 0 once released):
-        a writer sizes its blocks by it."""
-        return self._store.memory_bytes if self._store is not None else 0
-
-    def release(self) -> None:
-        """End the view: the table may reclaim what only the view needed, and the view lets go of the store."""
-        store, view = self._store, self._view
-        self._store = self._view = None
-        self._cold = None
-        self._cursor = None
-        if view is not None:
-            view.release()
-        if store is not None:
-            store._views.remove(self)
-
-    def __enter__(self) -> FrozenView:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _varint_len(n: int) -> int:
-    size = 1
-    while n >= 0x80:
-        n >>= 7
-        size += 1
-    return size
-
-
-def _record_size(key: bytes, value: bytes) -> int:
-    """Bytes of one record in a ``blockcodec`` records payload."""
-    return 1 + _varint_len(len(key)) + len(key) + _varint_len(len(value)) + len(value)
-
-
-def _has_entry(table: Table | TableView, key: bytes) -> bool:
-    """Whether ``table`` has an entry for ``key`` (a tombstone included)."""
-    if isinstance(table, Table):
-        return key in table
-    return any(True for _ in table.items(key, key + b"\x00"))
 
 
 class VersionedStore:
@@ -1212,65 +864,3 @@ class StoreVersion:
 
 # what a finished StoreVersion reads from (never: its state checks come first); none of the store's
 _EMPTY = Table()
-
-
-def prefix_stop(prefix: bytes) -> bytes | None:
-    """The smallest key above every key that starts with ``prefix`` (None: there is none)."""
-    p = prefix.rstrip(b"\xff")
-    return p[:-1] + bytes([p[-1] + 1]) if p else None
-
-
-def merge_lazy(changes: Iterator[tuple[bytes, bytes | None]],
-               base: Iterator[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, bytes]]:
-    """``merge_ordered`` of two key-ordered iterators, reading each only as far as the output goes
-    (a caller that stops early has paid only for what it took, and the tombstones before it)."""
-    c = next(changes, None)
-    b = next(base, None)
-    while c is not None:
-        if b is not None and b[0] < c[0]:
-            k, v = b
-            b = next(base, None)
-        else:
-            k, v = c
-            if b is not None and b[0] == k:
-                b = next(base, None)
-            c = next(changes, None)
-        if v is not None:
-            yield k, v
-    while b is not None:
-        if b[1] is not None:
-            yield b[0], b[1]
-        b = next(base, None)
-
-
-def merge_entries(streams: Sequence[Iterator[tuple[bytes, bytes | None]]]) -> Iterator[tuple[bytes, bytes | None]]:
-    """Key-ordered iterators of (key, value | None), newest first, merged in key order: for each
-    key the newest stream's entry, tombstones kept."""
-    def aged(age: int, stream: Iterator[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, int, bytes | None]]:
-        for k, v in stream:
-            yield k, age, v  # on equal keys the newer stream (lower age) comes first
-
-    last = None
-    for k, _age, v in heapq.merge(*(aged(age, s) for age, s in enumerate(streams))):
-        if k != last:
-            last = k
-            yield k, v
-
-
-def merge_ordered(changes: list[tuple[bytes, bytes | None]],
-                  base: list[tuple[bytes, bytes | None]]) -> Iterator[tuple[bytes, bytes]]:
-    """The key-ordered union of two key-ordered lists, ``changes`` winning on equal keys; a None
-    value (a tombstone) hides the key."""
-    i = j = 0
-    nc, nb = len(changes), len(base)
-    while i < nc or j < nb:
-        if j >= nb or (i < nc and changes[i][0] <= base[j][0]):
-            k, v = changes[i]
-            i += 1
-            if j < nb and base[j][0] == k:
-                j += 1
-        else:
-            k, v = base[j]
-            j += 1
-        if v is not None:
-            yield k, v

@@ -55,7 +55,8 @@ from statestore_async.files.names import DELTA, SNAPSHOT, file_name
 from statestore_async.ids import CheckpointRef, StoreId
 
 if TYPE_CHECKING:
-    from statestore_async.engine.store import Delta, FrozenView
+    from statestore_async.engine.delta import Delta
+    from statestore_async.engine.views import FrozenView
 
 # (key, value), or (key, None) for a tombstone (delta files only)
 Record: TypeAlias = tuple[bytes, bytes | None]

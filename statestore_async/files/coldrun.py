@@ -18,7 +18,7 @@ A delta file opens as a run too (``kind=DELTA``): its tombstones hide older valu
 its snapshot — so that a spilled store's hot part can leave memory without rewriting anything: the
 files are on local disk already (an LSM's flushed memtables, written by the uploader).
 
-``ColdRun`` and ``ColdStack`` satisfy the engine's ``engine.store.ColdLevel``: the engine does no
+``ColdRun`` and ``ColdStack`` satisfy the engine's ``engine.levels.ColdLevel``: the engine does no
 IO of its own.
 
 **Compaction** (the snapshot of a spilled store) is block-wise: ``merged_blocks`` walks the
@@ -48,8 +48,8 @@ import zstandard
 
 from statestore_async.codecs import blockcodec
 from statestore_async.codecs.keylayout import key_group_or_zero
+from statestore_async.engine.levels import MISSING  # ``lookup_many``: no entry (a tombstone gives None)
 from statestore_async.engine.lookup import KeyLookup
-from statestore_async.engine.store import MISSING  # ``lookup_many``: no entry (a tombstone gives None)
 from statestore_async.engine.table import Table, put_items, remove_keys
 from statestore_async.errors import CorruptBlockError, CorruptFileError
 from statestore_async.files.checkpoint import (

@@ -36,7 +36,8 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from statestore_async.engine.store import DEFAULT_HISTORY, ColdLevel, VersionedStore
+from statestore_async.engine.levels import ColdLevel
+from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
 from statestore_async.engine.table import Table, load_records
 from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
 from statestore_async.files.checkpoint import FileHeader, Record, block_bytes_for, encode_snapshot, read_checkpoint

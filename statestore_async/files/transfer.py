@@ -25,7 +25,8 @@ from statestore_async.files.names import DELTA, SNAPSHOT, file_key
 from statestore_async.ids import CheckpointRef, StoreId
 
 if TYPE_CHECKING:
-    from statestore_async.engine.store import Delta, FrozenView
+    from statestore_async.engine.delta import Delta
+    from statestore_async.engine.views import FrozenView
     from statestore_async.objectstore.base import ObjectStore
 
 
