@@ -13,7 +13,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 CACHE  := .cache
 PYTEST_ARGS ?=
 
-EXT_SOURCES := $(wildcard _ext/*.pyx _ext/*.pxd)
+EXT_SOURCES := $(wildcard _ext/*.pyx _ext/*.pxd _ext/*.pxi statestore_async/_native/*.pxd)
 
 .PHONY: all demo test test-fast lint bench build deps clean distclean helm-bin
 

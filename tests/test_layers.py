@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
 # test support (fault proxy, S3 server, daemon process) may use anything, and nothing uses it but tests
 TEST_SUPPORT = "testing"
 # .pxd headers of _ext/ that are no module of their own (inlined into each module that cimports them)
-SHARED_PXD = {"_bytes": "codecs", "_spans": "codecs", "_wire": "codecs"}
+SHARED_PXD = {"_bytes": "codecs", "_spans": "codecs", "_wire": "codecs", "_records": "engine", "_refsort": "engine"}
 # the wire format (frames, batch payloads): nothing in these layers may import or cimport it
 NO_WIRE_LAYERS = ("engine",)
 WIRE_FORMAT = ("statestore_async.wire", "statestore_async.codecs.framing", "statestore_async.codecs.packed",
@@ -162,8 +162,12 @@ def _cython_violations(sources: list[tuple[str, str]], facades: dict[str, str]) 
     """What a Cython source (``(file name, source)``: ``_ext/*.pyx``, ``*.pxd``) cimports against
     the layers."""
     wrong = []
+    # a .pxi is part of the .pyx that includes it
+    owner = {inc: name.split("/")[-1].split(".")[0] for name, source in sources if name.endswith(".pyx")
+             for inc in re.findall(r'^include\s+"([^"]+)"', source, re.M)}
     for filename, source in sources:
-        stem = filename.split("/")[-1].split(".")[0]
+        base = filename.split("/")[-1]
+        stem = owner.get(base, base.split(".")[0]) if base.endswith(".pxi") else base.split(".")[0]
         unit = _compiled_layer(stem, facades)
         for line, mod in _cimports(source):
             other = _compiled_layer(mod, facades)
@@ -175,7 +179,8 @@ def _cython_violations(sources: list[tuple[str, str]], facades: dict[str, str]) 
 
 
 def _cython_sources() -> list[tuple[str, str]]:
-    files = sorted(EXT.glob("*.pyx")) + sorted(EXT.glob("*.pxd")) + sorted((PACKAGE / "_native").glob("*.pxd"))
+    files = sorted(EXT.glob("*.pyx")) + sorted(EXT.glob("*.pxi")) + sorted(EXT.glob("*.pxd")) \
+        + sorted((PACKAGE / "_native").glob("*.pxd"))
     return [(str(p.relative_to(PACKAGE.parent)), p.read_text()) for p in files]
 
 
@@ -249,3 +254,6 @@ def test_the_cimport_check_sees_a_violation():
         "_ext/framing.pyx:2 (codecs) cimports statestore_async._native.table (engine, a higher layer)",
         "_ext/table.pyx:3 (engine) cimports the wire format _wire",
     ]
+    # an included .pxi is held to its module's layer
+    sources = [("_ext/table.pyx", 'include "table_views.pxi"\n'), ("_ext/table_views.pxi", "from _wire cimport rd32\n")]
+    assert _cython_violations(sources, facades) == ["_ext/table_views.pxi:1 (engine) cimports the wire format _wire"]
