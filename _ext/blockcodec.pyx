@@ -30,7 +30,10 @@ cdef extern from "Python.h":
     int PyBUF_READ
 
 
-MAGIC = b"\xb1\x0c"
+cdef enum:  # a block's first two bytes (tests/test_formats.py checks them against _ref/blockcodec.py)
+    MAGIC0 = 0xB1
+    MAGIC1 = 0x0C
+MAGIC = bytes((MAGIC0, MAGIC1))
 HEADER_SIZE = 24
 CODEC_NONE = 0
 CODEC_ZSTD = 1
@@ -360,8 +363,8 @@ cdef bytes _make_block(const unsigned char* raw, Py_ssize_t raw_len, Py_ssize_t 
         block = PyBytes_FromStringAndSize(NULL, C_HEADER + stored_len)
         p = <unsigned char*>PyBytes_AS_STRING(block)
         memcpy(p + C_HEADER, PyBytes_AS_STRING(stored), stored_len)
-    p[0] = 0xB1
-    p[1] = 0x0C
+    p[0] = MAGIC0
+    p[1] = MAGIC1
     p[2] = <unsigned char>used
     p[3] = 0
     _put_u32(p + 4, <uint32_t>count)
@@ -459,7 +462,7 @@ cdef int _header(const unsigned char* buf, Py_ssize_t size, Py_ssize_t offset, H
     if have < C_HEADER:
         raise CorruptBlockError(f"truncated: need {HEADER_SIZE} bytes for the block header, have {have}")
     cdef const unsigned char* p = buf + offset
-    if p[0] != 0xB1 or p[1] != 0x0C:
+    if p[0] != MAGIC0 or p[1] != MAGIC1:
         raise CorruptBlockError(
             f"bad magic {PyBytes_FromStringAndSize(<const char*>p, 2).hex()} (expected {_MAGIC_HEX})")
     cdef int codec = p[2]

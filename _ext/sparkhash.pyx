@@ -188,44 +188,9 @@ cdef enum:
     T_TIMESTAMP = 11
     T_TIMESTAMP_NTZ = 12
 
-TYPE_NAMES = {
-    "void": T_SKIP,
-    "null": T_SKIP,
-    "boolean": T_BOOLEAN,
-    "bool": T_BOOLEAN,
-    "tinyint": T_TINYINT,
-    "byte": T_TINYINT,
-    "smallint": T_SMALLINT,
-    "short": T_SMALLINT,
-    "int": T_INT,
-    "integer": T_INT,
-    "bigint": T_BIGINT,
-    "long": T_BIGINT,
-    "float": T_FLOAT,
-    "real": T_FLOAT,
-    "double": T_DOUBLE,
-    "string": T_STRING,
-    "binary": T_BINARY,
-    "date": T_DATE,
-    "timestamp": T_TIMESTAMP,
-    "timestamp_ltz": T_TIMESTAMP,
-    "timestamp_ntz": T_TIMESTAMP_NTZ,
-}
-
-_CODE_NAMES = {
-    T_BOOLEAN: "boolean",
-    T_TINYINT: "tinyint",
-    T_SMALLINT: "smallint",
-    T_INT: "int",
-    T_BIGINT: "bigint",
-    T_FLOAT: "float",
-    T_DOUBLE: "double",
-    T_STRING: "string",
-    T_BINARY: "binary",
-    T_DATE: "date",
-    T_TIMESTAMP: "timestamp",
-    T_TIMESTAMP_NTZ: "timestamp_ntz",
-}
+# by name and by code, the one table both twins use (the codes above are checked against it by
+# tests/test_formats.py)
+from statestore_async._ref.sparktypes import CODE_NAMES as _CODE_NAMES, TYPE_NAMES
 
 cdef object _U64 = (1 << 64) - 1
 cdef object _I64_MIN = -(1 << 63)

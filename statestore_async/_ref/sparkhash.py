@@ -30,6 +30,25 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import xxhash
 
+from statestore_async._ref.sparktypes import (
+    CODE_NAMES as _CODE_NAMES,
+)
+from statestore_async._ref.sparktypes import (
+    T_BIGINT,
+    T_BINARY,
+    T_BOOLEAN,
+    T_DATE,
+    T_DOUBLE,
+    T_FLOAT,
+    T_INT,
+    T_SKIP,
+    T_SMALLINT,
+    T_STRING,
+    T_TIMESTAMP,
+    T_TIMESTAMP_NTZ,
+    T_TINYINT,
+    TYPE_NAMES,
+)
 from statestore_async.errors import EncodeError, InterfaceError
 
 if TYPE_CHECKING:
@@ -59,59 +78,6 @@ _EPOCH_UTC = _dt.datetime(1970, 1, 1, tzinfo=_dt.UTC)
 _EPOCH_NAIVE = _dt.datetime(1970, 1, 1)
 _ONE_US = _dt.timedelta(microseconds=1)
 
-# Type codes (the compiled twin uses the same numbers).
-T_SKIP = 0
-T_BOOLEAN = 1
-T_TINYINT = 2
-T_SMALLINT = 3
-T_INT = 4
-T_BIGINT = 5
-T_FLOAT = 6
-T_DOUBLE = 7
-T_STRING = 8
-T_BINARY = 9
-T_DATE = 10
-T_TIMESTAMP = 11
-T_TIMESTAMP_NTZ = 12
-
-TYPE_NAMES = {
-    "void": T_SKIP,
-    "null": T_SKIP,
-    "boolean": T_BOOLEAN,
-    "bool": T_BOOLEAN,
-    "tinyint": T_TINYINT,
-    "byte": T_TINYINT,
-    "smallint": T_SMALLINT,
-    "short": T_SMALLINT,
-    "int": T_INT,
-    "integer": T_INT,
-    "bigint": T_BIGINT,
-    "long": T_BIGINT,
-    "float": T_FLOAT,
-    "real": T_FLOAT,
-    "double": T_DOUBLE,
-    "string": T_STRING,
-    "binary": T_BINARY,
-    "date": T_DATE,
-    "timestamp": T_TIMESTAMP,
-    "timestamp_ltz": T_TIMESTAMP,
-    "timestamp_ntz": T_TIMESTAMP_NTZ,
-}
-
-_CODE_NAMES = {
-    T_BOOLEAN: "boolean",
-    T_TINYINT: "tinyint",
-    T_SMALLINT: "smallint",
-    T_INT: "int",
-    T_BIGINT: "bigint",
-    T_FLOAT: "float",
-    T_DOUBLE: "double",
-    T_STRING: "string",
-    T_BINARY: "binary",
-    T_DATE: "date",
-    T_TIMESTAMP: "timestamp",
-    T_TIMESTAMP_NTZ: "timestamp_ntz",
-}
 
 _INT_RANGES = {
     T_TINYINT: (-(1 << 7), (1 << 7) - 1),

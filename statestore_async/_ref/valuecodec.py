@@ -11,6 +11,23 @@ import struct
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
+from statestore_async._ref.valuetags import (
+    T_BIGINT,
+    T_BYTES,
+    T_DATE,
+    T_DATETIME,
+    T_DATETIME_UTC,
+    T_DECIMAL,
+    T_DICT,
+    T_FALSE,
+    T_FLOAT,
+    T_INT,
+    T_LIST,
+    T_NONE,
+    T_STR,
+    T_TRUE,
+    T_TUPLE,
+)
 from statestore_async.errors import DecodeError, EncodeError
 
 if TYPE_CHECKING:
@@ -19,21 +36,6 @@ if TYPE_CHECKING:
 
     from statestore_async._ref import Buffer, BytesLike
 
-T_NONE = 0x00
-T_FALSE = 0x01
-T_TRUE = 0x02
-T_INT = 0x03
-T_BIGINT = 0x04
-T_FLOAT = 0x05
-T_STR = 0x06
-T_BYTES = 0x07
-T_TUPLE = 0x08
-T_LIST = 0x09
-T_DICT = 0x0A
-T_DATE = 0x0B
-T_DATETIME = 0x0C
-T_DATETIME_UTC = 0x0D
-T_DECIMAL = 0x0E
 
 #: Containers may nest this deep (100 nested lists are fine, 101 are not).
 MAX_DEPTH = 100
