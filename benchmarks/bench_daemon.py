@@ -99,7 +99,8 @@ def bare_server(path: str) -> None:
     import uvloop
 
     from statestore_async.ids import CheckpointRef
-    from statestore_async.wire.protocol import Abort, GetMany, Hello, Op, Open, Ping, PutMany, ServerProtocol
+    from statestore_async.wire.events import Abort, GetMany, Hello, Open, Ping, PutMany
+    from statestore_async.wire.protocol import Op, ServerProtocol
 
     limits = {"max_frame_bytes": 64 << 20, "max_batch": 100_000, "max_inflight": 64, "daemon": "bare"}
 

@@ -19,7 +19,8 @@ from statestore_async.client.clients import Client
 from statestore_async.config import DaemonConfig
 from statestore_async.daemon import connection
 from statestore_async.testing.daemon import wait_until
-from statestore_async.wire.protocol import CLOSED, NEED_DATA, ClientProtocol, ErrorResponse, Op, Response
+from statestore_async.wire.events import CLOSED, NEED_DATA, ErrorResponse, Response
+from statestore_async.wire.protocol import ClientProtocol, Op
 
 DEADLINE = 60.0
 HEADER = struct.Struct("<IBBI")  # payload length, opcode, flags, request id

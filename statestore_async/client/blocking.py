@@ -29,16 +29,8 @@ from statestore_async.codecs.keylayout import DEFAULT_KEY_GROUPS
 from statestore_async.config import default_socket_path
 from statestore_async.errors import InterfaceError, SocketPathError
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId
-from statestore_async.wire.protocol import (
-    CLOSED,
-    NEED_DATA,
-    ClientProtocol,
-    ConnectionFailed,
-    ConnectionLostError,
-    ErrorResponse,
-    Response,
-    check_ranges,
-)
+from statestore_async.wire.events import CLOSED, NEED_DATA, ConnectionFailed, ErrorResponse, Response
+from statestore_async.wire.protocol import ClientProtocol, ConnectionLostError, check_ranges
 
 _READ_SIZE = 1 << 20
 SOCKET_PATH_MAX = 107  # bytes in a Unix socket's path (sun_path holds 108 with the final NUL)

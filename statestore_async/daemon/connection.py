@@ -34,7 +34,7 @@ from statestore_async.errors import (
     StoreStateError,
     VersionIdleTimeoutError,
 )
-from statestore_async.wire.protocol import (
+from statestore_async.wire.events import (
     CLOSED,
     NEED_DATA,
     Abort,
@@ -44,20 +44,16 @@ from statestore_async.wire.protocol import (
     ConnectionFailed,
     GetMany,
     Hello,
-    Op,
     Open,
-    PermissionDeniedError,
     Ping,
     PutMany,
     Release,
     RemoveMany,
     Scan,
     ScanRanges,
-    ServerProtocol,
-    ShuttingDownError,
     Stats,
-    UnknownHandleError,
 )
+from statestore_async.wire.protocol import Op, PermissionDeniedError, ServerProtocol, ShuttingDownError, UnknownHandleError
 
 if TYPE_CHECKING:
     from statestore_async.daemon.server import Daemon
