@@ -29,10 +29,12 @@ cdef int _trailing(Py_ssize_t pos, Py_ssize_t end, str what) except -1:
     return 0
 
 
+from statestore_async._native.table import Table as _Table
+
+
 cdef int _check_table(object table, str name) except -1:
-    from statestore_async._native.table import Table
-    if not isinstance(table, Table):
-        raise TypeError(f"Argument '{name}' has incorrect type (expected {Table.__module__}.Table, got "
+    if type(table) is not _Table:  # the table type is final
+        raise TypeError(f"Argument '{name}' has incorrect type (expected {_Table.__module__}.Table, got "
                         f"{type(table).__name__})")
     return 0
 
