@@ -29,9 +29,9 @@ budget, and a later load of the store waits for its uploads) leave memory:
 Over budget with every idle store spilled or gone, the open versions with the largest changes
 *flush* them (``StoreVersion.flush``: the write buffer): the changes go in key order to a file in
 the scratch folder (``checkpoint.write_flushed``; the file is unlinked once opened, so a crash
-leaves nothing behind), read back as a run by the version and, after its commit, by the store's
-cold level. A version can flush once its store is spilled (an empty store spills onto an empty
-snapshot file of its own) and its hot part is empty (its durable deltas are stacked first). When
+leaves only its run's link, removed when the next daemon starts), read back as a run by the version
+and, after its commit, by the store's cold level. A version can flush once its store is spilled (an
+empty store spills onto an empty snapshot file of its own) and its hot part is empty (its durable deltas are stacked first). When
 the commit's delta file is durable and local, it replaces the flushed runs (``_stack_deltas``).
 
 A load offers the loader the local copies of a store's files (``_cold_opener``, ``_delta_opener``):
