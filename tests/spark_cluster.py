@@ -395,18 +395,9 @@ def driver_session(master: str = "local[2]", conf: dict[str, str] | None = None)
 def json_batch_sink(out: str):
     """A foreachBatch sink writing each batch's session rows ``(user, start, end, events)`` to
     ``<out>/<batch id>.json`` atomically: a batch written again replaces its file."""
-    import json
+    from statestore_async.testing.campaign.spark_driver import json_sink
 
-    os.makedirs(out, exist_ok=True)
-
-    def sink(df, batch_id):
-        rows = [[r[0], int(r[1]), int(r[2]), int(r[3])] for r in df.collect()]
-        tmp = os.path.join(out, f".{batch_id}.json")
-        with open(tmp, "w") as f:
-            json.dump(rows, f)
-        os.replace(tmp, os.path.join(out, f"{batch_id}.json"))
-
-    return sink
+    return json_sink(out)
 
 
 def read_outputs(out: str) -> dict[int, dict]:
