@@ -121,6 +121,34 @@ async def test_every_version_loads_from_files_alone_equal_to_memory(objstore):
         assert d.lineage[0] == ref
 
 
+async def test_a_load_holds_a_few_deltas_not_its_whole_chain(objstore):
+    """The deltas of a lineage are read while the replay runs, a few ahead of it: a load over a
+    chain of 30 deltas of ~1 MB each (no snapshot, nothing local to open as runs) holds a few of
+    them at a time, not all 30 (it used to fetch every delta of the chain before replaying any)."""
+    import tracemalloc
+
+    from statestore_async.files import loader
+
+    store = VersionedStore(sid(objstore))
+    keys = [store_key(i % 97, b"key-%04d" % i) for i in range(1000)]
+    for v in range(30):
+        w = store.open(v)
+        for i, k in enumerate(keys):
+            w.put(k, b"%04d-%04d" % (v, i) * 100)  # 900 bytes
+        await write_delta(objstore, w.commit())
+    head = store.head
+    delta_bytes = 1000 * 1000  # a delta's records as bytes objects, roughly
+    tracemalloc.start()
+    try:
+        loaded, report = await load_store(objstore, sid(objstore), head)
+        _now, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(report.deltas) == 30 and dict(loaded.items()) == dict(store.items())
+    # the newest delta (read to learn the lineage), REPLAY_AHEAD in flight, the one replaying, slack
+    assert peak < (loader.REPLAY_AHEAD + 4) * delta_bytes, f"peak {peak / 1e6:.1f} MB for a chain of 30 deltas"
+
+
 async def test_a_failed_attempt_restarts_from_the_old_version_from_files(objstore):
     store = VersionedStore(sid(objstore))
     states = await run_batches(objstore, store, 0, 3)

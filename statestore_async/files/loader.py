@@ -4,8 +4,9 @@
 ``load_store`` reads the snapshot of (version, ckptid) if there is one; otherwise the delta of that
 state, whose header lists its lineage back to a base (a snapshot, or the empty version 0); it then
 reads the base snapshot and replays the lineage's deltas in order. It reads only the files the
-lineage names — GETs, never a LIST — fetching the deltas concurrently and decoding blocks as they
-stream in.
+lineage names — GETs, never a LIST — decoding blocks as they stream in. The deltas between a
+lineage's head and its base are fetched while the replay runs, ``REPLAY_AHEAD`` at a time ahead of
+it: a load holds the base, the table being built and a few deltas, however long the chain.
 
 A snapshot is a shortcut, the deltas are the truth: when the snapshot a load would start from is
 missing or damaged (truncated, corrupt: ``CorruptFileError``), the loader walks on through that
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,7 +92,10 @@ async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
 OpenCold = Callable[[CheckpointRef], "ColdLevel | None"]
 # a run over the local copy of the delta of a state (None: no local copy, or it failed its checks)
 OpenColdDelta = Callable[[CheckpointRef], "ColdRun | None"]
-Pending = list[tuple[CheckpointRef, "list[Record] | ColdRun"]]
+# (ref, its records, or a run over its local copy, or None: read when the replay reaches it)
+Pending = list[tuple[CheckpointRef, "list[Record] | ColdRun | None"]]
+# deltas read ahead of the replay (in flight or waiting to be replayed) at most
+REPLAY_AHEAD = 4
 ReadFile = Callable[["ObjectStore", StoreId, CheckpointRef, str, LoadReport],
                     Awaitable[tuple[FileHeader, list[Record]]]]
 
@@ -185,10 +189,13 @@ async def _chain(
         if not lineage or lineage[0].version != current.version - 1:
             raise LineageError(f"store {store_id}: delta {file_key(store_id, current, DELTA)} has a broken "
                                f"lineage {lineage}")
-        # fetch the lineage's deltas concurrently; the base is tried as a snapshot afterwards
+        # the base is tried as a snapshot next; the deltas between are opened as runs here (no
+        # memory), or read when the replay reaches them (``_replay``)
         base = lineage[-1]
         middle = list(lineage[:-1])
-        if middle:
+        if middle and cold_delta is None:
+            pending.extend((r, None) for r in middle)
+        elif middle:
             results = await asyncio.gather(
                 *(_delta(objstore, store_id, r, report, read, cold_delta) for r in middle), return_exceptions=True
             )
@@ -209,19 +216,52 @@ async def _chain(
             raise LineageError(f"store {store_id}: lineage of {ref} is longer than {max_depth} hops")
 
 
-def _in_order(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef,
-              deltas: Pending) -> Iterator[tuple[CheckpointRef, list[Record]]]:
-    """The deltas of ``ref``'s load after ``base``, each checked to follow the one before
-    (``LineageError`` naming the gap otherwise); a delta opened as a run is read here (and closed)."""
+def _check_versions(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, deltas: Pending) -> None:
+    """Each delta of ``ref``'s load follows the one before (``LineageError`` naming the gap otherwise)."""
     expect_version = base.version
-    for r, records in deltas:
+    for r, _records in deltas:
         expect_version += 1
         if r.version != expect_version:
             raise LineageError(f"store {store_id}: replay of {ref} expected version {expect_version}, got {r}")
-        if isinstance(records, ColdRun):
-            run, records = records, records.all_entries()
-            run.close()
-        yield r, records
+
+
+async def _replay(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, base: CheckpointRef,
+                  deltas: Pending, report: LoadReport, read: ReadFile,
+                  apply: Callable[[CheckpointRef, list[Record]], None]) -> None:
+    """``apply`` each delta of ``ref``'s load after ``base``, oldest first. A delta opened as a run is
+    read here (and closed); one not read yet is fetched ``REPLAY_AHEAD`` at most ahead of the
+    replay, and checked to build on the delta before it."""
+    _check_versions(store_id, ref, base, deltas)
+    fetches: dict[int, asyncio.Task[tuple[FileHeader, list[Record]]]] = {}
+    waiting = [i for i, (_r, records) in enumerate(deltas) if records is None]
+    started = 0
+    try:
+        previous = base
+        for i, (r, records) in enumerate(deltas):
+            while started < len(waiting) and len(fetches) < REPLAY_AHEAD:
+                j = waiting[started]
+                fetches[j] = asyncio.ensure_future(read(objstore, store_id, deltas[j][0], DELTA, report))
+                started += 1
+            if records is None:
+                try:
+                    header, records = await fetches.pop(i)
+                except ObjectNotFoundError:
+                    raise LineageError(f"store {store_id}: lineage of {ref} needs delta {r}, which is missing "
+                                       f"({file_key(store_id, r, DELTA)})") from None
+                if header.lineage[:1] != (previous,):
+                    raise LineageError(f"store {store_id}: delta {file_key(store_id, r, DELTA)} builds on "
+                                       f"{header.lineage[:1]}, its child says {previous}")
+            elif isinstance(records, ColdRun):
+                run, records = records, records.all_entries()
+                run.close()
+            apply(r, records)
+            previous = r
+    finally:
+        for task in fetches.values():
+            task.cancel()
+        if fetches:
+            await asyncio.gather(*fetches.values(), return_exceptions=True)
+        _close_runs(deltas)
 
 
 def _close_runs(deltas: Pending) -> None:
@@ -259,17 +299,22 @@ async def load_store(
         return await _assemble(objstore, store_id, ref, recipe, report, history, max_depth), report
     try:
         if not isinstance(base_records, list):
-            return _over_cold(store_id, ref, base, base_records, deltas, report, history, max_runs), report
+            return await _over_cold(objstore, store_id, ref, base, base_records, deltas, report, history,
+                                    max_runs), report
     except BaseException:
         _close_runs(deltas)
         raise
     data = Table()
     load_records(data, base_records)  # a snapshot's records: no tombstones
+    del base_records
     if base.version:
         report.snapshot = base
-    for r, records in _in_order(store_id, ref, base, deltas):
+
+    def replay(r: CheckpointRef, records: list[Record]) -> None:
         load_records(data, records)  # a tombstone removes the key
         report.deltas.append(r)
+
+    await _replay(objstore, store_id, ref, base, deltas, report, read_file, replay)
     report.records = len(data)
     # the loaded head's lineage: its own ancestors back to the base that was used
     lineage = tuple(reversed([base] + [r for r, _ in deltas[:-1]])) if deltas else ()
@@ -292,8 +337,9 @@ async def _assemble(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
                                                   read=key_group_reader(src.first_kg, src.last_kg))
         assert isinstance(base_records, list)  # no cold level was offered
         load_records(data, base_records)
-        for _r, records in _in_order(sid, src.ref, base, deltas):
-            load_records(data, records)
+        del base_records
+        await _replay(objstore, sid, src.ref, base, deltas, report, key_group_reader(src.first_kg, src.last_kg),
+                      lambda _r, records: load_records(data, records))
     report.records = len(data)
     report.rescaled_from = [(s.partition, s.ref) for s in recipe.sources]
     store = VersionedStore(store_id, data, ref, (), head_has_snapshot=True, history=history)
@@ -308,8 +354,9 @@ async def _assemble(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef
     return store
 
 
-def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level: ColdLevel,
-               deltas: Pending, report: LoadReport, history: int, max_runs: int) -> VersionedStore:
+async def _over_cold(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, base: CheckpointRef,
+                     level: ColdLevel, deltas: Pending, report: LoadReport, history: int,
+                     max_runs: int) -> VersionedStore:
     """The store at ``ref``: spilled onto ``level`` (the snapshot of ``base``), the deltas after it
     stacked over it as runs when all were opened as runs and they fit ``max_runs``, else in memory."""
     report.snapshot = base
@@ -317,8 +364,7 @@ def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level
     lineage = tuple(reversed([base] + [r for r, _ in deltas[:-1]])) if deltas else ()
     runs = [records for _r, records in deltas if isinstance(records, ColdRun)]
     if deltas and len(runs) == len(deltas) and len(runs) + 1 <= max_runs and isinstance(level, ColdRun):
-        for _r in _in_order(store_id, ref, base, [(r, []) for r, _ in deltas]):
-            pass  # the lineage checked: every delta follows the one before
+        _check_versions(store_id, ref, base, deltas)
         report.deltas = [r for r, _ in deltas]
         stack = ColdStack.over(list(reversed(runs)), level)  # newest first
         store = VersionedStore.over_cold(store_id, stack, Table(), ref, lineage, history=history, snapshot=base)
@@ -327,10 +373,13 @@ def _over_cold(store_id: StoreId, ref: CheckpointRef, base: CheckpointRef, level
         return store
     report.delta_runs = []
     changes = Table()
-    for r, records in _in_order(store_id, ref, base, deltas):
+
+    def replay(r: CheckpointRef, records: list[Record]) -> None:
         for k, v in records:
             changes.put(k, v)  # the newest change of each key; a tombstone stays one
         report.deltas.append(r)
+
+    await _replay(objstore, store_id, ref, base, deltas, report, read_file, replay)
     store = VersionedStore.over_cold(store_id, level, changes, ref, lineage, history=history)
     store.mark_snapshot(base)
     report.records = len(level) + len(changes)  # an estimate: the deltas' keys may be in the snapshot
