@@ -149,6 +149,49 @@ async def test_a_load_holds_a_few_deltas_not_its_whole_chain(objstore):
     assert peak < (loader.REPLAY_AHEAD + 4) * delta_bytes, f"peak {peak / 1e6:.1f} MB for a chain of 30 deltas"
 
 
+async def test_a_load_that_replays_a_long_chain_writes_its_snapshot(objstore):
+    """More than ``snapshot_after`` deltas replayed: the loaded state's snapshot is written, so the
+    next load reads one file; a chain within it writes nothing."""
+    store = VersionedStore(sid(objstore))
+    states = await run_batches(objstore, store, 0, 8)
+    refs = sorted(states, key=lambda r: r.version)
+    short, long_ = refs[2], refs[7]  # 3 and 8 deltas over the empty state
+    loaded, report = await load_store(objstore, sid(objstore), short, snapshot_after=3)
+    assert report.snapshot_written == 0 and not await objstore.exists(file_key(sid(objstore), short, SNAPSHOT))
+    loaded, report = await load_store(objstore, sid(objstore), long_, snapshot_after=3)
+    assert len(report.deltas) == 8 and report.snapshot_written > 0 and report.snapshot_error is None
+    assert loaded.has_snapshot(long_) and dict(loaded.items()) == states[long_]
+    again, report = await load_store(objstore, sid(objstore), long_, snapshot_after=3)
+    assert report.snapshot == long_ and report.deltas == [] and dict(again.items()) == states[long_]
+    # a store that goes on from the loaded state builds its lineage on the new snapshot
+    w = loaded.open(long_.version)
+    w.put(store_key(1, b"after"), b"x")
+    assert w.commit().lineage == (long_,)
+
+
+async def test_a_load_whose_snapshot_cannot_be_written_still_loads(tmp_path):
+    """The object store refusing the snapshot (a full disk, a lost permission) costs the next load
+    the chain again, not this load: it is reported and logged."""
+    from statestore_async.errors import ObjectStoreAccessError
+
+    class NoSnapshots(NoListStore):
+        async def put_if_absent(self, key, data):
+            if "snapshot" in key:
+                raise ObjectStoreAccessError(f"put {key}: access denied (test)")
+            return await super().put_if_absent(key, data)
+
+    objstore = NoSnapshots(tmp_path / "ckpt")
+    try:
+        store = VersionedStore(sid(objstore))
+        states = await run_batches(objstore, store, 0, 6)
+        head = max(states, key=lambda r: r.version)
+        loaded, report = await load_store(objstore, sid(objstore), head, snapshot_after=2)
+        assert dict(loaded.items()) == states[head] and not loaded.has_snapshot(head)
+        assert report.snapshot_written == 0 and "ObjectStoreAccessError" in report.snapshot_error
+    finally:
+        await objstore.close()
+
+
 async def test_a_failed_attempt_restarts_from_the_old_version_from_files(objstore):
     store = VersionedStore(sid(objstore))
     states = await run_batches(objstore, store, 0, 3)

@@ -55,6 +55,8 @@ _COUNTERS = (
      "registry", "rescales"),
     ("statestore_rescale_read_bytes", "bytes read from the object store to assemble rescaled partitions",
      "registry", "rescale_bytes_read"),
+    ("statestore_load_snapshots", "snapshots written by loads that replayed more deltas than snapshot_interval "
+     "(the maintenance's snapshots had fallen behind)", "registry", "load_snapshots"),
     ("statestore_spills", "stores spilled onto their head's snapshot file on local disk", "registry", "spills"),
     ("statestore_uploads_durable", "deltas made durable", "uploader", "durable"),
     ("statestore_uploads_failed", "deltas that failed for good", "uploader", "failed"),

@@ -90,8 +90,11 @@ class StoreRegistry:
                  history: int = DEFAULT_HISTORY, block_cache_bytes: int | None = None,
                  spill_min_bytes: int = SPILL_MIN_BYTES, scratch_dir: str | None = None,
                  flush_min_bytes: int = FLUSH_MIN_BYTES, open_wait_timeout: float = OPEN_WAIT_TIMEOUT,
-                 max_open_runs: int = DEFAULT_MAX_OPEN) -> None:
+                 max_open_runs: int = DEFAULT_MAX_OPEN, snapshot_after: int | None = None) -> None:
         self._objstores = objstores
+        # a load that replays more deltas than this writes the loaded state's snapshot (the
+        # snapshot interval: more means the maintenance's snapshots fell behind)
+        self.snapshot_after = snapshot_after
         self.open_wait_timeout = open_wait_timeout
         self._uploader = uploader
         self.memory_budget = memory_budget
@@ -121,7 +124,7 @@ class StoreRegistry:
         self.counters = {"opens": 0, "hot_opens": 0, "loads": 0, "load_errors": 0, "loads_waited": 0,
                          "evictions": 0, "writer_conflicts": 0, "released": 0, "spills": 0, "spill_requests": 0,
                          "cold_loads": 0, "deltas_stacked": 0, "delta_runs_loaded": 0, "deltas_downloaded": 0,
-                         "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0,
+                         "loads_waited_for_uploads": 0, "rescales": 0, "rescale_bytes_read": 0, "load_snapshots": 0,
                          "flushes": 0, "flushed_bytes": 0, "flush_errors": 0, "broken_dropped": 0,
                          "opens_refused_uploads": 0, "opens_timed_out": 0}
         # called with the StoreId of each evicted store (maintenance drops what it keeps per store)
@@ -211,7 +214,8 @@ class StoreRegistry:
                 try:
                     store, report = await loader.load_store(
                         self._objstores(store_id.root), store_id, ref, history=self._history,
-                        cold=self._cold_opener(store_id), cold_delta=self._delta_opener(store_id), max_runs=MAX_RUNS)
+                        cold=self._cold_opener(store_id), cold_delta=self._delta_opener(store_id), max_runs=MAX_RUNS,
+                        snapshot_after=self.snapshot_after)
                 finally:
                     self._loads_running -= 1
                     self._load_finished.set()
@@ -231,6 +235,8 @@ class StoreRegistry:
                 self.counters["cold_loads"] += 1
                 self.counters["delta_runs_loaded"] += len(report.delta_runs)
                 self.counters["deltas_downloaded"] += len(report.downloaded)
+            if report.snapshot_written and report.rescaled_from is None:
+                self.counters["load_snapshots"] += 1  # a long chain replayed: its snapshot written
             if report.rescaled_from is not None:  # a rescaled partition's first state, assembled
                 self.counters["rescales"] += 1
                 self.counters["rescale_bytes_read"] += report.bytes_read

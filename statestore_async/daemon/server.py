@@ -149,7 +149,7 @@ class Daemon:
                                       spill_min_bytes=cfg.spill_min_bytes,
                                       scratch_dir=os.path.join(cfg.cache_dir, "flushed") if cfg.cache_dir else None,
                                       flush_min_bytes=cfg.flush_min_bytes, open_wait_timeout=cfg.open_wait_timeout,
-                                      max_open_runs=cfg.max_open_runs)
+                                      max_open_runs=cfg.max_open_runs, snapshot_after=cfg.snapshot_interval)
         worker = None
         if cfg.snapshot_builder == "process" and self._default_objstores:
             # the worker opens the same object stores from the same settings (a custom factory,

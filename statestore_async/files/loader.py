@@ -40,7 +40,13 @@ from typing import TYPE_CHECKING
 from statestore_async.engine.levels import ColdLevel
 from statestore_async.engine.store import DEFAULT_HISTORY, VersionedStore
 from statestore_async.engine.table import Table, load_records
-from statestore_async.errors import CorruptFileError, LineageError, ObjectNotFoundError, VersionNotFoundError
+from statestore_async.errors import (
+    CorruptFileError,
+    LineageError,
+    ObjectNotFoundError,
+    StateStoreError,
+    VersionNotFoundError,
+)
 from statestore_async.files.checkpoint import FileHeader, Record, block_bytes_for, encode_snapshot, read_checkpoint
 from statestore_async.files.coldrun import ColdRun, ColdStack
 from statestore_async.files.names import DELTA, SNAPSHOT, file_key
@@ -78,6 +84,9 @@ class LoadReport:
     # into the cache folder first
     delta_runs: list[str] = field(default_factory=list)
     downloaded: list[str] = field(default_factory=list)
+    # a load that replayed more deltas than ``snapshot_after`` wrote the loaded state's snapshot:
+    # its bytes, or the error that kept it from being written (the load itself succeeded)
+    snapshot_error: str | None = None
 
 
 async def read_file(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, kind: str,
@@ -280,12 +289,15 @@ async def load_store(
     cold: OpenCold | None = None,
     cold_delta: OpenColdDelta | None = None,
     max_runs: int = 16,
+    snapshot_after: int | None = None,
 ) -> tuple[VersionedStore, LoadReport]:
     """Rebuild ``ref`` of ``store_id`` from files alone. Returns the store and what was read.
 
     ``cold(snapshot ref)`` may open a cold level over a local copy of that snapshot (None: read it);
     ``cold_delta(delta ref)`` a run over a local copy of a delta, so that a store over a cold level
-    comes back as a stack of at most ``max_runs`` runs (see the module doc)."""
+    comes back as a stack of at most ``max_runs`` runs (see the module doc). A load that replays
+    more than ``snapshot_after`` deltas into memory writes the loaded state's snapshot before it
+    returns (``_snapshot_long_chain``)."""
     report = LoadReport(ref)
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
@@ -299,8 +311,9 @@ async def load_store(
         return await _assemble(objstore, store_id, ref, recipe, report, history, max_depth), report
     try:
         if not isinstance(base_records, list):
-            return await _over_cold(objstore, store_id, ref, base, base_records, deltas, report, history,
-                                    max_runs), report
+            store = await _over_cold(objstore, store_id, ref, base, base_records, deltas, report, history, max_runs)
+            await _snapshot_long_chain(objstore, store, report, snapshot_after)
+            return store, report
     except BaseException:
         _close_runs(deltas)
         raise
@@ -321,8 +334,35 @@ async def load_store(
     store = VersionedStore(store_id, data, ref, lineage, head_has_snapshot=not deltas, history=history)
     if base.version:
         store.mark_snapshot(base)
+    await _snapshot_long_chain(objstore, store, report, snapshot_after)
     log.debug("loaded %s %s: %s", store_id, ref, report)
     return store, report
+
+
+async def _snapshot_long_chain(objstore: ObjectStore, store: VersionedStore, report: LoadReport,
+                               snapshot_after: int | None) -> None:
+    """Write the snapshot of the state just loaded when the load replayed more than
+    ``snapshot_after`` deltas into memory: the next load of that state, or of one after it, reads
+    one file instead of the chain. A daemon's own snapshots keep chains short; this is what keeps
+    them short when they fall behind (a store evicted before its snapshot was written comes back
+    with a longer chain each time, and each load costs more). A snapshot that cannot be written
+    (the object store failing, a full disk) is logged; the load stands."""
+    in_memory = len(report.deltas) - (len(report.delta_runs) if report.cold is not None else 0)
+    if snapshot_after is None or in_memory <= snapshot_after or store.has_snapshot(store.head):
+        return
+    ref = store.head
+    try:
+        with store.freeze() as view:
+            data = await asyncio.to_thread(encode_snapshot, view, block_bytes=block_bytes_for(store.memory_bytes))
+        report.snapshot_written = await create_checkpoint_file(objstore, store.store_id, ref, SNAPSHOT, data)
+    except StateStoreError as exc:
+        report.snapshot_error = f"{type(exc).__name__}: {exc}"
+        log.warning("store %s: the snapshot of %s, loaded from %d deltas, was not written (the next load "
+                    "replays them again): %s", store.store_id, ref, len(report.deltas), report.snapshot_error)
+        return
+    store.mark_snapshot(ref)
+    log.info("store %s: loaded %s from %d deltas and wrote its snapshot (%d bytes)", store.store_id, ref,
+             len(report.deltas), len(data))
 
 
 async def _assemble(objstore: ObjectStore, store_id: StoreId, ref: CheckpointRef, recipe: Recipe,
