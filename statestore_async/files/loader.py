@@ -84,8 +84,9 @@ class LoadReport:
     # into the cache folder first
     delta_runs: list[str] = field(default_factory=list)
     downloaded: list[str] = field(default_factory=list)
-    # a load that replayed more deltas than ``snapshot_after`` wrote the loaded state's snapshot:
-    # its bytes, or the error that kept it from being written (the load itself succeeded)
+    # a load into memory that replayed more deltas than ``snapshot_after`` writes the loaded
+    # state's snapshot (``snapshot_written`` bytes); the error that kept it from being written
+    # (the load itself succeeded)
     snapshot_error: str | None = None
 
 
@@ -295,9 +296,9 @@ async def load_store(
 
     ``cold(snapshot ref)`` may open a cold level over a local copy of that snapshot (None: read it);
     ``cold_delta(delta ref)`` a run over a local copy of a delta, so that a store over a cold level
-    comes back as a stack of at most ``max_runs`` runs (see the module doc). A load that replays
-    more than ``snapshot_after`` deltas into memory writes the loaded state's snapshot before it
-    returns (``_snapshot_long_chain``)."""
+    comes back as a stack of at most ``max_runs`` runs (see the module doc). A load into memory
+    (not over a local snapshot file) that replays more than ``snapshot_after`` deltas writes the
+    loaded state's snapshot before it returns (``_snapshot_long_chain``)."""
     report = LoadReport(ref)
     if ref.is_empty_state:
         return VersionedStore(store_id, history=history), report
@@ -311,9 +312,8 @@ async def load_store(
         return await _assemble(objstore, store_id, ref, recipe, report, history, max_depth), report
     try:
         if not isinstance(base_records, list):
-            store = await _over_cold(objstore, store_id, ref, base, base_records, deltas, report, history, max_runs)
-            await _snapshot_long_chain(objstore, store, report, snapshot_after)
-            return store, report
+            return await _over_cold(objstore, store_id, ref, base, base_records, deltas, report, history,
+                                    max_runs), report
     except BaseException:
         _close_runs(deltas)
         raise
@@ -347,8 +347,7 @@ async def _snapshot_long_chain(objstore: ObjectStore, store: VersionedStore, rep
     them short when they fall behind (a store evicted before its snapshot was written comes back
     with a longer chain each time, and each load costs more). A snapshot that cannot be written
     (the object store failing, a full disk) is logged; the load stands."""
-    in_memory = len(report.deltas) - (len(report.delta_runs) if report.cold is not None else 0)
-    if snapshot_after is None or in_memory <= snapshot_after or store.has_snapshot(store.head):
+    if snapshot_after is None or len(report.deltas) <= snapshot_after or store.has_snapshot(store.head):
         return
     ref = store.head
     try:
