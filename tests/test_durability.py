@@ -172,8 +172,9 @@ async def test_recovery_from_s3_alone_snapshot_plus_20_deltas(make_daemon, seawe
         assert await c.await_durable(sid, ref, timeout=30)
     await b.stop()
     assert ref.version == 25
-    # a fresh daemon, no cache: everything comes from S3
-    fresh = await make_daemon(seaweedfs.endpoint_url)
+    # a fresh daemon, no cache: everything comes from S3 (its snapshot interval above the chain, so
+    # that its load leaves the files as they are: a load past the interval writes a snapshot)
+    fresh = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=1000)
     async with AsyncClient(fresh.config.socket) as c:
         h = await c.open(sid, ref.version, ref.ckptid)
         got = {k: v async for k, v in h.scan(b"")}
@@ -183,6 +184,16 @@ async def test_recovery_from_s3_alone_snapshot_plus_20_deltas(make_daemon, seawe
         store, report = await load_store(st, sid, ref)
         assert report.snapshot.version == 5 and len(report.deltas) == 20 and st.counts["LIST"] == 0
         assert dict(store.items()) == model
+    # a node whose snapshot interval the chain passes writes the snapshot of what it loaded: the
+    # next load of that state reads one file
+    writes = await make_daemon(seaweedfs.endpoint_url, snapshot_interval=10)
+    async with AsyncClient(writes.config.socket) as c:
+        h = await c.open(sid, ref.version, ref.ckptid)
+        await h.abort()
+    assert writes.registry.counters["load_snapshots"] == 1
+    async with S3ObjectStore(s3_bucket, "ckpt", **seaweedfs.client_options()) as st:
+        store, report = await load_store(st, sid, ref)
+        assert report.snapshot == ref and report.deltas == [] and dict(store.items()) == model
 
 
 @pytest.mark.parametrize("builder", ["inline", "process"])
