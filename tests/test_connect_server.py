@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from statestore_async.testing.connect_server import (
+    CONNECT_MODE_VAR,
     ConnectServer,
     ConnectServerError,
     running,
@@ -38,10 +39,13 @@ def connect_server(tmp_path_factory):
 
 @pytest.fixture
 def remote(connect_server):
-    """A Connect client session on the module's server, closed after the test."""
-    session = connect_server.session()
-    yield session
-    session.stop()
+    """A Connect client session on the module's server, closed after the test; this process is a
+    classic pyspark process again afterwards (the other Spark tests share it)."""
+    before = os.environ.get(CONNECT_MODE_VAR)
+    with connect_server.client() as session:
+        assert os.environ.get(CONNECT_MODE_VAR) == "1"  # pyspark's mark of a Connect client process
+        yield session
+    assert os.environ.get(CONNECT_MODE_VAR) == before
 
 
 def test_a_client_session_runs_queries_on_the_server(connect_server, remote):

@@ -17,7 +17,9 @@ pyspark — the same version, the one the client uses.
 
 Its log, its temporary files, warehouse and scratch space stay in one folder (``workdir``);
 ``log_tail()`` returns the end of the log, and ``explained()`` appends it to any exception raised
-in its block. ``running()`` is the body of a pytest fixture::
+in its block. ``client()`` gives a Connect client session for a block and leaves the process a
+classic pyspark process afterwards (creating a Connect session marks the whole process as a
+Connect client). ``running()`` is the body of a pytest fixture::
 
     @pytest.fixture(scope="module")
     def connect_server(tmp_path_factory):
@@ -41,6 +43,9 @@ from typing import Any, Self
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 # A JVM starting Spark on a loaded 2-core machine can take a minute; the deadline only bounds a hang.
 START_TIMEOUT = 300.0
+# set by pyspark in a process that created a Connect client session; it switches the process's
+# pyspark to Connect (pyspark.sql.utils.is_remote)
+CONNECT_MODE_VAR = "SPARK_CONNECT_MODE_ENABLED"
 STOP_TIMEOUT = 30.0  # seconds SIGTERM may take before SIGKILL
 LOG_TAIL = 12_000  # characters of the log shown with an error
 
@@ -189,7 +194,7 @@ class ConnectServer:
     def env(self) -> dict[str, str]:
         """The server's environment: this one, with Spark found in the wheel and Python pinned."""
         env = dict(os.environ)
-        for var in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED", "PYSPARK_SUBMIT_ARGS", "SPARK_CONF_DIR"):
+        for var in ("SPARK_REMOTE", CONNECT_MODE_VAR, "PYSPARK_SUBMIT_ARGS", "SPARK_CONF_DIR"):
             env.pop(var, None)  # a client setting of the caller's must not turn the server into a client
         env.update({
             "SPARK_HOME": str(self.spark_home),
@@ -277,10 +282,33 @@ class ConnectServer:
             raise
 
     def session(self) -> Any:
-        """A new Connect client session on this server (``SparkSession.builder.remote(url).create()``)."""
+        """A new Connect client session on this server (``SparkSession.builder.remote(url).create()``).
+
+        pyspark then marks this whole process as a Connect client (``SPARK_CONNECT_MODE_ENABLED``):
+        ``pyspark.sql.functions`` builds Connect columns and a later classic
+        ``SparkSession.builder.getOrCreate()`` fails (``CONNECT_URL_NOT_SET``). A process that also
+        runs classic Spark uses ``client()``, which takes the mark away again."""
         from pyspark.sql import SparkSession
 
         return SparkSession.builder.remote(self.url).create()
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[Any]:
+        """A Connect client session for the block, stopped after it, and the process's Connect mark
+        (``SPARK_CONNECT_MODE_ENABLED``) restored as it was: classic Spark in the same process (a
+        test run's shared local session) works again after the block."""
+        before = os.environ.get(CONNECT_MODE_VAR)
+        try:
+            session = self.session()
+            try:
+                yield session
+            finally:
+                session.stop()
+        finally:
+            if before is None:
+                os.environ.pop(CONNECT_MODE_VAR, None)
+            else:
+                os.environ[CONNECT_MODE_VAR] = before
 
     def stop(self, timeout: float = STOP_TIMEOUT, *, remove: bool = True) -> int | None:
         """SIGTERM to the server's process group, SIGKILL after ``timeout``; its exit code. With
