@@ -28,7 +28,7 @@ from statestore_async.files.manifest import Manifest, write_manifest
 from statestore_async.files.transfer import write_snapshot
 from statestore_async.ids import StoreId
 from statestore_async.objectstore import LocalObjectStore
-from statestore_async.spark.timekeys import owned_key_groups
+from statestore_async.state.keys import owned_key_groups
 
 KEY_GROUPS = 256
 

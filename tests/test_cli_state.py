@@ -1,6 +1,6 @@
 """statestore-async ls / show / export / diff / inspect on checkpoints written by the real Spark
 operator (``test_state_reader.Profile``), on a ``file://`` root and on SeaweedFS. What the commands
-print equals what ``spark.reader`` / ``spark.changefeed`` read; none of them writes to the root."""
+print equals what ``state.reader`` / ``state.changes`` read; none of them writes to the root."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ from spark_cluster import Daemon
 from test_state_reader import build_profile
 
 from statestore_async.cli.main import main
-from statestore_async.spark.changefeed import load_changes_table
-from statestore_async.spark.reader import load_state_table
+from statestore_async.state.changes import load_changes_table
+from statestore_async.state.reader import load_state_table
 
 
 def run(*args, env=None):

@@ -22,6 +22,7 @@ EXT = PACKAGE.parent / "_ext"
 LAYERS: list[tuple[str, ...]] = [
     ("cli",),
     ("spark",),
+    ("state",),
     ("client",),
     ("daemon",),
     ("wire",),

@@ -9,10 +9,10 @@ from test_spark_timers import G, Job, Killer, N, kg_of
 
 from statestore_async import errors
 from statestore_async.codecs import valuecodec
-from statestore_async.spark import timekeys
 from statestore_async.spark.processor import StatefulProcessor
 from statestore_async.spark.routing import KG_COLUMN
 from statestore_async.spark.runtime import run_initial_state
+from statestore_async.state import keys as state_keys
 
 
 class InitJob(Job):
@@ -68,11 +68,11 @@ def test_initial_state_once_per_key_then_the_first_batch_reads_it(daemon, root):
     fired = job.run([("a", 0), ("c", 0)], now_ms=2500)
     assert sorted(fired) == [("a", 2000, "processing", 6), ("b", 2000, "processing", 5)]
     recs = job.records()
-    state = {valuecodec.decode_row(k[2:]): valuecodec.decode_row(v) for k, v in recs.items() if timekeys.is_state_key(k)}
+    state = {valuecodec.decode_row(k[2:]): valuecodec.decode_row(v) for k, v in recs.items() if state_keys.is_state_key(k)}
     assert state[("count", "a")] == 6 and state[("count", "b")] == 5 and state[("count", "c")] == 1
     assert [v for _, v in state[("seen", "a")][1]] == [2, 3]  # per-entry TTL: (expires, value) entries
-    assert any(k[2] == timekeys.TTL_EXPIRY for k in recs)  # the initial TTL'd values are indexed
-    assert not any(k[2] in (timekeys.TIMER_AT, timekeys.TIMER_KEY) for k in recs)  # fired, gone
+    assert any(k[2] == state_keys.TTL_EXPIRY for k in recs)  # the initial TTL'd values are indexed
+    assert not any(k[2] in (state_keys.TIMER_AT, state_keys.TIMER_KEY) for k in recs)  # fired, gone
 
 
 def test_initial_state_with_its_daemon_killed_before_the_commit_is_applied_once(daemon, root):
@@ -84,9 +84,9 @@ def test_initial_state_with_its_daemon_killed_before_the_commit_is_applied_once(
     assert [r.timings.get("retries") for r in job.reports] == [1]
     assert daemon.pid() not in (None, first)
     recs = job.records()
-    state = {valuecodec.decode_row(k[2:]): valuecodec.decode_row(v) for k, v in recs.items() if timekeys.is_state_key(k)}
+    state = {valuecodec.decode_row(k[2:]): valuecodec.decode_row(v) for k, v in recs.items() if state_keys.is_state_key(k)}
     assert state[("count", "a")] == 5
-    assert sum(1 for k in recs if k[2] == timekeys.TIMER_AT) == 1
+    assert sum(1 for k in recs if k[2] == state_keys.TIMER_AT) == 1
 
 
 def test_initial_state_needs_handle_initial_state(daemon, root):

@@ -19,10 +19,11 @@ from statestore_async.codecs import pyrows, valuecodec
 from statestore_async.files.loader import load_store
 from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.objectstore import open_object_store
-from statestore_async.spark import placement, timekeys
+from statestore_async.spark import placement
 from statestore_async.spark.processor import StatefulProcessor
 from statestore_async.spark.routing import KG_COLUMN
 from statestore_async.spark.runtime import TaskSpec, run_partition
+from statestore_async.state import keys as state_keys
 
 N, G = 2, 16
 OUT = pa.schema([("k", pa.string()), ("at", pa.int64()), ("kind", pa.string()), ("n", pa.int64())])
@@ -116,7 +117,7 @@ def test_timers_fire_once_in_time_order_for_idle_keys_too(daemon, root):
     assert job.run([], now_ms=99_000) == []  # each fired once
     assert not job.reports  # nothing due: no partition committed, the refs stay
     recs = job.records()
-    assert not any(k[2] in (timekeys.TIMER_AT, timekeys.TIMER_KEY) for k in recs)  # fired timers are gone from the files
+    assert not any(k[2] in (state_keys.TIMER_AT, state_keys.TIMER_KEY) for k in recs)  # fired timers are gone from the files
 
 
 class Multi(StatefulProcessor):
@@ -238,8 +239,8 @@ def test_daemon_killed_mid_batch_fires_each_timer_once(daemon, root):
     assert daemon.pid() not in (None, first)
     assert job.run([], now_ms=9000) == []  # not twice
     recs = job.records()
-    assert not any(len(k) > 2 and k[2] in (timekeys.TIMER_AT, timekeys.TIMER_KEY) for k in recs)
-    assert not any(valuecodec.decode_row(k[2:])[0] == "count" for k in recs if timekeys.is_state_key(k))
+    assert not any(len(k) > 2 and k[2] in (state_keys.TIMER_AT, state_keys.TIMER_KEY) for k in recs)
+    assert not any(valuecodec.decode_row(k[2:])[0] == "count" for k in recs if state_keys.is_state_key(k))
 
 
 class Remember(StatefulProcessor):
@@ -258,7 +259,7 @@ def test_ttl_entries_of_keys_never_seen_again_are_gone_from_the_files(daemon, ro
     job = Job(root, daemon.socket, Remember(), time_mode="none", out=out, op="ttl")
     job.run([("x", 1), ("y", 2), ("z", 3)], now_ms=0)
     recs = job.records()
-    ttl_index = [k for k in recs if k[2] == timekeys.TTL_EXPIRY]
+    ttl_index = [k for k in recs if k[2] == state_keys.TTL_EXPIRY]
     assert len(ttl_index) == 6  # one per TTL'd value
     job.run([("z", 4)], now_ms=500)  # z refreshed at 500: expires at 1500 and 5500
     job.run([], now_ms=1200)  # x's and y's "last" expired at 1000; z's still live
@@ -266,7 +267,7 @@ def test_ttl_entries_of_keys_never_seen_again_are_gone_from_the_files(daemon, ro
     assert removed == 2
     recs = job.records()
     names = sorted((valuecodec.decode_row(k[2:])[0], valuecodec.decode_row(k[2:])[1]) for k in recs
-                   if timekeys.is_state_key(k))
+                   if state_keys.is_state_key(k))
     assert names == [("last", "z"), ("seen", "x"), ("seen", "y"), ("seen", "z")]
     job.run([], now_ms=6000)  # everything expired: state and index are empty in the files
     recs = job.records()

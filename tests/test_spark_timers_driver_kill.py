@@ -109,7 +109,7 @@ def _timers_in(root: str, refs: dict) -> set[tuple[str, int]]:
     from statestore_async.files.loader import load_store
     from statestore_async.ids import StoreId
     from statestore_async.objectstore import open_object_store
-    from statestore_async.spark import timekeys
+    from statestore_async.state import keys as state_keys
 
     async def go():
         out: set[tuple[str, int]] = set()
@@ -119,8 +119,8 @@ def _timers_in(root: str, refs: dict) -> set[tuple[str, int]]:
                     continue
                 vs, _ = await load_store(store, StoreId(root, OPERATOR, p), ref)
                 for k, _ in vs.items():
-                    if k[2] == timekeys.TIMER_AT:
-                        _, _, at, enc = timekeys.parse_timer_at(k)
+                    if k[2] == state_keys.TIMER_AT:
+                        _, _, at, enc = state_keys.parse_timer_at(k)
                         out.add((valuecodec.decode_row(enc)[0], at))
         return out
 

@@ -10,8 +10,8 @@ from test_spark_timers import OUT, Job
 
 from statestore_async import errors
 from statestore_async.codecs import valuecodec
-from statestore_async.spark import timekeys
 from statestore_async.spark.processor import StatefulProcessor, StateHandle, check_declarations
+from statestore_async.state import keys as state_keys
 
 
 class Bag(StatefulProcessor):
@@ -28,7 +28,7 @@ class Bag(StatefulProcessor):
 
 def state_records(job: Job) -> dict:
     return {tuple(valuecodec.decode_row(k[2:])): valuecodec.decode_row(v) for k, v in job.records().items()
-            if timekeys.is_state_key(k)}
+            if state_keys.is_state_key(k)}
 
 
 def removed(job: Job) -> int:

@@ -12,8 +12,8 @@ import pytest
 from test_spark_timers import G, Job, Killer, N, kg_of
 
 from statestore_async import errors
-from statestore_async.spark import timekeys
 from statestore_async.spark.processor import VectorizedProcessor
+from statestore_async.state import keys as state_keys
 
 
 class VSessions(VectorizedProcessor):
@@ -40,7 +40,7 @@ class VSessions(VectorizedProcessor):
 
 
 def timer_records(recs: dict) -> list[bytes]:
-    return [k for k in recs if k[2] in (timekeys.TIMER_AT, timekeys.TIMER_KEY)]
+    return [k for k in recs if k[2] in (state_keys.TIMER_AT, state_keys.TIMER_KEY)]
 
 
 def test_vectorized_timers_fire_once_for_idle_keys_in_batches_without_rows(daemon, root):

@@ -3,7 +3,7 @@
 ``TaskTime`` keeps the batch's keys, the stored due timers and the changes as arrays; these tests
 give it keys and stored timers directly (no daemon: ``due_now`` and ``timer_changes`` read none)
 and check what fires, in which order, and what the batch writes, against the records written one
-by one (``timekeys.timer_at_key`` / ``timer_by_key_key``) and a sort of plain tuples.
+by one (``state.keys.timer_at_key`` / ``timer_by_key_key``) and a sort of plain tuples.
 """
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from statestore_async import errors
 from statestore_async.codecs import keylayout, valuecodec
-from statestore_async.spark import timekeys as tk
 from statestore_async.spark.processor import Timers
 from statestore_async.spark.timework import TaskTime
+from statestore_async.state import keys as tk
 
 G = 16
 KINDS = (tk.PROCESSING, tk.EVENT)

@@ -11,8 +11,8 @@ import pyarrow as pa
 from test_spark_timers import Job
 from test_spark_vectorized_timers import timer_records
 
-from statestore_async.spark import timekeys
 from statestore_async.spark.processor import VectorizedProcessor
+from statestore_async.state import keys as state_keys
 
 DELETE = -1  # a row value: delete the key's stored timer (at its state's deadline), register none
 
@@ -60,6 +60,6 @@ def test_what_fires_and_what_is_written_follow_process_changes_not_yet_written(d
                              ("c", 100, "processing", 1001), ("d", 130, "processing", 1001)]
     recs = job.records()
     assert timer_records(recs) == []  # fired, deleted by process, deleted by the call: none left
-    states = sorted(k for k in recs if timekeys.is_state_key(k))
+    states = sorted(k for k in recs if state_keys.is_state_key(k))
     assert len(states) == 3 and not any(k.endswith(b"d") for k in states)  # a, b, c; d removed by the call
     assert job.run([], now_ms=10_000) == []  # b's timer at 500 is gone, a's deleted one never fires

@@ -9,7 +9,7 @@
   manifest names are never touched.
 - ``ls_root``, ``show_rows``, ``export_state``, ``diff_versions``, ``inspect_manifest``,
   ``file_status``: what ``statestore-async ls | show | export | diff | inspect`` show, read with
-  ``spark.reader`` / ``spark.changefeed`` / ``spark.statemeta`` (no Spark session, no daemon).
+  ``state.reader`` / ``state.changes`` / ``state.metadata`` (no Spark session, no daemon).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore.base import ObjectStore
 
 if TYPE_CHECKING:
-    from statestore_async.spark.statemeta import OperatorInfo
+    from statestore_async.state.metadata import OperatorInfo
 
 
 @dataclass
@@ -156,8 +156,8 @@ async def gc_operator(objstore: ObjectStore, root: str, operator_id: str, keep: 
 async def ls_root(objstore: ObjectStore, root: str, operator_id: str | None = None,
                   version: int | None = None) -> list[OperatorInfo]:
     """Every operator under the root (or one), with its versions and its partitions at ``version``
-    (the latest when None): record counts, bytes, orphaned attempts (``spark.statemeta``)."""
-    from statestore_async.spark.statemeta import describe_operator, list_operators
+    (the latest when None): record counts, bytes, orphaned attempts (``state.metadata``)."""
+    from statestore_async.state.metadata import describe_operator, list_operators
 
     if operator_id is None and version is not None:
         raise InterfaceError("--version needs --operator: versions are an operator's")
@@ -172,9 +172,9 @@ def _key_matches(key: tuple, wanted: tuple | None) -> bool:
 async def show_rows(objstore: ObjectStore, root: str, operator_id: str, version: int | None = None, *,
                     partition: int | None = None, key: tuple | None = None, state_var: str | None = None,
                     limit: int | None = 20, now_ms: int | None = None, include_expired: bool = False) -> pa.Table:
-    """The state rows (``spark.reader``'s columns) of one partition (or all) at ``version``, those
+    """The state rows (``state.reader``'s columns) of one partition (or all) at ``version``, those
     of grouping key ``key`` only when given, at most ``limit`` (None: all)."""
-    from statestore_async.spark.reader import StateColumns, partition_rows, plan_read
+    from statestore_async.state.reader import StateColumns, partition_rows, plan_read
 
     if limit is not None and limit < 0:
         raise InterfaceError(f"--limit is a number of rows >= 0, got {limit}")
@@ -227,7 +227,7 @@ async def export_state(objstore: ObjectStore, root: str, operator_id: str, path:
     import os
     import time
 
-    from statestore_async.spark.reader import StateColumns, partition_rows, plan_read
+    from statestore_async.state.reader import StateColumns, partition_rows, plan_read
 
     if fmt not in EXPORT_FORMATS:
         raise InterfaceError(f"export format {fmt!r}: use one of {', '.join(EXPORT_FORMATS)}")
@@ -288,8 +288,8 @@ def json_line(row: dict[str, Any]) -> str:
 async def diff_versions(objstore: ObjectStore, root: str, operator_id: str, start_version: int,
                         end_version: int | None = None, *, state_var: str | None = None, partition: int | None = None,
                         old_values: bool = True, limit: int | None = None) -> pa.Table:
-    """The change feed (``spark.changefeed``) from ``start_version`` to ``end_version``, at most ``limit`` rows."""
-    from statestore_async.spark.changefeed import ChangeColumns, partition_changes, plan_changes
+    """The change feed (``state.changes``) from ``start_version`` to ``end_version``, at most ``limit`` rows."""
+    from statestore_async.state.changes import ChangeColumns, partition_changes, plan_changes
 
     read = await plan_changes(objstore, root, operator_id, start_version, end_version, state_var=state_var,
                               partition=partition, old_values=old_values)
@@ -317,7 +317,7 @@ class ManifestReport:
 
 async def inspect_manifest(objstore: ObjectStore, key: str) -> ManifestReport:
     """Read and check one manifest ``<operator>/_commits/<version>.json``."""
-    from statestore_async.spark.statemeta import parse_manifest_name
+    from statestore_async.state.metadata import parse_manifest_name
 
     parts = key.split("/")
     version = parse_manifest_name(parts[-1]) if len(parts) == 3 and parts[1] == "_commits" else None
@@ -328,8 +328,8 @@ async def inspect_manifest(objstore: ObjectStore, key: str) -> ManifestReport:
 
 async def file_status(objstore: ObjectStore, root: str, key: str) -> str:
     """What the operator's manifests make of one checkpoint file: ``named`` (a manifest's state),
-    ``needed`` (in the lineage of one), ``orphaned`` or ``pending`` (see ``spark.statemeta``)."""
-    from statestore_async.spark.statemeta import partition_files, read_manifests
+    ``needed`` (in the lineage of one), ``orphaned`` or ``pending`` (see ``state.metadata``)."""
+    from statestore_async.state.metadata import partition_files, read_manifests
 
     parsed = parse_file_name(key)
     parts = key.split("/")

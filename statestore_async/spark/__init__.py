@@ -13,7 +13,6 @@
 Spark is imported only inside this package (and lazily: importing it does not start a JVM).
 See ``docs/SPARK.md``.
 """
-from statestore_async.spark.changefeed import load_changes_table, read_changes
 from statestore_async.spark.operator import (
     BatchProgress,
     DuplicateReportError,
@@ -38,7 +37,6 @@ from statestore_async.spark.processor import (
     ValueState,
     VectorizedProcessor,
 )
-from statestore_async.spark.reader import decode_record, load_state, load_state_table, read_metadata, read_state
 from statestore_async.spark.routing import murmur3_int, route_values, with_routing
 from statestore_async.spark.runtime import (
     Fault,
@@ -49,6 +47,8 @@ from statestore_async.spark.runtime import (
     store_keys,
 )
 from statestore_async.spark.sinks import OneActionSink, ReplayUnsafeSinkError, WriteSink, one_action, write_sink
+from statestore_async.state.changes import load_changes_table, read_changes
+from statestore_async.state.reader import decode_record, load_state, load_state_table, read_metadata, read_state
 
 __all__ = [
     "BatchProgress",

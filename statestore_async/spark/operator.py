@@ -60,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
 import threading
 import time
@@ -148,8 +147,9 @@ from statestore_async.spark.runtime import (
     run_initial_state,
     run_partition,
 )
-from statestore_async.spark.runtime import checkpoint_root as checkpoint_root_uri
 from statestore_async.spark.sinks import for_writer, reads_output_once
+from statestore_async.state.roots import checkpoint_root as checkpoint_root_uri
+from statestore_async.state.roots import s3_options_from_env
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -215,13 +215,6 @@ def streaming_query_id(spark: SparkSession) -> str | None:
     restart from the same checkpoint location; a query started on a new one gets a new id), None
     outside a streaming query (``process_batch`` called directly)."""
     return spark.sparkContext.getLocalProperty(QUERY_ID_PROPERTY) or None
-
-
-def s3_options_from_env() -> dict | None:
-    """S3 settings for the driver's object store from ``STATESTORE_S3_*`` (credentials: the AWS chain)."""
-    from statestore_async.config import load_config
-
-    return load_config(env=os.environ).s3_options()
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ Storage of one state variable of one grouping key — one store record, so any a
 * key: ``key group (2 bytes) + valuecodec.encode_key((state_name, *grouping_key))``;
 * value: ``valuecodec.encode_row(value)``; a ``ListState`` stores one list, a ``MapState`` one dict;
 * with a TTL the value is ``encode_row((expires_at_ms, value))``: past its expiry it reads as absent
-  and is removed by the first batch whose clock passes it (through an expiry index, ``spark.timekeys``;
+  and is removed by the first batch whose clock passes it (through an expiry index, ``state.keys``;
   or when a batch touches its key). An update refreshes the expiry. A list or map with a TTL has
   one expiry per entry: ``encode_row((latest expiry, [(expires_at_ms, value), ...]))`` or
   ``encode_row((latest expiry, {map key: (expires_at_ms, value)}))`` (``TTLListState``,
@@ -42,7 +42,7 @@ Timers (``handle.timers``, also ``state.timers``, bound to the current key like 
 ``kind`` is ``"processing"`` or ``"event"`` and None means the operator's ``time_mode``. A processor
 that uses timers defines ``handle_expired_timer(key, timer, state)``: it is called once per due
 timer (``ExpiredTimer(at_ms, kind)``), after the batch's rows, in time order within the partition,
-also for keys without rows; see ``docs/SPARK.md`` (Timers and TTL) and ``spark.timekeys``.
+also for keys without rows; see ``docs/SPARK.md`` (Timers and TTL) and ``state.keys``.
 
 Vectorized processors get a whole state partition at once (see ``VectorizedProcessor``).
 """
@@ -62,7 +62,7 @@ import pyarrow.compute as pc
 from statestore_async.codecs import valuecodec
 from statestore_async.errors import InterfaceError, StateDeclarationError
 from statestore_async.ids import _check_name
-from statestore_async.spark.timekeys import EVENT, KIND_BYTE, KIND_OF, PROCESSING, check_time, timer_record_columns
+from statestore_async.state.keys import EVENT, KIND_BYTE, KIND_OF, PROCESSING, check_time, timer_record_columns
 
 _MIN_MS, _MAX_MS = -(1 << 63), (1 << 63) - 1  # ``check_time``'s range
 

@@ -14,7 +14,6 @@ import gc
 import itertools
 import logging
 import operator
-import os
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -55,8 +54,9 @@ from statestore_async.spark.processor import (
     vectorized_declarations,
 )
 from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.timekeys import KIND_OF, TIME_MODES, owned_key_groups, parse_timer_columns, timer_record_columns
 from statestore_async.spark.timework import TaskTime, due_records, start_due_timer_scan, stored_timers
+from statestore_async.state.keys import KIND_OF, TIME_MODES, owned_key_groups, parse_timer_columns, timer_record_columns
+from statestore_async.state.roots import checkpoint_root
 
 if TYPE_CHECKING:
     from statestore_async.client.clients import Client, StoreHandle
@@ -1189,30 +1189,6 @@ def _decode_keys(enc: pa.Array, spec: TaskSpec, batch_keys: pa.Table) -> pa.Tabl
 
 def _where(processor: StatefulProcessor | VectorizedProcessor, spec: TaskSpec) -> str:
     return f"{type(processor).__name__} of operator {spec.operator_id!r} at {spec.root}: "
-
-
-def checkpoint_root(root: str) -> str:
-    """A checkpoint root as the URI every process reads alike: ``s3://…`` and ``file:///abs`` as
-    given, an absolute path as ``file:///abs`` (without a trailing slash). A relative path is
-    refused (``InterfaceError`` naming it and the absolute URI it reads as here): the driver, the
-    executors and their daemons each have their own working directory, and would each resolve it
-    against theirs."""
-    if not isinstance(root, str) or not root.strip():
-        raise InterfaceError(f"the checkpoint root is a URI (file:///abs/path or s3://bucket/prefix), got {root!r}")
-    if "://" in root:
-        scheme, _, rest = root.partition("://")
-        if scheme == "file" and not rest.startswith(("/", "localhost/")):
-            raise InterfaceError(
-                f"checkpoint root {root!r}: a file URI has three slashes, file:///abs/path ({rest.partition('/')[0]!r} "
-                f"reads as a host name); did you mean 'file:///{rest}'?")
-        return root.rstrip("/")
-    path = root.removeprefix("file:")
-    if not os.path.isabs(path):
-        raise InterfaceError(
-            f"checkpoint root {root!r} is a relative path: the driver, the executors and their daemons would each "
-            f"resolve it against their own working directory. Give an absolute URI, e.g. "
-            f"{'file://' + os.path.abspath(path)!r} (its reading in this process's directory), or s3://bucket/prefix")
-    return ("file://" + os.path.abspath(path)).rstrip("/")
 
 
 @contextlib.contextmanager

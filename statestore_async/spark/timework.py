@@ -2,7 +2,7 @@
 
 ``TaskTime`` talks to the open version of the partition's store through range scans
 (``StoreHandle.scan_ranges``): the due timers are one range per owned key group and kind, the
-values due to expire one range per owned key group (``spark.timekeys``), so a batch pays
+values due to expire one range per owned key group (``state.keys``), so a batch pays
 O(key groups + due) for them, whatever the store holds. Nothing here runs for a processor that
 uses neither timers nor TTLs.
 """
@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statestore_async.codecs import arrowcodec, keylayout, valuecodec
-from statestore_async.spark import timekeys as tk
 from statestore_async.spark.processor import Timers, _StateVar
+from statestore_async.state import keys as tk
 
 if TYPE_CHECKING:
     from statestore_async.client.clients import StoreHandle
@@ -131,7 +131,7 @@ class TaskTime:
     # -- what the batch writes ------------------------------------------------------------------------
     def timer_changes(self) -> tuple[pa.Array, pa.Array]:
         """(keys to put with an empty value, keys to remove) of the timers' two indexes, as binary
-        arrays built column-wise (``timekeys.timer_record_columns``)."""
+        arrays built column-wise (``state.keys.timer_record_columns``)."""
         changes = self.timers._changes
         if not changes:
             empty = pa.array([], pa.binary())

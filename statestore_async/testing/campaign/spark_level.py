@@ -33,7 +33,7 @@ a query again after it failed and starting a new driver after one was killed, th
 * every batch's output equals the oracle's (the sessions a batch closes and the timers it fires;
   the counter's values), as multisets: a row missing is ``lost``, a row the oracle has that came
   twice (in one batch or two) is ``doubled``, anything else is ``wrong``;
-* the final state (read from the files, ``spark.reader.load_state``) equals the oracle's;
+* the final state (read from the files, ``state.reader.load_state``) equals the oracle's;
 * every manifest version (the versions the driver answered durable) loads, every partition of it,
   from the object store alone — what a fresh daemon does;
 * the daemon's RSS, sampled every 0.2 s, stays within ``memory_budget`` + 65 MiB + 48 MiB (the
@@ -804,7 +804,7 @@ def check(schedule: Schedule, env: Env, ex: Execution) -> Outcome:
 def _final_state(root: str, s3_options: dict | None, now_ms: int | None, details: list[str]) -> dict:
     """The latest manifest's state (``reader.load_state``; TTL'd values expired by ``now_ms`` left
     out), or ``{}`` with the reason in ``details`` when it does not load."""
-    from statestore_async.spark.reader import load_state
+    from statestore_async.state.reader import load_state
 
     try:
         return load_state(root, OPERATOR, s3_options=s3_options, now_ms=now_ms)
@@ -818,8 +818,8 @@ def final_timers(root: str, s3_options: dict | None) -> list[tuple[str, int]]:
     from statestore_async.codecs import valuecodec
     from statestore_async.files.manifest import list_manifest_versions, read_manifest
     from statestore_async.ids import DEFAULT_STORE_NAME
-    from statestore_async.spark import timekeys
-    from statestore_async.spark.reader import load_records, on_root
+    from statestore_async.state import keys as state_keys
+    from statestore_async.state.reader import load_records, on_root
 
     async def go(r: str, store: Any) -> list[tuple[str, int]]:
         versions = await list_manifest_versions(store, OPERATOR)
@@ -829,8 +829,8 @@ def final_timers(root: str, s3_options: dict | None) -> list[tuple[str, int]]:
         out = []
         for p, ref in enumerate(m.stores[DEFAULT_STORE_NAME]):
             for k, _ in await load_records(store, r, OPERATOR, p, ref):
-                if len(k) > 2 and k[2] == timekeys.TIMER_AT:
-                    _, _, at, enc = timekeys.parse_timer_at(k)
+                if len(k) > 2 and k[2] == state_keys.TIMER_AT:
+                    _, _, at, enc = state_keys.parse_timer_at(k)
                     out.append((valuecodec.decode_row(enc)[0], at))
         return out
 
@@ -846,7 +846,7 @@ def load_every_version(root: str, s3_options: dict | None, env: Env) -> tuple[in
     from statestore_async.files.loader import load_store
     from statestore_async.files.manifest import list_manifest_versions, read_manifest
     from statestore_async.ids import DEFAULT_STORE_NAME, StoreId
-    from statestore_async.spark.reader import on_root
+    from statestore_async.state.reader import on_root
 
     async def go(r: str, store: Any) -> tuple[int, int, str]:
         bad, why = 0, ""

@@ -4,7 +4,7 @@
 ``load_changes_table`` (a pyarrow Table, in this process): one row per change of a state variable's
 value of one grouping key, committed by versions ``start_version + 1 .. end_version``, in commit
 order: ``partition, key_group``, the key columns, ``state``, ``change_type``, ``old_value``,
-``new_value`` (typed as in ``spark.reader``; JSON when the state variables' values share no type),
+``new_value`` (typed as in ``state.reader``; JSON when the state variables' values share no type),
 ``old_expires_ms`` / ``new_expires_ms`` when some state has a TTL, and ``version`` (the manifest
 version that first counts the change: batch ``version - 1`` made it).
 
@@ -13,7 +13,7 @@ the end state, then each parent its header names, back to the start state (``Lin
 the end state does not descend from the start state). A removal (a clear, an emptied list or map,
 a value removed because it expired) is a ``delete``. With ``old_values`` (the default), the value
 each key held before its first change in the range comes from the start state (loaded from its
-files, as ``spark.reader`` does), and a change is an ``insert`` (nothing before), ``update`` or
+files, as ``state.reader`` does), and a change is an ``insert`` (nothing before), ``update`` or
 ``delete``; with ``old_values=False`` only the deltas are read, ``old_value`` is null and a change
 is an ``update`` or a ``delete`` (Spark's own change feed). Timers and the TTL expiry index are not
 state variables and are left out.
@@ -37,11 +37,11 @@ from statestore_async.files.manifest import Manifest, list_manifest_versions
 from statestore_async.files.names import DELTA
 from statestore_async.files.transfer import read_checkpoint_file
 from statestore_async.ids import DEFAULT_STORE_NAME, EMPTY_STATE, CheckpointRef, StoreId
-from statestore_async.spark import statetypes
-from statestore_async.spark.reader import StateLayout, _partitions, on_root, split_value, typed_frame, typed_table
-from statestore_async.spark.statemeta import read_manifests
-from statestore_async.spark.statetypes import ColumnType
-from statestore_async.spark.timekeys import is_state_key
+from statestore_async.state import types as value_types
+from statestore_async.state.keys import is_state_key
+from statestore_async.state.metadata import read_manifests
+from statestore_async.state.reader import StateLayout, _partitions, on_root, split_value, typed_frame, typed_table
+from statestore_async.state.types import ColumnType
 
 INSERT, UPDATE, DELETE = "insert", "update", "delete"
 _MISSING = object()
@@ -196,9 +196,9 @@ class ChangeColumns:
         while len(self.keys) < len(other.keys):
             self.keys.append(ColumnType())
         for t, o in zip(self.keys, other.keys):
-            t.type = statetypes.merge(t.type, o.type)
-        self.value.type = statetypes.merge(self.value.type, other.value.type)
-        self.expires.type = statetypes.merge(self.expires.type, other.expires.type)
+            t.type = value_types.merge(t.type, o.type)
+        self.value.type = value_types.merge(self.value.type, other.value.type)
+        self.expires.type = value_types.merge(self.expires.type, other.expires.type)
         self.has_ttl = self.has_ttl or other.has_ttl
 
     def key_names(self) -> list[str] | None:
@@ -213,9 +213,9 @@ class ChangeColumns:
         if names is None:
             fields.append(("key", pa.string()))
         else:
-            fields += [(n, statetypes.arrow_type(self._key_type(i))) for i, n in enumerate(names)]
-        vt = statetypes.arrow_type(statetypes.final(self.value.type))
-        et = statetypes.arrow_type(statetypes.final(self.expires.type))
+            fields += [(n, value_types.arrow_type(self._key_type(i))) for i, n in enumerate(names)]
+        vt = value_types.arrow_type(value_types.final(self.value.type))
+        et = value_types.arrow_type(value_types.final(self.expires.type))
         fields += [("state", pa.string()), ("change_type", pa.string()), ("old_value", vt)]
         if self.has_ttl:
             fields.append(("old_expires_ms", et))
@@ -225,24 +225,24 @@ class ChangeColumns:
         fields.append(("version", pa.int64()))
         return pa.schema(fields)
 
-    def _key_type(self, i: int) -> statetypes.Type:
-        return statetypes.final(self.keys[i].type if i < len(self.keys) else statetypes.NULL)
+    def _key_type(self, i: int) -> value_types.Type:
+        return value_types.final(self.keys[i].type if i < len(self.keys) else value_types.NULL)
 
     def table(self, partition: int, changes: Sequence[Change]) -> pa.Table:
         n = len(changes)
-        vt, et = statetypes.final(self.value.type), statetypes.final(self.expires.type)
+        vt, et = value_types.final(self.value.type), value_types.final(self.expires.type)
         arrays = [pa.array([partition] * n, pa.int32()), pa.array([c.key_group for c in changes], pa.int32())]
         names = self.key_names()
         if names is None:
-            arrays.append(statetypes.column([list(c.key) for c in changes], statetypes.JSON))
+            arrays.append(value_types.column([list(c.key) for c in changes], value_types.JSON))
         else:
-            arrays += [statetypes.column([c.key[i] for c in changes], self._key_type(i)) for i in range(len(names))]
+            arrays += [value_types.column([c.key[i] for c in changes], self._key_type(i)) for i in range(len(names))]
         arrays += [pa.array([c.state for c in changes], pa.string()), pa.array([c.change_type for c in changes], pa.string())]
         for side in ("old", "new"):
             vals = [getattr(c, side) for c in changes]
-            arrays.append(statetypes.column([v[0] if v is not None else None for v in vals], vt))
+            arrays.append(value_types.column([v[0] if v is not None else None for v in vals], vt))
             if self.has_ttl:
-                arrays.append(statetypes.column([v[1] if v is not None else None for v in vals], et))
+                arrays.append(value_types.column([v[1] if v is not None else None for v in vals], et))
         arrays.append(pa.array([c.version for c in changes], pa.int64()))
         return pa.Table.from_arrays(arrays, schema=self.schema())
 

@@ -8,15 +8,15 @@
 * ``load_state``: ``{(state_name, grouping_key): stored value}`` in this process (TTL'd values as
   ``(expires_at_ms, value)``);
 * ``read_metadata(spark, root)``: the operators, their versions, partitions, key groups and sizes
-  (``spark.statemeta``); the change feed between two versions is ``spark.changefeed``.
+  (``state.metadata``); the change feed between two versions is ``state.changes``.
 
 Each reads the manifest of a version (the latest when ``version`` is None) and loads each
 partition's named checkpoint (``loader.load_store``: GETs of named files). Timers and the TTL expiry
-index (``spark.timekeys``) are left out: only the state variables' records are read.
+index (``state.keys``) are left out: only the state variables' records are read.
 
 Typed columns. The manifest records the key columns' names and each state variable's kind and TTL
 (``processor.merge_declarations``), not the types of the values: those are inferred from the values
-(``spark.statetypes``), the same way on every partition, so ``read_state`` reads the state twice —
+(``state.types``), the same way on every partition, so ``read_state`` reads the state twice —
 once for the types, once for the rows. A column whose values fit no one Spark type is JSON text.
 A value state holds its value; a list state a list; a map state a map; a ``VectorizedProcessor``'s
 state its row as a struct (fields ``_1``, ``_2``, … in ``state_schema`` order). The TTL expiry of
@@ -47,9 +47,11 @@ from statestore_async.files.loader import load_store
 from statestore_async.files.manifest import Manifest, list_manifest_versions, read_manifest
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId
 from statestore_async.objectstore import open_object_store
-from statestore_async.spark import statetypes
-from statestore_async.spark.statetypes import ColumnType
-from statestore_async.spark.timekeys import is_state_key
+from statestore_async.state import types as value_types
+from statestore_async.state.keys import is_state_key
+from statestore_async.state.metadata import describe_root
+from statestore_async.state.roots import checkpoint_root, s3_options_from_env
+from statestore_async.state.types import ColumnType
 
 T = TypeVar("T")
 
@@ -57,16 +59,12 @@ EXPIRES_SUFFIX = "_expires_ms"
 
 
 def _open(root: str, s3_options: dict | None):
-    """``(root URI, its object store)``: a relative root is refused (``runtime.checkpoint_root``), a
+    """``(root URI, its object store)``: a relative root is refused (``state.roots.checkpoint_root``), a
     local one opened without creating its folder (reading never creates anything: a missing root
     has no manifest)."""
-    from statestore_async.spark.runtime import checkpoint_root
-
     root = checkpoint_root(root)
     if root.startswith("s3://"):
         if s3_options is None:
-            from statestore_async.spark.operator import s3_options_from_env
-
             s3_options = s3_options_from_env()
         return root, open_object_store(root, s3_options=s3_options)
     return root, open_object_store(root, create=False)
@@ -369,11 +367,11 @@ class StateColumns:
         while len(self.keys) < len(other.keys):
             self.keys.append(ColumnType())
         for t, o in zip(self.keys, other.keys):
-            t.type = statetypes.merge(t.type, o.type)
+            t.type = value_types.merge(t.type, o.type)
         for mine, theirs in ((self.values, other.values), (self.expires, other.expires)):
             for name, o in theirs.items():
                 t = mine.setdefault(name, ColumnType())
-                t.type = statetypes.merge(t.type, o.type)
+                t.type = value_types.merge(t.type, o.type)
 
     def key_names(self) -> list[str] | None:
         """The key columns' names, or None when the keys are one JSON column ``key``: the operator
@@ -383,27 +381,27 @@ class StateColumns:
             return None
         return list(names)
 
-    def columns(self) -> list[tuple[str, str, str | None, statetypes.Type]]:
+    def columns(self) -> list[tuple[str, str, str | None, value_types.Type]]:
         """``(column, part, state name, final type)`` in order; part is ``partition``,
         ``key_group``, ``key`` (the i-th key column, or the whole key as JSON), ``value`` or ``expires``."""
-        out: list[tuple[str, str, str | None, statetypes.Type]] = [
+        out: list[tuple[str, str, str | None, value_types.Type]] = [
             ("partition", "partition", None, ("int",)), ("key_group", "key_group", None, ("int",))]
         names = self.key_names()
         if names is None:
-            out.append(("key", "key", None, statetypes.JSON))
+            out.append(("key", "key", None, value_types.JSON))
         else:
-            out += [(n, "key", str(i), statetypes.final(self.keys[i].type if i < len(self.keys) else statetypes.NULL))
+            out += [(n, "key", str(i), value_types.final(self.keys[i].type if i < len(self.keys) else value_types.NULL))
                     for i, n in enumerate(names)]
         taken = {c[0] for c in out}
         for name in sorted(self.values):
             col = _state_column_name(name, taken)
-            out.append((col, "value", name, statetypes.final(self.values[name].type)))
+            out.append((col, "value", name, value_types.final(self.values[name].type)))
             if name in self.expires:
-                out.append((col + EXPIRES_SUFFIX, "expires", name, statetypes.final(self.expires[name].type)))
+                out.append((col + EXPIRES_SUFFIX, "expires", name, value_types.final(self.expires[name].type)))
         return out
 
     def schema(self) -> pa.Schema:
-        return pa.schema([(c, pa.int32() if t == ("int",) else statetypes.arrow_type(t), part not in ("partition", "key_group"))
+        return pa.schema([(c, pa.int32() if t == ("int",) else value_types.arrow_type(t), part not in ("partition", "key_group"))
                           for c, part, _n, t in self.columns()])
 
     def table(self, partition: int, rows: Sequence[KeyRow]) -> pa.Table:
@@ -416,13 +414,13 @@ class StateColumns:
                 arrays.append(pa.array([r[0] for r in rows], pa.int32()))
             elif part == "key":
                 if name is None:
-                    arrays.append(statetypes.column([list(r[1]) for r in rows], t))
+                    arrays.append(value_types.column([list(r[1]) for r in rows], t))
                 else:
                     i = int(name)
-                    arrays.append(statetypes.column([r[1][i] for r in rows], t))
+                    arrays.append(value_types.column([r[1][i] for r in rows], t))
             else:
                 j = 0 if part == "value" else 1
-                arrays.append(statetypes.column([s[name][j] if name in (s := r[2]) else None for r in rows], t))
+                arrays.append(value_types.column([s[name][j] if name in (s := r[2]) else None for r in rows], t))
         return pa.Table.from_arrays(arrays, schema=self.schema())
 
 
@@ -531,11 +529,9 @@ def _key_types(df: Any, key_types: dict[str, str] | None) -> Any:
 
 def read_metadata(spark, root: str, operator_id: str | None = None, *, s3_options: dict | None = None):
     """A DataFrame of what the checkpoint root holds, one row per operator and partition at its
-    latest version (``spark.statemeta.describe_root``): ``operator_id, partition, num_partitions,
+    latest version (``state.metadata.describe_root``): ``operator_id, partition, num_partitions,
     num_key_groups, first_key_group, last_key_group, min_version, max_version, versions, state_version,
     ckptid, state_files, state_bytes, files, bytes, orphaned_files`` and ``state_vars`` (JSON)."""
-    from statestore_async.spark.statemeta import describe_root
-
     rows = []
     for op in on_root(root, s3_options, lambda r, store: describe_root(store, r, operator_id)):
         for p in op.partitions:

@@ -22,7 +22,7 @@ from statestore_async.files.names import parse_file_name
 from statestore_async.files.retention import needed_files
 from statestore_async.ids import DEFAULT_STORE_NAME, CheckpointRef, StoreId
 from statestore_async.objectstore.base import ObjectStore
-from statestore_async.spark.timekeys import owned_key_groups
+from statestore_async.state.keys import owned_key_groups
 
 
 @dataclass
