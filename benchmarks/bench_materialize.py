@@ -60,7 +60,7 @@ def main() -> int:
     spark = local_session("bench_materialize", work)
     from pyspark import StorageLevel
 
-    from statestore_async.spark.operator import arrow_batch_bytes, materialize_cache, materialize_checkpoint
+    from statestore_async.spark.driver.materialize import arrow_batch_bytes, materialize_cache, materialize_checkpoint
 
     try:
         rng = np.random.default_rng(1)

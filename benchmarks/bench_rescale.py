@@ -122,7 +122,7 @@ def main() -> int:
     from statestore_async.files.repartition import repartition
     from statestore_async.objectstore import open_object_store
     from statestore_async.spark import StatefulOperator, placement
-    from statestore_async.spark.examples import VectorizedCountSum
+    from statestore_async.spark.api.examples import VectorizedCountSum
 
     work = tempfile.mkdtemp(prefix="bench-rescale-")
     spark = local_session("bench_rescale", work)

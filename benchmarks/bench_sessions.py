@@ -98,7 +98,7 @@ def checked(out: list[tuple[int, int]], expected: tuple[int, int]) -> bool | str
 
 def ours(spark, src: str, work: str, stream: S.SessionStream, timeout: int, vectorized: bool = False,
          materialize: str = "auto", time_only: str = "auto") -> dict:
-    from statestore_async.spark import placement
+    from statestore_async.spark.shared import placement
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
     sock = os.path.join(sockdir, "d.sock")
@@ -154,8 +154,8 @@ def spark_floor(spark, src: str, work: str, timeout: int) -> dict:
     output to materialize: a bound no version of ours can pass."""
     import pyarrow as pa
 
-    from statestore_async.spark.operator import arrow_batch_bytes
-    from statestore_async.spark.routing import with_routing
+    from statestore_async.spark.driver.materialize import arrow_batch_bytes
+    from statestore_async.spark.shared.routing import with_routing
 
     def count(batches):
         yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
@@ -175,7 +175,7 @@ def overhead(spark, src: str, work: str, timeout: int) -> dict[str, float]:
     from datetime import timedelta
 
     from statestore_async.spark import StatefulOperator, placement
-    from statestore_async.spark.examples import CountSum
+    from statestore_async.spark.api.examples import CountSum
 
     sockdir = tempfile.mkdtemp(prefix="ssb-", dir="/tmp")
     sock = os.path.join(sockdir, "d.sock")

@@ -412,8 +412,8 @@ def floor_stage(df, plan: str) -> None:
     checkpoint (its own job) and then read by the noop write, as our default keeps it."""
     from pyspark.sql import functions as F
 
-    from statestore_async.spark.operator import arrow_batch_bytes, materialize_checkpoint
-    from statestore_async.spark.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
+    from statestore_async.spark.driver.materialize import arrow_batch_bytes, materialize_checkpoint
+    from statestore_async.spark.shared.routing import KG_COLUMN, ROUTE_COLUMN, with_routing
 
     keep = plan.endswith("-ck")
     plan = plan.removesuffix("-ck")
@@ -433,7 +433,7 @@ def floor_stage(df, plan: str) -> None:
         import gc
 
         from statestore_async.codecs import arrowcodec
-        from statestore_async.spark.runtime import PER_KEY_CHUNK
+        from statestore_async.spark.task.perkey import PER_KEY_CHUNK
 
         batches = [b for b in batches if b.num_rows]
         if not batches:
@@ -509,7 +509,7 @@ def split(spark, src: str, work: str, batches: int, seed: int = 7, api: str = "p
     from pyspark.sql import functions as F
 
     from statestore_async.spark import StatefulOperator, placement, write_sink
-    from statestore_async.spark.examples import CountSum, PreAggregatedCountSum
+    from statestore_async.spark.api.examples import CountSum, PreAggregatedCountSum
 
     files = sorted(os.path.join(src, f) for f in os.listdir(src) if f.endswith(".parquet"))
     aggs = lambda: [F.count("*").alias("n"), F.sum("value").alias("s")]
@@ -694,7 +694,7 @@ def main() -> int:
     spark = local_session("bench_spark", work, conf=confs)
     from pyspark.sql import functions as F
 
-    from statestore_async.spark.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum
+    from statestore_async.spark.api.examples import CountSum, PreAggregatedCountSum, VectorizedCountSum
 
     wanted = {"ours": "ours per-key", "ours-vec": "ours vectorized", "ours-pre": "ours vectorized + JVM pre-agg",
               "ours-none": "ours per-key, sink job", "ours-vec-none": "ours vectorized, sink job",

@@ -51,7 +51,7 @@ def processors():
     import numpy as np
     import pyarrow as pa
 
-    from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor
+    from statestore_async.spark.api.processors import StatefulProcessor, VectorizedProcessor
 
     class PerKey(StatefulProcessor):
         def init(self, handle):

@@ -24,7 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from statestore_async.spark import placement
+from statestore_async.spark.shared import placement
+from statestore_async.testing import faults
 
 SCHEMA = "key string, value bigint"
 
@@ -286,7 +287,7 @@ class StandaloneCluster:
 def job_main(argv: list[str]) -> int:
     """Run the count/sum operator over ``--src`` to the end; each batch's output goes to ``<out>/<b>.json``.
 
-    ``--faults`` is a JSON list of ``runtime.Fault`` fields. Used by the tests that kill the driver
+    ``--faults`` is a JSON list of ``testing.faults.Fault`` fields. Used by the tests that kill the driver
     or need task retries (``--master 'local[2,2]'``).
     """
     import argparse
@@ -310,7 +311,7 @@ def job_main(argv: list[str]) -> int:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from statestore_async.spark import StatefulOperator
-    from statestore_async.spark.examples import CountSum, VectorizedCountSum
+    from statestore_async.spark.api.examples import CountSum, VectorizedCountSum
 
     spark = driver_session(a.master, CLUSTER_CONF if a.cluster else None)
     os.makedirs(a.out, exist_ok=True)
@@ -331,7 +332,8 @@ def job_main(argv: list[str]) -> int:
     op = StatefulOperator(a.root, "counts", ["key"], VectorizedCountSum() if a.vectorized else CountSum(),
                           "key string, count bigint, sum bigint", num_partitions=a.partitions, num_key_groups=a.key_groups,
                           socket_path=a.socket or None, fence_timeout=30 if a.cluster else 10,
-                          faults=json.loads(a.faults), s3_options=json.loads(a.s3_options) if a.s3_options else None)
+                          s3_options=json.loads(a.s3_options) if a.s3_options else None)
+    faults.arm(op, json.loads(a.faults))
     inner = op.foreach_batch(sink)
 
     def fn(df, batch_id):
@@ -351,20 +353,19 @@ def job_main(argv: list[str]) -> int:
 def run_job(args: list[str], timeout: float = 180.0) -> subprocess.CompletedProcess:
     """Run ``job_main`` in a child process (its own Spark driver); returns the completed process.
 
-    The child runs under ``python -m statestore_async.testing.faults``, so its ``--faults`` may arm
-    faults (with none, the hooks cost nothing)."""
+    Its ``--faults`` are armed on its operator (``statestore_async.testing.faults.arm``; with none,
+    the hook points cost nothing)."""
     return run_driver(os.path.abspath(__file__), ["job", *args], timeout)
 
 
 def run_driver(script: str, args: list[str], timeout: float = 300.0) -> subprocess.CompletedProcess:
-    """``script`` run as ``__main__`` with ``args`` in a child process under ``python -m
-    statestore_async.testing.faults`` (a driver of its own, its faults armable), this folder on its
-    path; every process of its session is killed afterwards (the JVM and Python workers a SIGKILLed
+    """``script`` run as ``__main__`` with ``args`` in a child process (a driver of its own), this
+    folder on its path; every process of its session is killed afterwards (the JVM and Python workers a SIGKILLed
     driver leaves). Returns the completed process, stdout and stderr together."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "statestore_async.testing.faults", script, *args], env=env,
+    proc = subprocess.Popen([sys.executable, script, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from statestore_async.codecs import arrowcodec, twins, valuecodec
 from statestore_async.errors import DecodeError, EncodeError
-from statestore_async.spark.runtime import store_keys
+from statestore_async.spark.task.grouping import store_keys
 
 pa = pytest.importorskip("pyarrow")
 

@@ -26,9 +26,9 @@ from statestore_async.cli.main import main as cli
 from statestore_async.client.clients import Client
 from statestore_async.files.manifest import COMMITS_DIR
 from statestore_async.spark import StatefulOperator, StatefulProcessor, load_state, placement
-from statestore_async.spark.examples import CountSum, VectorizedCountSum
-from statestore_async.spark.processor import StateHandle
-from statestore_async.spark.runtime import _output_table
+from statestore_async.spark.api.examples import CountSum, VectorizedCountSum
+from statestore_async.spark.api.processors import StateHandle
+from statestore_async.spark.task.output import output_table
 
 OUT = "key string, count bigint, sum bigint"
 
@@ -138,14 +138,14 @@ def test_output_conversion_checks_without_spark():
     from pyspark.sql import Row
 
     schema = pa.schema([("key", pa.string()), ("n", pa.int64()), ("m", pa.int32())])
-    assert _output_table([("a", None, 2), ["b", 3, None]], schema).to_pylist() == [
+    assert output_table([("a", None, 2), ["b", 3, None]], schema).to_pylist() == [
         {"key": "a", "n": None, "m": 2}, {"key": "b", "n": 3, "m": None}]
     for rows, word in [([Row(n=1, key="a", m=2)], "matched by position"),
                        ([namedtuple("T", "m n key")(1, 2, "a")], "matched by position"),
                        ([("a", True, 1)], "bool"), ([("a", float("nan"), 1)], "nan"), (["abc"], "str"),
                        ([("a", 1, 1.25)], "1.25")]:
         with pytest.raises(errors.OutputRowError, match=word):
-            _output_table(rows, schema, [("k",)], [len(rows)])
+            output_table(rows, schema, [("k",)], [len(rows)])
 
 
 # -- (13) TTLs have a unit; a state variable's declaration is recorded and cannot silently change --

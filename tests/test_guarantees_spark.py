@@ -45,9 +45,11 @@ from statestore_async.files.manifest import list_manifest_versions
 from statestore_async.ids import EMPTY_STATE
 from statestore_async.objectstore import open_object_store
 from statestore_async.spark import StatefulOperator, daemon_pid, load_state, placement
-from statestore_async.spark.examples import CountSum
-from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.runtime import TaskSpec, run_partition
+from statestore_async.spark.api.examples import CountSum
+from statestore_async.spark.shared.routing import KG_COLUMN
+from statestore_async.spark.shared.taskspec import TaskSpec
+from statestore_async.spark.task.partition import run_partition
+from statestore_async.testing import faults
 
 OUT = "key string, count bigint, sum bigint"
 
@@ -97,7 +99,7 @@ def fire_once(marker: str) -> bool:
 
 @dataclass(frozen=True)
 class KillAt:
-    """A fault hook (``runtime.FaultHook``): SIGKILL the operator's daemon at ``point`` of ``batch``
+    """A fault hook (``testing.faults.FaultHook``): SIGKILL the operator's daemon at ``point`` of ``batch``
     in the task of ``partition``, once (``marker``)."""
 
     marker: str
@@ -407,7 +409,8 @@ def test_a_daemon_killed_mid_task_does_not_fail_the_query(spark, data, tmp_path,
             op = StatefulOperator(root, "counts", ["key"], processor, OUT, 2, 64, socket_path=d.socket,
                                   fence_timeout=30)
         else:
-            op = op_for(root, d, faults=KillAt(marker, "before_commit", 2, 0))
+            op = op_for(root, d)
+            faults.arm(op, KillAt(marker, "before_commit", 2, 0))
         collect = collector(got)
 
         def sink(df, batch_id):
@@ -437,7 +440,8 @@ def test_a_delta_lost_with_its_daemon_makes_the_driver_run_the_batch_again(spark
     got: dict = {}
     with Daemon() as d:
         first_pid = d.pid()
-        op = op_for(root, d, fence_timeout=8, faults=LoseUpload(str(tmp_path / "fired"), str(state), 0))
+        op = op_for(root, d, fence_timeout=8)
+        faults.arm(op, LoseUpload(str(tmp_path / "fired"), str(state), 0))
         run_stream(spark, src, str(tmp_path / "ckpt"), op.foreach_batch(collector(got)))
         assert _gone(first_pid)
         assert op.history[0].reruns == 1 and all(p.reruns == 0 for p in op.history[1:])
@@ -469,7 +473,7 @@ def test_a_task_that_loses_its_daemon_on_every_try_fails_with_a_clear_error(tmp_
             return TaskSpec(root=root, operator_id="op", key_columns=("key",), value_columns=("value",),
                             output_schema=pa.schema([("key", pa.string()), ("count", pa.int64()), ("sum", pa.int64())]),
                             num_partitions=1, num_key_groups=4, batch_id=0, refs=(EMPTY_STATE,), now_ms=0,
-                            socket_path=d.socket, fault_hook=hook)
+                            socket_path=d.socket, hook=hook)
 
         reports: list = []
         with pytest.raises(errors.ConnectionLostError) as info:

@@ -34,6 +34,11 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 # test support (fault proxy, S3 server, daemon process) may use anything, and nothing uses it but tests
 TEST_SUPPORT = "testing"
+# spark/ by who runs the code, top to bottom: the package's re-exports; the driver (which ships the
+# task's entry points to Spark); the task runtime; then what users write against (api) and what
+# driver and tasks share (shared), which do not import each other. Every module is in one of them.
+SPARK_LAYERS: list[tuple[str, ...]] = [("__init__",), ("driver",), ("task",), ("api", "shared")]
+SPARK_PEERS = {("api", "shared"), ("shared", "api")}
 # .pxd headers of _ext/ that are no module of their own (inlined into each module that cimports them)
 SHARED_PXD = {"_bytes": "codecs", "_spans": "codecs", "_wire": "codecs", "_records": "engine", "_refsort": "engine"}
 # the wire format (frames, batch payloads): nothing in these layers may import or cimport it
@@ -124,6 +129,40 @@ def _violations(modules: list[tuple[str, str, bool]]) -> list[str]:
     return wrong
 
 
+def _spark_unit(module: str) -> str | None:
+    """``statestore_async.spark.task.perkey`` -> ``task``; ``statestore_async.spark`` -> ``__init__``;
+    None outside spark/."""
+    parts = module.split(".")
+    if parts[:2] != ["statestore_async", "spark"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def _spark_rank(unit: str) -> int:
+    for i, units in enumerate(SPARK_LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"statestore_async.spark.{unit} is in no sub-package of spark/: add it to SPARK_LAYERS")
+
+
+def _spark_violations(modules: list[tuple[str, str, bool]]) -> list[str]:
+    """What imports, inside spark/, a higher sub-package or a peer one (api and shared)."""
+    wrong = []
+    for module, source, is_package in modules:
+        unit = _spark_unit(module)
+        if unit is None:
+            continue
+        for line, mod in _imports(module, source, is_package):
+            other = _spark_unit(mod)
+            if other is None or other == unit:
+                continue
+            if _spark_rank(other) < _spark_rank(unit):
+                wrong.append(f"{module}:{line} (spark.{unit}) imports {mod} (spark.{other}, a higher sub-package)")
+            elif (unit, other) in SPARK_PEERS:
+                wrong.append(f"{module}:{line} (spark.{unit}) imports {mod} (spark.{other}, which it stands beside)")
+    return wrong
+
+
 def _cimports(source: str) -> list[tuple[int, str]]:
     """``(line, module)`` of every cimport of a Cython source but Cython's and C's own."""
     found = []
@@ -193,6 +232,31 @@ def _package_modules() -> list[tuple[str, str, bool]]:
 def test_no_module_imports_a_higher_layer():
     wrong = _violations(_package_modules())
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_spark_sub_packages_import_one_way():
+    wrong = _spark_violations(_package_modules())
+    assert not wrong, "imports against spark/'s sub-packages:\n" + "\n".join(wrong)
+
+
+def test_every_spark_module_is_in_a_sub_package():
+    spark = PACKAGE / "spark"
+    loose = sorted(p.name for p in spark.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules directly under spark/ (put each in the sub-package of who runs it): {loose}"
+    for sub in sorted(p.name for p in spark.iterdir() if p.is_dir() and (p / "__init__.py").exists()):
+        _spark_rank(sub)
+
+
+def test_the_spark_check_sees_a_violation():
+    probes = [("statestore_async.spark.task.probe", "from statestore_async.spark.driver import operator\n", False),
+              ("statestore_async.spark.api.probe", "def f():\n    from ..shared import hooks\n", False),
+              ("statestore_async.spark.driver.probe", "from statestore_async.spark.task import partition\n", False)]
+    assert _spark_violations(probes) == [
+        "statestore_async.spark.task.probe:1 (spark.task) imports statestore_async.spark.driver (spark.driver, "
+        "a higher sub-package)",
+        "statestore_async.spark.api.probe:2 (spark.api) imports statestore_async.spark.shared (spark.shared, "
+        "which it stands beside)",
+    ]
 
 
 def test_no_compiled_module_cimports_a_higher_layer():

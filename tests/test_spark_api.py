@@ -28,10 +28,12 @@ from statestore_async.spark import (
     placement,
     route_values,
 )
-from statestore_async.spark.coordinator import Coordinator, location_of
-from statestore_async.spark.examples import CountSum
-from statestore_async.spark.routing import KG_COLUMN, murmur3_int
-from statestore_async.spark.runtime import RoutingError, TaskSpec, run_partition
+from statestore_async.spark.api.examples import CountSum
+from statestore_async.spark.shared.coordinator import Coordinator, location_of
+from statestore_async.spark.shared.routing import KG_COLUMN, murmur3_int
+from statestore_async.spark.shared.taskspec import TaskSpec
+from statestore_async.spark.task.grouping import RoutingError
+from statestore_async.spark.task.partition import run_partition
 
 OUT = "key string, count bigint, sum bigint"
 
@@ -50,7 +52,7 @@ def test_murmur3_and_routes_match_spark(spark):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, (1 << 32) + 5), max_size=300), st.sampled_from([1 << 8, 1 << 16, 1 << 20, 1 << 33]))
 def test_stable_order_is_a_stable_argsort(values, bound):
-    from statestore_async.spark.runtime import _stable_order
+    from statestore_async.spark.task.grouping import _stable_order
 
     codes = np.array([v % bound for v in values], dtype=np.int64)
     assert (_stable_order(codes) == np.argsort(codes, kind="stable")).all()
@@ -69,7 +71,7 @@ def test_group_rows_multi_column_nulls_and_float_normalization():
 @given(st.integers(0, 40), st.lists(st.sampled_from(["int64", "string", "float64", "bool"]), min_size=1, max_size=3),
        st.data())
 def test_group_rows_groups_as_the_dictionary_encoding_does(n, types, data):
-    from statestore_async.spark.runtime import _group_by_dictionary
+    from statestore_async.spark.task.grouping import _group_by_dictionary
 
     values = {"int64": st.integers(-3, 3), "string": st.sampled_from(["a", "b", ""]),
               "float64": st.sampled_from([0.0, -0.0, 1.5, float("nan")]), "bool": st.booleans()}
@@ -305,7 +307,7 @@ def test_the_driver_keeps_one_object_store_on_one_loop():
     import gc
     import threading
 
-    from statestore_async.spark.operator import _DriverIO
+    from statestore_async.spark.driver.driverio import DriverIO
 
     opened = []
 
@@ -322,7 +324,7 @@ def test_the_driver_keeps_one_object_store_on_one_loop():
         opened.append(Store())
         return opened[-1]
 
-    driver_io = _DriverIO(open_store)
+    driver_io = DriverIO(open_store)
     seen = [driver_io.run(lambda store: store.where())]
     t = threading.Thread(target=lambda: seen.append(driver_io.run(lambda store: store.where())))
     t.start()
@@ -407,7 +409,7 @@ def test_the_stateful_stage_runs_without_sparks_per_row_arrow_byte_check_unless_
     after it): no byte cap by default, the session's own when it sets one, the operator's when given;
     the session's setting is as before once the batch is over. A cap of one byte (an Arrow batch per
     row) gives the same state and output."""
-    from statestore_async.spark.operator import ARROW_BYTES_UNLIMITED, ARROW_MAX_BYTES_KEY
+    from statestore_async.spark.driver.materialize import ARROW_BYTES_UNLIMITED, ARROW_MAX_BYTES_KEY
 
     def run(name, materialize, **kw):
         op = StatefulOperator(f"file://{tmp_path}/{name}", name, ["key"], CountSum(), OUT, 2, 16,
@@ -442,35 +444,36 @@ def test_the_stateful_stage_runs_without_sparks_per_row_arrow_byte_check_unless_
             StatefulOperator(str(tmp_path), "op", ["k"], CountSum(), OUT, 2, arrow_max_bytes_per_batch=bad)
 
 
-def test_faults_need_the_testing_hook_maker(tmp_path):
-    """Without faults every hook point is a no-op; faults need ``statestore_async.testing.faults``
-    installed, whose hook pickles by reference (Spark's workers import it) and fires only where armed."""
+def test_an_operator_has_no_hook_until_test_support_arms_one(tmp_path):
+    """Without an armed fault every hook point is a no-op (no hook, and no fault parameter on the
+    operator); ``statestore_async.testing.faults.arm`` installs a hook that pickles by reference
+    (Spark's workers import it) and fires only where armed; arming nothing removes it."""
+    import inspect
     import pickle
 
     from pyspark import cloudpickle
     from pyspark.sql.types import LongType, StringType, StructField, StructType
 
-    from statestore_async.spark.runtime import FaultSite, InjectedFault
+    from statestore_async.spark.shared import hooks
     from statestore_async.testing import faults
+    from statestore_async.testing.faults import FaultSite, InjectedFault
 
+    assert not any("fault" in p for p in inspect.signature(StatefulOperator).parameters)
     out = StructType([StructField("key", StringType()), StructField("count", LongType()), StructField("sum", LongType())])
     fault = {"point": "after_commit", "batch": 1, "partition": 0, "action": "fail"}
-    make = lambda f: StatefulOperator(str(tmp_path), "f", ["key"], CountSum(), out, 2, faults=f)
-    assert make(())._fault_hook is None
-    with pytest.raises(errors.InterfaceError, match="no fault hook maker is installed"):
-        make([fault])
+    op = StatefulOperator(str(tmp_path), "f", ["key"], CountSum(), out, 2)
+    assert hooks.installed(op) is None
     hook = lambda site: None
-    assert make(hook)._fault_hook is hook  # a FaultHook of one's own needs no maker
-    faults.install()
-    try:
-        plan = pickle.loads(cloudpickle.dumps(make([fault])._fault_hook))
-    finally:
-        faults.uninstall()
+    assert faults.arm(op, hook) is hook and hooks.installed(op) is hook  # a hook of one's own
+    faults.arm(op, [fault])
+    plan = pickle.loads(cloudpickle.dumps(hooks.installed(op)))
     assert type(plan) is faults.FaultPlan
     plan(FaultSite("after_commit", 1, 1, 0))  # another partition
     plan(FaultSite("after_commit", 1, 0, 1))  # another attempt
     with pytest.raises(InjectedFault, match="after_commit of batch 1 partition 0"):
         plan(FaultSite("after_commit", 1, 0, 0))
+    assert faults.arm(op, []) is None and hooks.installed(op) is None
+    assert hooks.installed(StatefulOperator(str(tmp_path), "g", ["key"], CountSum(), out, 2)) is None
 
 
 @pytest.mark.spark
@@ -486,8 +489,8 @@ def test_pre_aggregation_adds_no_shuffle_to_the_routing(spark, tmp_path):
     is shuffled once (a groupBy before the routing would shuffle it twice)."""
     from pyspark.sql import functions as F
 
-    from statestore_async.spark.examples import PreAggregatedCountSum
-    from statestore_async.spark.routing import ROUTE_COLUMN
+    from statestore_async.spark.api.examples import PreAggregatedCountSum
+    from statestore_async.spark.shared.routing import ROUTE_COLUMN
 
     df = spark.createDataFrame([(f"k{i % 7}", i) for i in range(50)], "key string, value bigint")
     op = StatefulOperator(str(tmp_path), "pre", ["key"], PreAggregatedCountSum(), OUT, 2,

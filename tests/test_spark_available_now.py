@@ -3,7 +3,7 @@ processor declarations checked when the operator is made (issue 39).
 
 ``foreachBatch`` runs only when a batch has rows, so the sessions that the last batch's watermark
 closes would never be emitted by an ``AvailableNow`` run. The operator runs a time-only batch
-(``spark.batches``) after a data batch of such a run whose watermark moved: here the stream has no
+(``spark.driver.batches``) after a data batch of such a run whose watermark moved: here the stream has no
 trailing empty batch and no heartbeat source, and one run emits exactly the oracle's sessions. A
 state written with time-only batches off (as every release before them) is finished the same way by
 one run with them on.
@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from statestore_async.spark import batches as B
-from statestore_async.spark.examples import CountSum, VectorizedCountSum
+from statestore_async.spark.api.examples import CountSum, VectorizedCountSum
+from statestore_async.spark.driver import batches as B
 from statestore_async.testing import sessions as S
 
 pytestmark = pytest.mark.spark
@@ -128,7 +128,7 @@ def test_which_runs_get_time_only_batches(setting, trigger, conf, wanted):
 
 def test_time_only_batches_setting_is_checked(tmp_path):
     from statestore_async.errors import InterfaceError
-    from statestore_async.spark.operator import StatefulOperator
+    from statestore_async.spark.driver.operator import StatefulOperator
 
     with pytest.raises(InterfaceError, match="time_only_batches must be one of auto, off"):
         StatefulOperator(f"file://{tmp_path}", "op", ["k"], CountSum(), "k string, count bigint, sum bigint", 2,
@@ -157,7 +157,7 @@ class _NoSchema(VectorizedCountSum):
 ])
 def test_processor_declarations_are_checked_when_the_operator_is_made(tmp_path, processor, why):
     from statestore_async.errors import StateDeclarationError
-    from statestore_async.spark.operator import StatefulOperator
+    from statestore_async.spark.driver.operator import StatefulOperator
 
     with pytest.raises(StateDeclarationError, match=why):
         StatefulOperator(f"file://{tmp_path}", "op", ["k"], processor, "k string, count bigint, sum bigint", 2)

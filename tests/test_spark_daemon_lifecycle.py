@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from statestore_async.spark import placement
+from statestore_async.spark.shared import placement
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 MARGIN = 60.0  # seconds past the stated idle exit: a busy machine's Python workers take a while to go
@@ -86,7 +86,7 @@ def job_main(sock: str, root: str, end: str) -> int:
     from spark_cluster import driver_session
 
     from statestore_async.spark import StatefulOperator
-    from statestore_async.spark.examples import CountSum
+    from statestore_async.spark.api.examples import CountSum
 
     spark = driver_session()
     op = StatefulOperator(root, "life", ["key"], CountSum(), "key string, count bigint, sum bigint", 2,

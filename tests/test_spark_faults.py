@@ -13,20 +13,13 @@ from spark_cluster import Daemon, collector, dict_oracle, final_count_sum, run_s
 
 from statestore_async.files.manifest import list_manifest_versions
 from statestore_async.spark import StatefulOperator, daemon_pid, load_state
-from statestore_async.spark.examples import CountSum
-from statestore_async.spark.placement import _zombie
+from statestore_async.spark.api.examples import CountSum
+from statestore_async.spark.shared.placement import _zombie
 from statestore_async.testing import faults
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 OUT = "key string, count bigint, sum bigint"
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fault_hooks():
-    """The operators of this module may be given ``faults``: their hook maker is installed."""
-    faults.install()
-    yield
-    faults.uninstall()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +48,8 @@ def test_daemon_killed_mid_batch_then_restart(spark, data, tmp_path, point):
         first_pid = d.pid()
         fault = {"point": point, "batch": 2, "action": "kill_daemon", "partition": 0 if "commit" in point else None}
         op = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 2, 64, socket_path=d.socket,
-                              fence_timeout=3, faults=[fault])
+                              fence_timeout=3)
+        faults.arm(op, [fault])
         failed = None
         try:
             run_stream(spark, src, ckpt, op.foreach_batch(collector(got)))

@@ -1,7 +1,7 @@
 """Timers fire in an idle processing-time stream, without a heartbeat source (issue 39).
 
 A ``ProcessingTime`` query whose input stops gets no ``foreachBatch`` call: the operator's
-``IdleTicker`` runs a time-only batch (``spark.batches``) once Spark has recorded the last batch and
+``IdleTicker`` runs a time-only batch (``spark.driver.batches``) once Spark has recorded the last batch and
 a trigger interval passed without another, at the watermark that batch moved. The sessions it
 closes reach the sink while the query idles. A driver killed after such a time-only batch's manifest
 and before its sink finds the manifest pending and runs it again, with the same clock and watermark,
@@ -19,6 +19,7 @@ from collections import Counter
 
 import pytest
 
+from statestore_async.testing import faults
 from statestore_async.testing import sessions as S
 
 pytestmark = pytest.mark.spark
@@ -115,8 +116,8 @@ def job_main(argv: list[str]) -> int:
     cloudpickle.register_pickle_by_value(S)
     sink = json_batch_sink(a.out)
 
-    op = S.session_operator(a.root, "sessions", a.gap, a.delay, socket_path=a.socket, faults=json.loads(a.faults),
-                            fence_timeout=30)
+    op = S.session_operator(a.root, "sessions", a.gap, a.delay, socket_path=a.socket, fence_timeout=30)
+    faults.arm(op, json.loads(a.faults))
     if a.trigger == "available-now":
         S.run_to_end(S.read_stream(spark, a.src), a.ckpt, op.foreach_batch(sink))
     else:

@@ -9,9 +9,9 @@ from test_spark_timers import G, Job, Killer, N, kg_of
 
 from statestore_async import errors
 from statestore_async.codecs import valuecodec
-from statestore_async.spark.processor import StatefulProcessor
-from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.runtime import run_initial_state
+from statestore_async.spark.api.processors import StatefulProcessor
+from statestore_async.spark.shared.routing import KG_COLUMN
+from statestore_async.spark.task.partition import run_initial_state
 from statestore_async.state import keys as state_keys
 
 
@@ -79,7 +79,7 @@ def test_initial_state_with_its_daemon_killed_before_the_commit_is_applied_once(
     job = InitJob(root, daemon.socket, Seeded())
     p = kg_of("a") * N // G
     first = daemon.pid()
-    out = job.initial([("a", 2), ("a", 3)], now_ms=1000, fault_hook=Killer(0, p))
+    out = job.initial([("a", 2), ("a", 3)], now_ms=1000, hook=Killer(0, p))
     assert out == [("a", -1, "initial", 5)]  # the retry's output only
     assert [r.timings.get("retries") for r in job.reports] == [1]
     assert daemon.pid() not in (None, first)

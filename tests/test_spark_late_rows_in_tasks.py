@@ -13,7 +13,7 @@ import pytest
 from spark_cluster import Daemon
 
 from statestore_async.spark import StatefulOperator, StatefulProcessor
-from statestore_async.spark.eventtime import split_late, tasks_event_time
+from statestore_async.spark.shared.eventtime import split_late, tasks_event_time
 
 
 def _table(values, type_):

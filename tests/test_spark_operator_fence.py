@@ -12,9 +12,9 @@ from statestore_async.client.clients import Client
 from statestore_async.files.names import DELTA, file_key
 from statestore_async.ids import StoreId
 from statestore_async.spark import StatefulOperator
-from statestore_async.spark.coordinator import local_socket, location_of
-from statestore_async.spark.examples import CountSum
-from statestore_async.spark.operator import _durable_answers
+from statestore_async.spark.api.examples import CountSum
+from statestore_async.spark.driver.driverio import durable_answers
+from statestore_async.spark.shared.coordinator import local_socket, location_of
 
 OUT = "key string, count bigint, sum bigint"
 
@@ -39,7 +39,7 @@ def test_the_answers_come_once_every_delta_is_in_the_object_store(daemon, tmp_pa
     root = f"file://{tmp_path}/s"
     refs = _commit(daemon.socket, root, range(3))
     wanted = [(StoreId(root, "fence", p), ref) for p, ref in refs.items()]
-    asyncio.run(_durable_answers(daemon.socket, wanted, 60))
+    asyncio.run(durable_answers(daemon.socket, wanted, 60))
     for sid, ref in wanted:
         assert (tmp_path / "s" / file_key(sid, ref, DELTA)).exists()
 
@@ -48,7 +48,7 @@ def test_the_answers_come_once_every_delta_is_in_the_object_store(daemon, tmp_pa
 def test_a_daemon_that_cannot_answer_leaves_the_fence_to_its_polling(spark, daemon, tmp_path):
     root = f"file://{tmp_path}/s"
     refs = _commit(daemon.socket, root, range(2))
-    asyncio.run(_durable_answers(str(tmp_path / "nobody.sock"), [(StoreId(root, "fence", 0), refs[0])], 60))
+    asyncio.run(durable_answers(str(tmp_path / "nobody.sock"), [(StoreId(root, "fence", 0), refs[0])], 60))
     op = StatefulOperator(root, "fence", ["key"], CountSum(), OUT, 2, 16, socket_path=daemon.socket)
     op._fence(refs, locations={0: location_of(str(tmp_path / "nobody.sock")), 1: location_of(daemon.socket)})
     for p, ref in refs.items():

@@ -12,7 +12,7 @@ from spark_cluster import Daemon
 
 from statestore_async.errors import InterfaceError
 from statestore_async.spark import OperatorConfigError, StatefulOperator, StatefulProcessor, load_state
-from statestore_async.spark.examples import CountSum
+from statestore_async.spark.api.examples import CountSum
 
 OUT = "user string, n bigint, source string"
 

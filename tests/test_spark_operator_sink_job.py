@@ -17,9 +17,9 @@ import pytest
 
 from statestore_async import errors
 from statestore_async.spark import StatefulOperator, load_state
-from statestore_async.spark.examples import CountSum
-from statestore_async.spark.operator import OutputReadError
-from statestore_async.spark.sinks import ReplayUnsafeSinkError, for_writer, one_action, write_sink
+from statestore_async.spark.api.examples import CountSum
+from statestore_async.spark.api.sinks import ReplayUnsafeSinkError, for_writer, one_action, write_sink
+from statestore_async.spark.driver.errors import OutputReadError
 
 OUT = "key string, count bigint, sum bigint"
 pytestmark = pytest.mark.spark

@@ -11,8 +11,8 @@ import pytest
 from spark_cluster import Daemon, collector, dict_oracle, final_count_sum, run_stream, spark_oracle, write_batches
 
 from statestore_async.spark import OperatorConfigError, StatefulOperator, load_state, read_state
-from statestore_async.spark.coordinator import location_of
-from statestore_async.spark.examples import CountSum, VectorizedCountSum
+from statestore_async.spark.api.examples import CountSum, VectorizedCountSum
+from statestore_async.spark.shared.coordinator import location_of
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
 OUT = "key string, count bigint, sum bigint"
@@ -81,7 +81,7 @@ def test_vectorized_processor_on_s3_equals_spark(spark, data, seaweedfs, s3_buck
 def test_jvm_pre_aggregation_equals_spark(spark, data, daemon, tmp_path):
     from pyspark.sql import functions as F
 
-    from statestore_async.spark.examples import PreAggregatedCountSum
+    from statestore_async.spark.api.examples import PreAggregatedCountSum
 
     src, expected, final = data
     root = f"file://{tmp_path}/state"

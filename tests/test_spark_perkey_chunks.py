@@ -15,18 +15,13 @@ from statestore_async import errors
 from statestore_async.codecs import sparkhash
 from statestore_async.ids import EMPTY_STATE
 from statestore_async.spark import StatefulProcessor
-from statestore_async.spark.examples import CountSum
-from statestore_async.spark.processor import StateHandle
-from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.runtime import (
-    PER_KEY_CHUNK,
-    TaskSpec,
-    _call_per_key,
-    _output_table,
-    _py_values,
-    _RowColumns,
-    run_partition,
-)
+from statestore_async.spark.api.examples import CountSum
+from statestore_async.spark.api.processors import StateHandle
+from statestore_async.spark.shared.routing import KG_COLUMN
+from statestore_async.spark.shared.taskspec import TaskSpec
+from statestore_async.spark.task.output import output_table
+from statestore_async.spark.task.partition import run_partition
+from statestore_async.spark.task.perkey import PER_KEY_CHUNK, _call_per_key, _py_values, _RowColumns
 
 G = 8
 OUT = pa.schema([("key", pa.string()), ("count", pa.int64()), ("sum", pa.int64())])
@@ -120,20 +115,20 @@ def test_a_key_column_repeated_unchanged_is_the_key_array_itself():
     keys = list(zip(arr.to_pylist()))
     schema = pa.schema([("key", pa.string()), ("n", pa.int64())])
     out = [(k[0], i) for i, k in enumerate(keys)]
-    t = _output_table(out, schema, keys, per_key=[(r,) for r in out], key_arrays=[arr])
+    t = output_table(out, schema, keys, per_key=[(r,) for r in out], key_arrays=[arr])
     assert t.column(0).chunk(0).buffers()[2].address == arr.buffers()[2].address
     assert t.to_pylist() == [{"key": "ka", "n": 0}, {"key": "kb", "n": 1}, {"key": "kc", "n": 2}]
     # equal values that are other objects (a string of 2+ characters joined anew), a key with two rows,
     # another column type: converted as before
     copies = [("".join(list(k[0])), i) for i, k in enumerate(keys)]
-    t = _output_table(copies, schema, keys, per_key=[(r,) for r in copies], key_arrays=[arr])
+    t = output_table(copies, schema, keys, per_key=[(r,) for r in copies], key_arrays=[arr])
     assert t.column(0).chunk(0).buffers()[2].address != arr.buffers()[2].address
     assert t.to_pylist() == [{"key": "ka", "n": 0}, {"key": "kb", "n": 1}, {"key": "kc", "n": 2}]
     two = [("ka", 0), ("ka", 1), ("kc", 2)]
-    t = _output_table(two, schema, keys, per_key=[two[:2], (), two[2:]], key_arrays=[arr])
+    t = output_table(two, schema, keys, per_key=[two[:2], (), two[2:]], key_arrays=[arr])
     assert t.column("key").to_pylist() == ["ka", "ka", "kc"]
     large = pa.schema([("key", pa.large_string()), ("n", pa.int64())])
-    t = _output_table(out, large, keys, per_key=[(r,) for r in out], key_arrays=[arr])
+    t = output_table(out, large, keys, per_key=[(r,) for r in out], key_arrays=[arr])
     assert t.schema == large and t.column("key").to_pylist() == ["ka", "kb", "kc"]
 
 

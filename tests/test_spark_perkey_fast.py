@@ -17,9 +17,13 @@ from statestore_async.client.clients import Client
 from statestore_async.codecs import sparkhash, valuecodec
 from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.spark import StatefulProcessor
-from statestore_async.spark.processor import StateHandle
-from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.runtime import TaskSpec, _call_per_key, _output_table, run_partition, store_keys
+from statestore_async.spark.api.processors import StateHandle
+from statestore_async.spark.shared.routing import KG_COLUMN
+from statestore_async.spark.shared.taskspec import TaskSpec
+from statestore_async.spark.task.grouping import store_keys
+from statestore_async.spark.task.output import output_table
+from statestore_async.spark.task.partition import run_partition
+from statestore_async.spark.task.perkey import _call_per_key
 
 G = 8
 TTL_MS = 1000
@@ -147,13 +151,13 @@ def test_output_rows_name_their_key_when_they_do_not_fit():
     schema = pa.schema([("key", pa.string()), ("n", pa.int64())])
     per_key = [(("a", 1),), (), (("c", 2), ("c", 3))]
     out = [r for rows in per_key for r in rows]
-    assert _output_table(out, schema, [("a",), ("b",), ("c",)], per_key=per_key).to_pylist() == [
+    assert output_table(out, schema, [("a",), ("b",), ("c",)], per_key=per_key).to_pylist() == [
         {"key": "a", "n": 1}, {"key": "c", "n": 2}, {"key": "c", "n": 3}]
     for bad, word in ((("c", 2.5), "2.5 of key \\('c',\\)"), (("c",), "output rows have 1 values"),
                       (("c", 1, 2), "output rows have 3 values"), (("c", True), "bool")):
         rows = [(("a", 1),), (), (("c", 2), bad)]
         with pytest.raises(errors.OutputRowError, match=word):
-            _output_table([r for k in rows for r in k], schema, [("a",), ("b",), ("c",)], per_key=rows)
+            output_table([r for k in rows for r in k], schema, [("a",), ("b",), ("c",)], per_key=rows)
 
 
 class _Script(StatefulProcessor):

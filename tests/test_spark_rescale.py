@@ -33,7 +33,7 @@ from statestore_async.files.rescale import RESCALED_FROM_KEY
 from statestore_async.ids import StoreId
 from statestore_async.objectstore import open_object_store
 from statestore_async.spark import OperatorConfigError, StatefulOperator, load_state
-from statestore_async.spark.examples import CountSum, VectorizedCountSum
+from statestore_async.spark.api.examples import CountSum, VectorizedCountSum
 from statestore_async.testing import faults
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -44,12 +44,6 @@ BATCHES_PER_PHASE = 2
 ROWS, KEYS = 40000, 150000  # the tests that bound the bytes read: files of ~64 blocks (headers and footers
 SMALL = 10000, 30000       # are a few % of them); the others run on a smaller stream
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _fault_hooks():
-    faults.install()
-    yield
-    faults.uninstall()
 
 
 def write_phase(src: str, phase: int, size: tuple[int, int] = SMALL) -> list[list[tuple]]:
@@ -116,6 +110,7 @@ def test_rescale_4_2_7_1_equals_spark(spark, tmp_path):
             batches += write_phase(src, phase, (ROWS, KEYS))
             before = manifest(root) if phase else None
             counters = daemon_counters(d.socket)
+
             op = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, n, G, socket_path=d.socket,
                                   fence_timeout=30)
             run_stream(spark, src, ckpt, op.foreach_batch(collector(got)))
@@ -173,7 +168,8 @@ def test_daemon_killed_in_the_first_rescaled_batch(spark, tmp_path, point):
         first = BATCHES_PER_PHASE  # the first batch of the run at N = 2
         fault = {"point": point, "batch": first, "action": "kill_daemon", "partition": 1}
         op2 = StatefulOperator(root, "counts", ["key"], CountSum(), OUT, 2, G, socket_path=d.socket,
-                               fence_timeout=3, faults=[fault])
+                               fence_timeout=3)
+        faults.arm(op2, [fault])
         try:
             run_stream(spark, src, ckpt, op2.foreach_batch(collector(got)))
         except Exception:  # the batch of the kill fails, unless the uploads won the race

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from spark_cluster import Daemon
 
-from statestore_async.spark import processor as processor_module
+from statestore_async.spark.api import processors as processor_module
 from statestore_async.testing import sessions as S
 
 HAS_TIMERS = hasattr(processor_module, "ExpiredTimer")

@@ -24,6 +24,7 @@ from collections import Counter
 
 import pytest
 
+from statestore_async.testing import faults
 from statestore_async.testing import sessions as S
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -127,8 +128,9 @@ def job_main(argv: list[str]) -> int:
     spark = driver_session()
     cloudpickle.register_pickle_by_value(S)
     options = {"header": "true"} if a.format == "csv" else None
-    op = S.session_operator(a.root, OPERATOR, a.gap, a.delay, socket_path=a.socket, faults=json.loads(a.faults),
-                            fence_timeout=30, time_only_batches=a.time_only)
+    op = S.session_operator(a.root, OPERATOR, a.gap, a.delay, socket_path=a.socket, fence_timeout=30,
+                            time_only_batches=a.time_only)
+    faults.arm(op, json.loads(a.faults))
     S.run_to_end(S.read_stream(spark, a.src), a.ckpt, op.foreach_batch(write_sink(a.format, a.out, options=options)))
     spark.stop()
     return 0

@@ -19,10 +19,11 @@ from statestore_async.codecs import pyrows, valuecodec
 from statestore_async.files.loader import load_store
 from statestore_async.ids import EMPTY_STATE, StoreId
 from statestore_async.objectstore import open_object_store
-from statestore_async.spark import placement
-from statestore_async.spark.processor import StatefulProcessor
-from statestore_async.spark.routing import KG_COLUMN
-from statestore_async.spark.runtime import TaskSpec, run_partition
+from statestore_async.spark.api.processors import StatefulProcessor
+from statestore_async.spark.shared import placement
+from statestore_async.spark.shared.routing import KG_COLUMN
+from statestore_async.spark.shared.taskspec import TaskSpec
+from statestore_async.spark.task.partition import run_partition
 from statestore_async.state import keys as state_keys
 
 N, G = 2, 16
@@ -233,7 +234,7 @@ def test_daemon_killed_mid_batch_fires_each_timer_once(daemon, root):
     job.run([(k, 1) for k in keys], now_ms=1000)
     job.records()  # the driver's fence: batch 0 is in the files before batch 1 runs
     first = daemon.pid()
-    fired = job.run([], now_ms=5000, fault_hook=Killer(1, 1))
+    fired = job.run([], now_ms=5000, hook=Killer(1, 1))
     assert sorted(fired) == sorted((k, 2000, "processing", 1) for k in keys)
     assert [r.timings.get("retries") for r in job.reports] == [1]
     assert daemon.pid() not in (None, first)

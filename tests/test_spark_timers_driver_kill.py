@@ -32,6 +32,7 @@ from collections import Counter
 
 import pytest
 
+from statestore_async.testing import faults
 from statestore_async.testing import sessions as S
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -222,7 +223,8 @@ def job_main(argv: list[str]) -> int:
     # the timers of data batches, batch by batch (time-only batches, which fire them earlier, are off:
     # the stream's trailing empty batch fires the last ones; tests/test_spark_available_now.py)
     op = S.session_operator(a.root, OPERATOR, a.gap, a.delay, socket_path=a.socket, vectorized=a.vectorized,
-                            mark_timers=True, faults=json.loads(a.faults), fence_timeout=30, time_only_batches="off")
+                            mark_timers=True, fence_timeout=30, time_only_batches="off")
+    faults.arm(op, json.loads(a.faults))
     S.run_to_end(S.read_stream(spark, a.src), a.ckpt, op.foreach_batch(sink))
     spark.stop()
     return 0

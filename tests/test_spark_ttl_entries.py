@@ -10,7 +10,7 @@ from test_spark_timers import OUT, Job
 
 from statestore_async import errors
 from statestore_async.codecs import valuecodec
-from statestore_async.spark.processor import StatefulProcessor, StateHandle, check_declarations
+from statestore_async.spark.api.processors import StatefulProcessor, StateHandle, check_declarations
 from statestore_async.state import keys as state_keys
 
 

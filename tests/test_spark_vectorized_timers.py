@@ -12,7 +12,7 @@ import pytest
 from test_spark_timers import G, Job, Killer, N, kg_of
 
 from statestore_async import errors
-from statestore_async.spark.processor import VectorizedProcessor
+from statestore_async.spark.api.processors import VectorizedProcessor
 from statestore_async.state import keys as state_keys
 
 
@@ -101,7 +101,7 @@ def test_vectorized_timers_daemon_killed_before_commit_fire_once(daemon, root):
     job.run([(k, 1) for k in keys], now_ms=1000)
     job.records()  # the fence: batch 0 is in the files
     first = daemon.pid()
-    fired = job.run([], now_ms=5000, fault_hook=Killer(1, 1))
+    fired = job.run([], now_ms=5000, hook=Killer(1, 1))
     assert sorted(fired) == sorted((k, 2000, "processing", 1) for k in keys)
     assert [r.timings.get("retries") for r in job.reports] == [1]
     assert daemon.pid() not in (None, first)

@@ -19,7 +19,7 @@ from spark_cluster import Daemon
 from statestore_async.errors import InterfaceError
 from statestore_async.files.manifest import Manifest, manifest_key
 from statestore_async.spark import StatefulOperator, StatefulProcessor, load_state
-from statestore_async.spark.eventtime import HEARTBEAT_COLUMN, next_watermark, time_settings
+from statestore_async.spark.shared.eventtime import HEARTBEAT_COLUMN, next_watermark, time_settings
 
 OUT = "user string, et bigint, n bigint"
 DELAY = timedelta(seconds=10)

@@ -16,7 +16,7 @@ from spark_cluster import Daemon
 
 from statestore_async import errors
 from statestore_async.spark import StatefulOperator, StatefulProcessor, load_state
-from statestore_async.spark.examples import VectorizedCountSum
+from statestore_async.spark.api.examples import VectorizedCountSum
 from statestore_async.state.changes import load_changes_table, read_changes
 from statestore_async.state.reader import load_state_table, read_metadata, read_state
 

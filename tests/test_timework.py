@@ -1,4 +1,4 @@
-"""spark.timework and the per-key ``Timers``: a task's timers as columns agree with a plain model.
+"""spark.task.timers and the per-key ``Timers``: a task's timers as columns agree with a plain model.
 
 ``TaskTime`` keeps the batch's keys, the stored due timers and the changes as arrays; these tests
 give it keys and stored timers directly (no daemon: ``due_now`` and ``timer_changes`` read none)
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from statestore_async import errors
 from statestore_async.codecs import keylayout, valuecodec
-from statestore_async.spark.processor import Timers
-from statestore_async.spark.timework import TaskTime
+from statestore_async.spark.api.timers import Timers
+from statestore_async.spark.task.timers import TaskTime
 from statestore_async.state import keys as tk
 
 G = 16

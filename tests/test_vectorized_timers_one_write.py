@@ -11,7 +11,7 @@ import pyarrow as pa
 from test_spark_timers import Job
 from test_spark_vectorized_timers import timer_records
 
-from statestore_async.spark.processor import VectorizedProcessor
+from statestore_async.spark.api.processors import VectorizedProcessor
 from statestore_async.state import keys as state_keys
 
 DELETE = -1  # a row value: delete the key's stored timer (at its state's deadline), register none

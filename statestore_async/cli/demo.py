@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from statestore_async.spark.runtime import FaultHook, FaultSite
+    from statestore_async.spark.shared.hooks import Hook, HookSite
 
 OPERATOR = "user_totals"
 PARTITIONS = 2
@@ -108,13 +108,14 @@ def _run(spark: Any, src: str, checkpoint: str, fn: Callable[[Any, int], None], 
 
 @dataclass(frozen=True)
 class KillDaemonBeforeCommit:
-    """The demo's crash, a ``runtime.FaultHook``: SIGKILL the node's daemon when partition 0 of
-    ``batch`` is about to commit (first attempt). It reaches the tasks in their ``TaskSpec``."""
+    """The demo's crash, installed at the operator's hook points (``spark.shared.hooks``): SIGKILL
+    the node's daemon when partition 0 of ``batch`` is about to commit (first attempt). It reaches
+    the tasks in their ``TaskSpec``."""
 
     batch: int
 
-    def __call__(self, site: FaultSite) -> None:
-        from statestore_async.spark import placement
+    def __call__(self, site: HookSite) -> None:
+        from statestore_async.spark.shared import placement
 
         if (site.point, site.batch, site.partition, site.attempt) == ("before_commit", self.batch, 0, 0):
             pid = placement.daemon_pid(site.socket_path)
@@ -141,7 +142,8 @@ def _collect(out: dict[int, Totals]) -> Callable[[Any, int], None]:
 def main(directory: str, root: str | None, batches: int, rows: int, users: int, crash_at: int) -> None:
     """Run the demo: a stateful streaming aggregation, a daemon crash, recovery, and a check."""
     from statestore_async.spark import StatefulOperator, load_state, placement
-    from statestore_async.spark.examples import CountSum
+    from statestore_async.spark.api.examples import CountSum
+    from statestore_async.spark.shared import hooks
 
     work = os.path.abspath(directory)
     shutil.rmtree(work, ignore_errors=True)
@@ -164,15 +166,17 @@ def main(directory: str, root: str | None, batches: int, rows: int, users: int, 
         if err is not None:
             raise SystemExit(f"the oracle query failed: {err}")
 
-        def operator(faults: FaultHook | tuple[()] = ()) -> StatefulOperator:
-            return StatefulOperator(root, OPERATOR, ["user"], CountSum(), OUTPUT, PARTITIONS, KEY_GROUPS,
-                                    socket_path=sock, fence_timeout=20, faults=faults)
+        def operator(crash: Hook | None = None) -> StatefulOperator:
+            op = StatefulOperator(root, OPERATOR, ["user"], CountSum(), OUTPUT, PARTITIONS, KEY_GROUPS,
+                                  socket_path=sock, fence_timeout=20)
+            hooks.install(op, crash)
+            return op
 
         got: dict[int, Totals] = {}
         ckpt = os.path.join(work, "query-ckpt")
         console.print(f"\n[bold]run 1[/]: the stateful query; the daemon is killed (SIGKILL) inside batch {crash_at}, "
                       "before its tasks commit")
-        crash = KillDaemonBeforeCommit(crash_at) if crash_at >= 0 else ()
+        crash = KillDaemonBeforeCommit(crash_at) if crash_at >= 0 else None
         err = _run(spark, os.path.join(work, "input"), ckpt, operator(crash).foreach_batch(_collect(got)))
         if err is not None:
             console.print(f"  [bold red]query failed[/]: {str(err).splitlines()[0][:160]}…")

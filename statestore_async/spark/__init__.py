@@ -13,40 +13,23 @@
 Spark is imported only inside this package (and lazily: importing it does not start a JVM).
 See ``docs/SPARK.md``.
 """
-from statestore_async.spark.operator import (
-    BatchProgress,
-    DuplicateReportError,
-    FenceTimeoutError,
-    OperatorConfigError,
-    OutputReadError,
-    StatefulOperator,
-)
-from statestore_async.spark.placement import (
+from statestore_async.spark.api.processors import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor
+from statestore_async.spark.api.sinks import OneActionSink, ReplayUnsafeSinkError, WriteSink, one_action, write_sink
+from statestore_async.spark.api.variables import ListState, MapState, ValueState
+from statestore_async.spark.driver.errors import DuplicateReportError, FenceTimeoutError, OperatorConfigError, OutputReadError
+from statestore_async.spark.driver.operator import StatefulOperator
+from statestore_async.spark.driver.progress import BatchProgress
+from statestore_async.spark.shared import placement
+from statestore_async.spark.shared.placement import (
     DaemonUnavailableError,
     connect,
     daemon_pid,
     start_daemon,
     stop_daemon,
 )
-from statestore_async.spark.processor import (
-    KeyState,
-    ListState,
-    MapState,
-    StatefulProcessor,
-    StateHandle,
-    ValueState,
-    VectorizedProcessor,
-)
-from statestore_async.spark.routing import murmur3_int, route_values, with_routing
-from statestore_async.spark.runtime import (
-    Fault,
-    InjectedFault,
-    RoutingError,
-    group_rows,
-    open_partition_store,
-    store_keys,
-)
-from statestore_async.spark.sinks import OneActionSink, ReplayUnsafeSinkError, WriteSink, one_action, write_sink
+from statestore_async.spark.shared.routing import murmur3_int, route_values, with_routing
+from statestore_async.spark.task.grouping import RoutingError, group_rows, store_keys
+from statestore_async.spark.task.partition import open_partition_store
 from statestore_async.state.changes import load_changes_table, read_changes
 from statestore_async.state.reader import decode_record, load_state, load_state_table, read_metadata, read_state
 
@@ -54,9 +37,7 @@ __all__ = [
     "BatchProgress",
     "DaemonUnavailableError",
     "DuplicateReportError",
-    "Fault",
     "FenceTimeoutError",
-    "InjectedFault",
     "KeyState",
     "ListState",
     "MapState",
@@ -81,6 +62,7 @@ __all__ = [
     "murmur3_int",
     "one_action",
     "open_partition_store",
+    "placement",
     "read_changes",
     "read_metadata",
     "read_state",

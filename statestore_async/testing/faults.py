@@ -1,38 +1,56 @@
 """Fault injection for the Spark tests: SIGKILL the node's daemon or the current process, or raise,
 at a named point of a batch.
 
-The product has only hook points (``statestore_async.spark.runtime.fault_point``), which do
-nothing unless an operator is built with ``faults``; those need the hook maker this module
-installs, in every process that builds such operators (the test session, a child driver)::
+The product has only hook points (``statestore_async.spark.shared.hooks``), which do nothing unless
+a hook is installed for the operator; ``arm`` installs the hook of a list of faults (or a hook of
+one's own) on an operator::
 
     from statestore_async.testing import faults
-    faults.install()
-    op = StatefulOperator(..., faults=[{"point": "before_commit", "batch": 2, "action": "kill_daemon",
-                                        "partition": 0}])
+    op = StatefulOperator(...)
+    faults.arm(op, [{"point": "before_commit", "batch": 2, "action": "kill_daemon", "partition": 0}])
 
-    python -m statestore_async.testing.faults SCRIPT ARGS...   # SCRIPT as __main__, maker installed
+A ``Fault`` fires at ``point`` of ``batch``, and when set only for ``partition`` and ``attempt``
+(task points). Points: ``before_commit``, ``after_commit`` (tasks); ``before_fence``,
+``after_manifest``, ``after_sink`` (the batch's last step, its time-only batch included),
+``time_only_before_fence``, ``time_only_after_manifest`` (driver). Actions: ``kill_daemon``
+(SIGKILL the daemon at the operator's socket), ``kill_self`` (SIGKILL the current process),
+``fail`` (raise ``InjectedFault``).
 
-A fault (``runtime.Fault``) fires at ``point`` of ``batch``, and when set only for ``partition``
-and ``attempt`` (task points). Points: ``before_commit``, ``after_commit`` (tasks);
-``before_fence``, ``after_manifest``, ``after_sink`` (the batch's last step, its time-only batch
-included), ``time_only_before_fence``, ``time_only_after_manifest`` (driver). Actions: ``kill_daemon`` (SIGKILL the daemon at the
-operator's socket), ``kill_self`` (SIGKILL the current process), ``fail`` (raise ``InjectedFault``).
-
-The operator hands its ``FaultPlan`` to its tasks in the ``TaskSpec``: it pickles by reference to
-this module, which Spark's Python workers import when they unpickle it (no install needed there).
+The operator hands its hook (a ``FaultPlan``) to its tasks in the ``TaskSpec``: it pickles by
+reference to this module, which Spark's Python workers import when they unpickle it.
 """
 from __future__ import annotations
 
 import os
-import runpy
 import signal
-import sys
 import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from statestore_async.errors import InterfaceError
-from statestore_async.spark import placement
-from statestore_async.spark.runtime import Fault, FaultSite, InjectedFault, install_fault_hook_maker
+from statestore_async.spark.shared import hooks, placement
+from statestore_async.spark.shared.hooks import Hook, HookSite
+
+FaultSite = HookSite  # where a fault's hook point is reached
+FaultHook = Hook
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault a test arms on an operator: at ``point`` of ``batch`` (and ``partition``, ``attempt``
+    when set) do ``action`` (``kill_daemon``, ``kill_self``, ``fail``)."""
+
+    point: str
+    batch: int
+    action: str
+    partition: int | None = None
+    attempt: int | None = 0
+
+
+class InjectedFault(RuntimeError):
+    """What a ``fail`` fault raises."""
+
 
 ACTIONS = ("kill_daemon", "kill_self", "fail")
 
@@ -75,31 +93,17 @@ class FaultPlan:
                 act(fault.action, site)
 
 
-def install() -> None:
-    """Make ``FaultPlan`` this process's fault hook maker (idempotent): operators built afterwards
-    may be given ``faults``."""
-    install_fault_hook_maker(FaultPlan)
+def arm(operator: object, faults: Iterable[Fault | Mapping[str, Any]] | Hook) -> Hook | None:
+    """Install on ``operator`` the hook of ``faults`` (``Fault`` records or dicts of their fields: a
+    ``FaultPlan``), or ``faults`` itself when it is a hook (a callable of ``FaultSite``); no faults
+    remove the operator's hook. Returns the hook installed (None: none)."""
+    if callable(faults):
+        hook: Hook | None = faults
+    else:
+        plan = tuple(Fault(**f) if isinstance(f, Mapping) else f for f in faults)
+        hook = FaultPlan(plan) if plan else None
+    hooks.install(operator, hook)
+    return hook
 
 
-def uninstall() -> None:
-    """Remove this process's fault hook maker: operators with ``faults`` are refused again."""
-    install_fault_hook_maker(None)
-
-
-def main(argv: list[str]) -> None:
-    """``python -m statestore_async.testing.faults SCRIPT ARGS...``: run SCRIPT as ``__main__``
-    with ``sys.argv = [SCRIPT, *ARGS]``, the maker installed (a child driver whose faults a test arms)."""
-    if not argv:
-        raise SystemExit("usage: python -m statestore_async.testing.faults SCRIPT [ARGS...]")
-    install()
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as ``python SCRIPT`` would
-    runpy.run_path(argv[0], run_name="__main__")
-
-
-if __name__ == "__main__":
-    # through the module's own name: the maker installed must be ``statestore_async.testing.faults.
-    # FaultPlan``, which tasks can unpickle, not this ``__main__``'s copy of it
-    from statestore_async.testing import faults as _faults
-
-    _faults.main(sys.argv[1:])
+__all__ = ["ACTIONS", "Fault", "FaultHook", "FaultPlan", "FaultSite", "InjectedFault", "act", "arm", "matches"]

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from statestore_async.spark.eventtime import next_watermark
+from statestore_async.spark.shared.eventtime import next_watermark
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -361,7 +361,7 @@ def session_processor(gap_ms: int, mark_timers: bool = False):
     ``handle.watermark_ms``, ``handle_expired_timer``): the same steps as the Spark versions.
     ``mark_timers``: every fired timer also emits ``(user, at_ms, at_ms, 0)`` (a session has at
     least one event: the rows with ``events == 0`` are the fired timers, see ``fired_timers``)."""
-    from statestore_async.spark.processor import StatefulProcessor
+    from statestore_async.spark.api.processors import StatefulProcessor
 
     class Sessions(StatefulProcessor):
         def init(self, handle: Any) -> None:
@@ -407,7 +407,7 @@ def vectorized_session_processor(gap_ms: int, mark_timers: bool = False):
     import numpy as np
     import pyarrow as pa
 
-    from statestore_async.spark.processor import VectorizedProcessor
+    from statestore_async.spark.api.processors import VectorizedProcessor
 
     big = np.int64(1 << 40)  # > any time span of a partition's sessions: keys' runs never touch
     triple = np.dtype("<i8")
@@ -546,7 +546,7 @@ def session_operator(root: str, operator_id: str, gap_ms: int, delay_ms: int, nu
     vectorized (``mark_timers``: see ``session_processor``)."""
     from datetime import timedelta
 
-    from statestore_async.spark.operator import StatefulOperator
+    from statestore_async.spark.driver.operator import StatefulOperator
 
     processor = (vectorized_session_processor(gap_ms, mark_timers) if vectorized else
                  session_processor(gap_ms, mark_timers))

@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from statestore_async.spark.processor import StatefulProcessor
-from statestore_async.spark.runtime import FaultSite, InjectedFault
+from statestore_async.spark.api.processors import StatefulProcessor
+from statestore_async.testing.faults import FaultSite, InjectedFault, arm
 
 REPLY = "@campaign "
 COUNTER_SCHEMA = "user string, count bigint, total bigint, seen bigint"
@@ -41,7 +41,7 @@ COUNTER_SCHEMA = "user string, count bigint, total bigint, seen bigint"
 
 @dataclass(frozen=True)
 class CampaignHook:
-    """A ``runtime.FaultHook`` over the campaign's armed events ``(index, point, batch, partition,
+    """A fault hook (``testing.faults.FaultHook``) over the campaign's armed events ``(index, point, batch, partition,
     attempt)`` (partition/attempt None: any). It pickles (tasks get it in their ``TaskSpec``) and
     its module is importable by Spark's Python workers."""
 
@@ -133,18 +133,21 @@ def json_sink(out: str):
 
 def operator_for(job: dict[str, Any], clock: BatchClock) -> Any:
     """The job's ``StatefulOperator``."""
-    from statestore_async.spark.operator import StatefulOperator
+    from statestore_async.spark.driver.operator import StatefulOperator
     from statestore_async.testing import sessions as S
 
     hook = CampaignHook(job["control"], tuple(tuple(e) for e in job["events"]))
-    common: dict[str, Any] = {"socket_path": job["socket"], "daemon_env": job["daemon_env"], "faults": hook,
+    common: dict[str, Any] = {"socket_path": job["socket"], "daemon_env": job["daemon_env"],
                               "fence_timeout": job["fence_timeout"], "s3_options": job["s3_options"],
                               "num_key_groups": job["key_groups"], "time_only_batches": "off", "clock": clock}
     if job["kind"] == "counter":
-        return StatefulOperator(job["root"], job["operator"], ["user"], TtlCounter(job["ttl_ms"]), COUNTER_SCHEMA,
-                                job["partitions"], value_columns=["et"], **common)
-    return S.session_operator(job["root"], job["operator"], job["gap_ms"], job["delay_ms"], job["partitions"],
-                              vectorized=job["kind"] == "vectorized", mark_timers=True, **common)
+        op = StatefulOperator(job["root"], job["operator"], ["user"], TtlCounter(job["ttl_ms"]), COUNTER_SCHEMA,
+                              job["partitions"], value_columns=["et"], **common)
+    else:
+        op = S.session_operator(job["root"], job["operator"], job["gap_ms"], job["delay_ms"], job["partitions"],
+                                vectorized=job["kind"] == "vectorized", mark_timers=True, **common)
+    arm(op, hook)
+    return op
 
 
 def run_job(spark: Any, job: dict[str, Any]) -> None:

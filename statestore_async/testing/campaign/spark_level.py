@@ -63,7 +63,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from statestore_async.spark import placement
+from statestore_async.spark.shared import placement
 from statestore_async.testing import sessions as S
 from statestore_async.testing.campaign.spark_driver import REPLY, BatchClock
 

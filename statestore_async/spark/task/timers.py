@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statestore_async.codecs import arrowcodec, keylayout, valuecodec
-from statestore_async.spark.processor import Timers, _StateVar
+from statestore_async.spark.api.timers import Timers
+from statestore_async.spark.api.variables import _StateVar
 from statestore_async.state import keys as tk
 
 if TYPE_CHECKING:

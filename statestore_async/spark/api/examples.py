@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from statestore_async.spark.processor import StatefulProcessor, VectorizedProcessor
+from statestore_async.spark.api.processors import StatefulProcessor, VectorizedProcessor
 
 
 class CountSum(StatefulProcessor):
