@@ -1,4 +1,4 @@
-"""``handle_initial_state`` on the task side (issue 19): ``runtime.run_initial_state`` — what a
+"""``handle_initial_state`` on the task side (issue 19): ``task.partition.run_initial_state`` — what a
 Spark task runs for the operator's ``initial_state`` before the first batch — against a real
 daemon, the refs it reports chained into the first batch as the driver's manifest would."""
 from __future__ import annotations

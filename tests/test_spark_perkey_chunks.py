@@ -48,7 +48,7 @@ def test_emit_gets_each_chunk_of_keys_with_the_state_bound_per_key():
     h = StateHandle()
     p.init(h)
     variables = list(h.variables.values())
-    variables[0]._begin(pa.array([None] * 8, pa.binary()), 0)
+    variables[0].begin_batch(pa.array([None] * 8, pa.binary()), 0)
     keys = [(f"k{i}",) for i in range(8)]
     rows = [(i,) for i in range(8) for _ in range(i % 3)]
     off = [0]
@@ -60,7 +60,7 @@ def test_emit_gets_each_chunk_of_keys_with_the_state_bound_per_key():
     assert [first for first, _ in emitted] == [0, 3, 6]
     assert [r for _, res in emitted for r in res] == [((f"k{i}", i % 3),) for i in range(8)]
     # without emit: the same rows, returned
-    variables[0]._begin(pa.array([None] * 8, pa.binary()), 0)
+    variables[0].begin_batch(pa.array([None] * 8, pa.binary()), 0)
     assert _call_per_key(p, variables, keys, rows, off) == [((f"k{i}", i % 3),) for i in range(8)]
     with pytest.raises(errors.InterfaceError, match="outside handle_rows"):
         p.n.get()
@@ -93,7 +93,7 @@ def test_rows_given_as_columns_are_the_same_tuples_chunk_by_chunk(chunk):
     variables = list(h.variables.values())
     got = []
     for rows in (tuples, _RowColumns([_py_values(c) for c in cols.columns])):
-        variables[0]._begin(pa.array([None] * 5, pa.binary()), 0)
+        variables[0].begin_batch(pa.array([None] * 5, pa.binary()), 0)
         emitted: list = []
         _call_per_key(p, variables, keys, rows, np.array(off), emit=lambda first, res: emitted.extend(res), chunk=chunk)
         got.append(emitted)

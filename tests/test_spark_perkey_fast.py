@@ -37,8 +37,8 @@ def daemon():
 
 def _bound(handle: StateHandle, raw: list, now: int = 0) -> None:
     for v in handle.variables.values():
-        v._begin(pa.array(raw, pa.binary()), now)
-        v._bind()
+        v.begin_batch(pa.array(raw, pa.binary()), now)
+        v.bind_keys()
 
 
 def test_state_variables_read_and_write_the_bound_key():
@@ -47,13 +47,13 @@ def test_state_variables_read_and_write_the_bound_key():
     enc = valuecodec.encode_row
     for v, raw in ((val, [enc((1, 2)), None, enc(7)]), (lst, [enc([1]), enc([2, 3]), None]),
                    (mp, [enc({"a": 1}), None, enc({"b": 2})])):
-        v._begin(pa.array(raw, pa.binary()), 0)
-        v._bind()
+        v.begin_batch(pa.array(raw, pa.binary()), 0)
+        v.bind_keys()
     keys = pa.array([b"k0", b"k1", b"k2"], pa.binary())
 
     def at(i):
         for v in (val, lst, mp):
-            v._i = i
+            v.key_index = i
 
     at(0)
     assert val.get() == (1, 2) and lst.get() == [1] and mp.get("a") == 1 and val.exists()
@@ -72,14 +72,14 @@ def test_state_variables_read_and_write_the_bound_key():
     lst.extend([])  # an empty list is not stored (and there was none)
     assert lst.exists() and lst.get() == []
     for v in (val, lst, mp):
-        v._unbind()
+        v.unbind_keys()
     with pytest.raises(errors.InterfaceError, match="outside handle_rows"):
         val.get()
     with pytest.raises(errors.InterfaceError, match="outside handle_rows"):
         lst.append(1)
 
     def changes(v):
-        pk, pv, rm = v._changes(keys)
+        pk, pv, rm = v.batch_changes(keys)
         return dict(zip(pk.to_pylist(), map(valuecodec.decode_row, pv.to_pylist()))), rm.to_pylist()
 
     assert changes(val) == ({b"k0": (2, 4)}, [b"k2"])
@@ -94,12 +94,12 @@ def test_ttl_values_expire_and_expired_leftovers_of_the_batch_are_removed():
     _bound(h, [enc((500, "old")), enc((2000, "live")), enc((900, "stale")), None], now=1000)
     seen = []
     for i in range(4):
-        v._i = i
+        v.key_index = i
         seen.append(v.get())
-    v._i = 0
+    v.key_index = 0
     v.update("new")  # refreshed expiry
-    v._unbind()
-    pk, pv, rm = v._changes(pa.array([b"a", b"b", b"c", b"d"], pa.binary()))
+    v.unbind_keys()
+    pk, pv, rm = v.batch_changes(pa.array([b"a", b"b", b"c", b"d"], pa.binary()))
     assert seen == [None, "live", None, None]
     assert pk.to_pylist() == [b"a"] and [valuecodec.decode_row(x) for x in pv.to_pylist()] == [(2000, "new")]
     assert rm.to_pylist() == [b"c"]  # expired, untouched: removed; 'a' was rewritten
@@ -134,7 +134,7 @@ def test_what_handle_rows_returns(kind):
     _bound(h, [None, None])
     variables = list(h.variables.values())
     for v in variables:
-        v._unbind()
+        v.unbind_keys()
     keys, rows, off = [("a",), ("b",)], [(1,), (2,), (3,)], [0, 2, 3]
     if kind == "dict":
         with pytest.raises(errors.OutputRowError, match=r"returned a dict for key \('a',\)"):
@@ -305,15 +305,15 @@ def test_many_keys_with_some_absent():
     raw = [valuecodec.encode_row((i, str(i))) if p else None for i, p in enumerate(present)]
     _bound(h, raw)
     for i in range(n):
-        v._i = i
+        v.key_index = i
         assert v.get() == ((i, str(i)) if present[i] else None)
         if i % 3 == 0:
             v.update((i, "x"))
         elif i % 3 == 1:
             v.clear()
-    v._unbind()
+    v.unbind_keys()
     keys = pa.array([b"%d" % i for i in range(n)], pa.binary())
-    pk, pv, rm = v._changes(keys)
+    pk, pv, rm = v.batch_changes(keys)
     assert pk.to_pylist() == [b"%d" % i for i in range(0, n, 3)]
     assert [valuecodec.decode_row(x) for x in pv.to_pylist()] == [(i, "x") for i in range(0, n, 3)]
     assert rm.to_pylist() == [b"%d" % i for i in range(1, n, 3) if present[i]]

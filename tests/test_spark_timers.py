@@ -1,6 +1,6 @@
 """Timers and TTL cleanup in the task runtime (issue 19), against a real daemon.
 
-Most tests run ``runtime.run_partition`` itself — what a Spark task runs — with a ``TaskSpec`` the
+Most tests run ``task.partition.run_partition`` itself — what a Spark task runs — with a ``TaskSpec`` the
 test makes (so it sets the batch clock and the watermark), feeding the partitions' rows as Arrow
 batches routed as the JVM routes them, and chaining each batch's committed refs into the next as
 the driver's manifest would. One test runs the whole ``StatefulOperator`` in Spark local mode.

@@ -1,7 +1,7 @@
 """Per-entry TTL of list and map state (issue 19, as ``transformWithStateInPandas`` has it): each
 entry of a TTL'd ``list_state`` / ``map_state`` carries its own expiry; expired entries are
 invisible, and removed in the batch they expire in whether or not it touches their key (through
-the expiry index), counted in ``timings["ttl_removed"]``. Runs ``runtime.run_partition`` against a
+the expiry index), counted in ``timings["ttl_removed"]``. Runs ``task.partition.run_partition`` against a
 real daemon batch after batch (``test_spark_timers.Job``) and reads the checkpoint files back."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A ``VectorizedProcessor``'s timers (issue 19): registered and deleted in bulk through
 ``self.timers``, fired by one ``handle_expired_timers`` call per task with the due timers as Arrow
-columns, against a real daemon. Most tests run ``runtime.run_partition`` (what a Spark task runs)
+columns, against a real daemon. Most tests run ``task.partition.run_partition`` (what a Spark task runs)
 batch after batch with the refs chained as the driver's manifest would (``test_spark_timers.Job``);
 the last one runs the ``StatefulOperator`` in Spark local mode. Checkpoint files are read back
 with the loader to see what was committed."""

@@ -2,7 +2,7 @@
 ``process`` runs (its changes are not written yet), so the task itself applies what ``process``
 did to what fires, to the state ``handle_expired_timers`` gets and to what ``timers.list()`` shows
 during it, and the later change of a key wins in the one write. Against a real daemon, batch
-after batch with ``runtime.run_partition`` (``test_spark_timers.Job``); the committed records are
+after batch with ``task.partition.run_partition`` (``test_spark_timers.Job``); the committed records are
 read back from the checkpoint files."""
 from __future__ import annotations
 

@@ -1,16 +1,19 @@
 """PySpark integration: exactly-once keyed state for Structured Streaming through ``foreachBatch``.
 
 * ``StatefulProcessor`` (per key, plain Python values; ``ValueState``/``ListState``/``MapState``, TTL)
-  and ``VectorizedProcessor`` (a whole partition as Arrow/numpy) — ``processor``;
-* ``StatefulOperator`` — the foreachBatch operator with the driver's fence and manifest — ``operator``;
+  and ``VectorizedProcessor`` (a whole partition as Arrow/numpy) — ``api``;
+* ``StatefulOperator`` — the foreachBatch operator with the driver's fence and manifest — ``driver``;
 * ``open_partition_store`` — a store per partition for mapPartitions / mapInArrow / pandas UDFs;
 * ``read_state`` / ``load_state_table`` / ``load_state`` — an operator's committed state as typed
   rows (a DataFrame / a pyarrow Table) or a dict; ``read_changes`` / ``load_changes_table`` — the
-  change feed between two versions; ``read_metadata`` — operators, versions, partitions, sizes;
+  change feed between two versions; ``read_metadata`` — operators, versions, partitions, sizes
+  (from ``statestore_async.state``, which needs no Spark session but for these DataFrames);
 * ``placement.connect`` — this node's daemon, started on demand;
-* ``one_action`` / ``write_sink`` — sinks that read a batch's output once (one Spark job per batch) — ``sinks``.
+* ``one_action`` / ``write_sink`` — sinks that read a batch's output once (one Spark job per batch).
 
-Spark is imported only inside this package (and lazily: importing it does not start a JVM).
+The sub-packages follow who runs the code: ``api`` (what users write against), ``shared`` (what the
+driver and the tasks share: routing, placement, event time, the task spec), ``task`` (the task
+runtime), ``driver`` (the operator). Spark is imported lazily: importing this package starts no JVM.
 See ``docs/SPARK.md``.
 """
 from statestore_async.spark.api.processors import KeyState, StatefulProcessor, StateHandle, VectorizedProcessor

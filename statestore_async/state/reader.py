@@ -15,7 +15,7 @@ partition's named checkpoint (``loader.load_store``: GETs of named files). Timer
 index (``state.keys``) are left out: only the state variables' records are read.
 
 Typed columns. The manifest records the key columns' names and each state variable's kind and TTL
-(``processor.merge_declarations``), not the types of the values: those are inferred from the values
+(``api.processors.merge_declarations``), not the types of the values: those are inferred from the values
 (``state.types``), the same way on every partition, so ``read_state`` reads the state twice —
 once for the types, once for the rows. A column whose values fit no one Spark type is JSON text.
 A value state holds its value; a list state a list; a map state a map; a ``VectorizedProcessor``'s
@@ -86,7 +86,7 @@ def on_root(root: str, s3_options: dict | None, read: Callable[[str, Any], Await
 
 class TypedColumns(Protocol):
     """What ``typed_table`` and ``typed_frame`` need of a reader's columns (``StateColumns``,
-    ``changefeed.ChangeColumns``): their types inferred from rows, merged across partitions."""
+    ``state.changes.ChangeColumns``): their types inferred from rows, merged across partitions."""
 
     def observe(self, rows: Any) -> None: ...
 

@@ -117,7 +117,7 @@ class KeyState:
     """The state variables by name (``state.total`` or ``state["total"]``), bound to the current key;
     ``state.timers`` is the key's timers (a variable named "timers" is then ``state["timers"]``)."""
 
-    def __init__(self, variables: dict[str, _StateVar], timers: Timers | None = None):
+    def __init__(self, variables: Mapping[str, Any], timers: Timers | None = None):
         self._vars = variables
         if timers is not None:
             self.__dict__["timers"] = timers

@@ -40,18 +40,18 @@ class Timers:
     def __init__(self, time_mode: str = "none", enabled: bool = False):
         self.time_mode = time_mode
         self.enabled = enabled
-        self._i = -1
+        self.key_index = -1
         # (key index, kind byte, at_ms) -> True registered / False deleted, by this batch: one flat map,
         # read as columns at the batch's end (``TaskTime.timer_changes``)
-        self._changes: dict[tuple[int, int, int], bool] = {}
+        self.batch_changes: dict[tuple[int, int, int], bool] = {}
         # key index -> the (kind byte, at_ms) it changed, for ``list``: made by its first call, then kept
         self._per_key: dict[int, list[tuple[int, int]]] | None = None
         self._existing: dict[int, set[tuple[str, int]]] | None = None  # key index -> stored timers (lazy)
-        self._load: Callable[[], dict[int, set[tuple[str, int]]]] | None = None
+        self.load_timers: Callable[[], dict[int, set[tuple[str, int]]]] | None = None
         # the runtime's: up to which time each kind (byte) is due in this batch, and (key index, kind
         # byte, at_ms) of every timer registered at a due time (the ones that may fire after the rows)
-        self._due_by: dict[int, int] = {}
-        self._registered_due: list[tuple[int, int, int]] = []
+        self.due_by: dict[int, int] = {}
+        self.registered_due: list[tuple[int, int, int]] = []
         # a timer of the time mode needs no checks but its time's (``register``/``delete``'s fast path)
         self._default_ok = enabled and time_mode in (PROCESSING, EVENT)
         self._default_kind = KIND_BYTE.get(time_mode, 0)
@@ -60,7 +60,7 @@ class Timers:
         if not self.enabled:
             raise InterfaceError("timers need a processor that defines handle_expired_timer(self, key, timer, state): "
                                  "define it to receive the timers it registers")
-        if self._i < 0:
+        if self.key_index < 0:
             raise InterfaceError("timers are used outside handle_rows / handle_expired_timer (no current key)")
         if kind is None:
             if self.time_mode == "none":
@@ -72,7 +72,7 @@ class Timers:
         return kind
 
     def _set(self, at_ms: int, kind: str | None, on: bool) -> None:
-        i = self._i
+        i = self.key_index
         if kind is None and self._default_ok and i >= 0 and type(at_ms) is int and _MIN_MS <= at_ms <= _MAX_MS:
             kb = self._default_kind  # the common call, checked inline: the same outcome as the checks below
         else:
@@ -80,24 +80,24 @@ class Timers:
             at_ms = check_time(at_ms)
         self._record(i, kb, at_ms, on)
         if on:
-            lim = self._due_by.get(kb)
+            lim = self.due_by.get(kb)
             if lim is not None and at_ms <= lim:
-                self._registered_due.append((i, kb, at_ms))
+                self.registered_due.append((i, kb, at_ms))
 
     def _record(self, i: int, kb: int, at_ms: int, on: bool) -> None:
         key = (i, kb, at_ms)
-        if self._per_key is not None and key not in self._changes:
+        if self._per_key is not None and key not in self.batch_changes:
             self._per_key.setdefault(i, []).append((kb, at_ms))
-        self._changes[key] = on
+        self.batch_changes[key] = on
 
-    def _fired(self, i: int, kind: str, at_ms: int) -> None:
+    def fire(self, i: int, kind: str, at_ms: int) -> None:
         """The runtime's: key ``i``'s timer fires now (gone before its callback runs)."""
         self._record(i, KIND_BYTE[kind], at_ms, False)
 
-    def _end(self) -> None:
+    def end_batch(self) -> None:
         """Forget the batch (the processor keeps its handle, and so these timers, until its next task)."""
-        self._changes, self._per_key, self._existing, self._load, self._registered_due = {}, None, None, None, []
-        self._i = -1
+        self.batch_changes, self._per_key, self._existing, self.load_timers, self.registered_due = {}, None, None, None, []
+        self.key_index = -1
 
     def register(self, at_ms: int, kind: str | None = None) -> None:
         """A timer for the current key at ``at_ms`` (ms since the epoch)."""
@@ -110,17 +110,17 @@ class Timers:
     def list(self, kind: str | None = None) -> list[int]:
         """The times of the current key's timers of ``kind``, ascending."""
         k = self._kind(kind)
-        i = self._i
+        i = self.key_index
         if self._existing is None:
-            self._existing = self._load() if self._load is not None else {}
+            self._existing = self.load_timers() if self.load_timers is not None else {}
         if self._per_key is None:
             per_key: dict[int, list[tuple[int, int]]] = {}
-            for j, kb, at in self._changes:
+            for j, kb, at in self.batch_changes:
                 per_key.setdefault(j, []).append((kb, at))
             self._per_key = per_key
         have = {at for kk, at in self._existing.get(i, ()) if kk == k}
         want = KIND_BYTE[k]
-        changes = self._changes
+        changes = self.batch_changes
         for kb, at in self._per_key.get(i, ()):
             if kb == want:
                 if changes[(i, kb, at)]:
@@ -146,16 +146,16 @@ class VectorizedTimers:
         self._kgs: np.ndarray | None = None   # and their key groups
         # (key indexes, kind byte, times, registered?) of every register/delete of the running call, in order
         self._ops: list[tuple[np.ndarray, int, np.ndarray, bool]] = []
-        # the same of earlier calls not yet collected by ``_changes``, with their keys resolved:
+        # the same of earlier calls not yet collected by ``batch_changes``, with their keys resolved:
         # (key groups, encoded keys, kind bytes, times, registered?)
         self._earlier: list[tuple[np.ndarray, pa.Array, np.ndarray, np.ndarray, bool]] = []
-        self._load: Callable[[pa.Array, np.ndarray], list[tuple[int, str, int]]] | None = None
+        self.load_timers: Callable[[pa.Array, np.ndarray], list[tuple[int, str, int]]] | None = None
 
-    def _bind(self, enc: pa.Array, kgs: np.ndarray) -> None:
+    def bind_keys(self, enc: pa.Array, kgs: np.ndarray) -> None:
         self._resolve()
         self._enc, self._kgs = enc, np.asarray(kgs, np.uint16)
 
-    def _unbind(self) -> None:
+    def unbind_keys(self) -> None:
         self._resolve()
         self._enc = self._kgs = None
 
@@ -212,7 +212,7 @@ class VectorizedTimers:
         time. One range scan per key of the call: meant for inspection, not for every batch."""
         _, _, kb = self._args([], [], kind)
         assert self._enc is not None and self._kgs is not None
-        have = {(i, a) for i, k, a in (self._load(self._enc, self._kgs) if self._load is not None else [])
+        have = {(i, a) for i, k, a in (self.load_timers(self._enc, self._kgs) if self.load_timers is not None else [])
                 if k == KIND_OF[kb]}
         if self._earlier:
             where = {e: i for i, e in enumerate(self._enc.to_pylist())}
@@ -228,7 +228,7 @@ class VectorizedTimers:
         return pa.table({"key_index": pa.array([r[0] for r in rows], pa.int64()),
                          "at_ms": pa.array([r[1] for r in rows], pa.int64())})
 
-    def _changes(self) -> tuple[pa.Array, pa.Array]:
+    def batch_changes(self) -> tuple[pa.Array, pa.Array]:
         """(records to put, records to remove) of every register/delete so far (the later call on a
         timer wins), both indexes (each array: the timers' by-time records, then their by-key records
         in the same order); forgets them. The running call's operations are told apart by
@@ -253,7 +253,7 @@ class VectorizedTimers:
 
 
     def _call_changes(self) -> tuple[pa.Array, pa.Array]:
-        """``_changes`` of the running call's operations alone."""
+        """``batch_changes`` of the running call's operations alone."""
         ops, self._ops = self._ops, []
         empty = pa.array([], pa.binary())
         if not ops:

@@ -93,9 +93,9 @@ class _Unbound:
 
 
 class _StateVar:
-    """A state variable bound to the current key (the runtime sets ``_i`` before each ``handle_rows``).
+    """A state variable bound to the current key (the runtime sets ``key_index`` before each ``handle_rows``).
 
-    The batch's values are decoded up front, in one call (``_begin``): ``_cur[i]`` is key ``i``'s
+    The batch's values are decoded up front, in one call (``begin_batch``): ``_cur[i]`` is key ``i``'s
     current value (None: absent, expired or cleared) and ``_dirty[i]`` says what this batch did to
     it (``_PUT``, ``_DEL`` or nothing), so a read or a write is two subscripts, no dict, no decode.
     """
@@ -113,12 +113,12 @@ class _StateVar:
         self._expired: Any = None            # numpy bool per key: the stored value is past its expiry
         self._values: list = []              # the batch's values (``_cur`` once the last key is done)
         self._written = bytearray()
-        self._i = -1
+        self.key_index = -1
         self._now = 0
-        self._ttl_removed = 0                # values (entries) of the last batch removed because they expired
+        self.ttl_removed = 0                # values (entries) of the last batch removed because they expired
 
     # -- runtime side --
-    def _begin(self, raw: pa.Array, now_ms: int) -> None:
+    def begin_batch(self, raw: pa.Array, now_ms: int) -> None:
         """Bind the batch: ``raw`` (an Arrow binary array) is every key's stored value (null: absent).
         Decodes them all in one call; a TTL'd value past its expiry reads as absent."""
         n = len(raw)
@@ -127,12 +127,12 @@ class _StateVar:
         present = (raw.drop_null() if raw.null_count else raw).to_pylist()
         decoded = valuecodec.decode_rows(present) if present else []
         expired = None
-        self._ttl_removed = 0
+        self.ttl_removed = 0
         if self.ttl_ms is not None and decoded:
             now = now_ms
             live = [e > now for e, _ in decoded]
             if self.entries:
-                self._ttl_removed = sum(len(v) for (_, v), ok in zip(decoded, live) if not ok)
+                self.ttl_removed = sum(len(v) for (_, v), ok in zip(decoded, live) if not ok)
             decoded = [v if ok else None for (_, v), ok in zip(decoded, live)]
             if not all(live):
                 expired = np.zeros(n, bool)
@@ -156,15 +156,15 @@ class _StateVar:
         """(per-entry TTL) Drop the expired entries of the live lists / maps; those that lose some
         are rewritten by this batch."""
 
-    def _bind(self) -> None:
-        """From now on ``_i`` names the key (``handle_rows`` runs)."""
+    def bind_keys(self) -> None:
+        """From now on ``key_index`` names the key (``handle_rows`` runs)."""
         self._cur, self._dirty = self._values, self._written
 
-    def _unbind(self) -> None:
+    def unbind_keys(self) -> None:
         self._cur = self._dirty = self._unbound
-        self._i = -1
+        self.key_index = -1
 
-    def _changes(self, keys: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
+    def batch_changes(self, keys: pa.Array) -> tuple[pa.Array, pa.Array, pa.Array]:
         """(put keys, put values, removed keys) of this batch — written values, deletions, and expired
         leftovers — as Arrow arrays; ``keys`` is every key's store key, by index. The values are
         encoded here, in one call. Unbinds the batch."""
@@ -193,7 +193,7 @@ class _StateVar:
         if self._expired is not None:
             leftovers = self._expired & (dirty == 0)
             if not self.entries:
-                self._ttl_removed = int(np.count_nonzero(leftovers))
+                self.ttl_removed = int(np.count_nonzero(leftovers))
             gone |= leftovers
         self._values, self._written, self._had, self._expired = [], bytearray(), None, None  # the batch is done
         put_keys = keys if len(enc) == len(keys) else keys.filter(pa.array(put))
@@ -209,17 +209,17 @@ class _StateVar:
 
     def exists(self) -> bool:
         """Whether the current key has a (live) value."""
-        return self._cur[self._i] is not None
+        return self._cur[self.key_index] is not None
 
     def clear(self) -> None:
         """Remove the current key's value."""
-        i = self._i
+        i = self.key_index
         self._cur[i] = None
         self._dirty[i] = _DEL
 
     def _mutable(self, empty: list | dict) -> Any:
         """The current key's container, owned by this batch's writes (copied once per key and batch)."""
-        i = self._i
+        i = self.key_index
         cur = self._cur[i]
         if self._dirty[i] != _PUT or cur is None:
             cur = type(empty)(cur) if cur is not None else empty
@@ -234,12 +234,12 @@ class ValueState(_StateVar):
     kind = VALUE
 
     def get(self):
-        return self._cur[self._i]
+        return self._cur[self.key_index]
 
     def update(self, value) -> None:
         if value is None:
             raise InterfaceError(f"ValueState {self.name!r}: use clear() to remove a value, not update(None)")
-        i = self._i
+        i = self.key_index
         self._cur[i] = value
         self._dirty[i] = _PUT
 
@@ -250,7 +250,7 @@ class ListState(_StateVar):
     kind = LIST
 
     def get(self) -> list:
-        v = self._cur[self._i]
+        v = self._cur[self.key_index]
         return list(v) if v is not None else []
 
     def append(self, value) -> None:
@@ -261,7 +261,7 @@ class ListState(_StateVar):
 
     def put(self, values: Iterable) -> None:
         values = list(values)
-        i = self._i
+        i = self.key_index
         self._cur[i] = values if values else None
         self._dirty[i] = _PUT if values else _DEL
 
@@ -276,7 +276,7 @@ class MapState(_StateVar):
     kind = MAP
 
     def _map(self) -> dict:
-        v = self._cur[self._i]
+        v = self._cur[self.key_index]
         return v if v is not None else {}
 
     def get(self, key, default=None):
@@ -323,10 +323,10 @@ class TTLListState(ListState):
                 keep = [ev for ev in v if ev[0] > now_ms]
                 removed += len(v) - len(keep)
                 cur[i], written[i] = keep, _PUT
-        self._ttl_removed += removed
+        self.ttl_removed += removed
 
     def get(self) -> list:
-        v = self._cur[self._i]
+        v = self._cur[self.key_index]
         return [x for _, x in v] if v is not None else []
 
     def append(self, value) -> None:
@@ -355,7 +355,7 @@ class TTLMapState(MapState):
                 keep = {k: ev for k, ev in m.items() if ev[0] > now_ms}
                 removed += len(m) - len(keep)
                 cur[i], written[i] = keep, _PUT
-        self._ttl_removed += removed
+        self.ttl_removed += removed
 
     def get(self, key, default=None):
         ev = self._map().get(key)

@@ -152,7 +152,7 @@ def commit(op: StatefulOperator, plan: BatchPlan, refs: dict[int, CheckpointRef]
     (replacing one an earlier attempt of the batch wrote), and return it: each partition's reported
     checkpoint, else the one ``plan.base`` names; the Spark batch that wrote it and a new pass id
     (a time-only batch: marked, with the pass id of the manifest it follows; ``batches``);
-    ``states``: the state variables' declarations (``processor.merge_declarations``), which the
+    ``states``: the state variables' declarations (``api.processors.merge_declarations``), which the
     next batch's tasks check theirs against. From here on the batch's state counts (once Spark
     records the batch)."""
     stores = tuple(refs.get(p, plan.base.ref(p)) for p in range(op.num_partitions))
@@ -173,7 +173,7 @@ def commit(op: StatefulOperator, plan: BatchPlan, refs: dict[int, CheckpointRef]
         metadata[INITIAL_STATE_KEY] = True
     if plan.spec.rescaled:  # the first batch after a rescale: where its states came from
         metadata[RESCALED_FROM_KEY] = plan.base.metadata[RESCALED_FROM_KEY]
-    op, root, known = op.operator_id, op.root, plan.owner
+    oid, root, known = op.operator_id, op.root, plan.owner
     if known is not None:  # who wrote it (the owner record's epoch)
         metadata["owner"], metadata["owner_epoch"] = known.owner, known.epoch
     manifest = Manifest(op.operator_id, plan.base.version + 1, op.num_partitions, op.num_key_groups,
@@ -181,10 +181,10 @@ def commit(op: StatefulOperator, plan: BatchPlan, refs: dict[int, CheckpointRef]
 
     async def write(store: ObjectStore) -> None:
         # one writer per state: an owner record newer than the batch's claim stops the batch here
-        current = await read_owner(store, op, known)
+        current = await read_owner(store, oid, known)
         if current is not None and (known is None or current.epoch != known.epoch):
             raise OwnerConflictError(
-                f"operator {op!r} at {root} was claimed by {current.owner!r} (epoch {current.epoch}) while batch "
+                f"operator {oid!r} at {root} was claimed by {current.owner!r} (epoch {current.epoch}) while batch "
                 f"{plan.batch_id} of {plan.query_id or 'no streaming query'} ran: its manifest is not written")
         await write_manifest(store, manifest)
 

@@ -20,7 +20,7 @@ steps, one method each:
    Spark's rule), the tasks count the max event time and late rows of the rows they get and drop
    the late ones (``late_rows="drop"``) before grouping (with ``pre_aggregate``: observed and dropped
    in the JVM before the routing); the heartbeat's rows (``with_heartbeat``) go first;
-2. run (``_run_tasks``, lazy): one ``mapInArrow`` task per partition (``runtime.run_partition``)
+2. run (``_run_tasks``, lazy): one ``mapInArrow`` task per partition (``task.partition.run_partition``)
    opens its store at the state the manifest names, applies the processor, commits, and reports a
    ``TaskReport`` through an accumulator (the tasks run in a single result stage: Spark merges the
    updates of exactly one successful attempt per task); a task that loses its daemon retries its
@@ -646,7 +646,7 @@ class StatefulOperator:
 
     def _run_tasks(self, plan: BatchPlan, spark: SparkSession) -> tuple[DataFrame, Accumulator, Accumulator]:
         """Step 2: the stateful stage, lazily: one ``mapInArrow`` task per state partition
-        (``runtime.run_partition``), the accumulator that collects the ``TaskReport`` of every task
+        (``task.partition.run_partition``), the accumulator that collects the ``TaskReport`` of every task
         that committed, and the one where each task adds its partition once it has handed over its
         last output row. Nothing runs until the output is materialized."""
         acc = spark.sparkContext.accumulator([], reports_param())

@@ -77,7 +77,7 @@ def rescale(op: StatefulOperator, base: Manifest) -> tuple[Manifest, tuple[int, 
 
 def load_initial_state(op: StatefulOperator, empty: Manifest, batch_id: int) -> tuple[Manifest, Materialized]:
     """Before the first batch: ``initial_state``'s rows, routed like a batch's, through
-    ``runtime.run_initial_state`` (``handle_initial_state`` per key; nothing fires or expires)
+    ``task.partition.run_initial_state`` (``handle_initial_state`` per key; nothing fires or expires)
     in a job of its own, its deltas fenced; returns the state batch 0 starts from (in no
     manifest: a replay of batch 0 loads the initial state again, under new checkpoint ids) and
     the calls' output, materialized (it joins batch 0's output; the caller releases it)."""
@@ -116,32 +116,32 @@ def claim(op: StatefulOperator, query_id: str | None, batch_id: int) -> OwnerRec
     batches of this operator only look for a newer owner record (one GET). Outside a streaming
     query (``query_id`` None) a batch may run only on a state that no query owns, and claims
     nothing. Returns the claim (None outside a query)."""
-    op, root, takeover = op.operator_id, op.root, op.takeover
+    oid, root, takeover = op.operator_id, op.root, op.takeover
     known = op._owner if op._owner is not None and op._owner.owner == query_id else None
 
     async def claim(store: ObjectStore) -> OwnerRecord | None:
         if query_id is None:
-            current = await read_owner(store, op)
+            current = await read_owner(store, oid)
             if current is not None:
                 raise OwnerConflictError(
-                    f"operator {op!r} at {root} is owned by streaming query {current.owner} (epoch "
+                    f"operator {oid!r} at {root} is owned by streaming query {current.owner} (epoch "
                     f"{current.epoch}); a batch run outside any streaming query (no {QUERY_ID_PROPERTY} "
                     "on this thread) may not write a query's state")
             return None
         if known is not None:
-            current = await read_owner(store, op, known)
+            current = await read_owner(store, oid, known)
             if current is not None and current.epoch != known.epoch:
                 raise OwnerConflictError(
-                    f"operator {op!r} at {root} was taken over by {current.owner!r} (epoch {current.epoch}) "
+                    f"operator {oid!r} at {root} was taken over by {current.owner!r} (epoch {current.epoch}) "
                     f"while query {query_id} ran it: this query stops before batch {batch_id} writes anything")
             return known
         try:
-            record = await claim_owner(store, op, query_id, takeover=takeover, from_version=batch_id)
+            record = await claim_owner(store, oid, query_id, takeover=takeover, from_version=batch_id)
         except OwnerConflictError:
-            current = await read_owner(store, op)
+            current = await read_owner(store, oid)
             owner, epoch = (current.owner, current.epoch) if current is not None else ("?", "?")
             raise OwnerConflictError(
-                f"operator {op!r} at {root} belongs to streaming query {owner} (owner epoch {epoch}), not to "
+                f"operator {oid!r} at {root} belongs to streaming query {owner} (owner epoch {epoch}), not to "
                 f"this query ({query_id}): one writer per state, so this query is refused before its batch "
                 f"{batch_id} writes anything"
                 + (f" (takeover={takeover!r} does not name the owner)" if isinstance(takeover, str) else "")
@@ -151,25 +151,25 @@ def claim(op: StatefulOperator, query_id: str | None, batch_id: int) -> OwnerRec
         if record.previous is not None:
             # a takeover, now or by an earlier run of this query: the old owner's later manifests
             # go (again, if a crash came between the claim and their deletion)
-            base = await find_base(store, op, batch_id) if batch_id > 0 else None
-            dropped = await delete_manifests_after(store, op, base.version if base is not None else 0)
+            base = await find_base(store, oid, batch_id) if batch_id > 0 else None
+            dropped = await delete_manifests_after(store, oid, base.version if base is not None else 0)
             if dropped:
                 log.warning("operator %s: query %s took over from %s at batch %d; deleted manifests %s of the "
-                            "old owner", op, query_id, record.previous, batch_id, dropped)
+                            "old owner", oid, query_id, record.previous, batch_id, dropped)
         return record
 
     record = op._run(claim)
     if record is not None and record is not known:
-        log.info("operator %s at %s: owned by query %s (epoch %d)", op, root, record.owner, record.epoch)
+        log.info("operator %s at %s: owned by query %s (epoch %d)", oid, root, record.owner, record.epoch)
     op._owner = record if record is not None else op._owner
     return record
 
 
 def owner(op: StatefulOperator) -> OwnerRecord | None:
     """The record of the streaming query that owns the operator's state now (None: none does)."""
-    op = op.operator_id
+    oid = op.operator_id
 
     async def read(store: ObjectStore) -> OwnerRecord | None:
-        return await read_owner(store, op)
+        return await read_owner(store, oid)
 
     return op._run(read)

@@ -208,14 +208,14 @@ def finish_pending(op: StatefulOperator, df: DataFrame, spark: SparkSession, bat
     m = op.base_manifest(batch_id)
     if m.metadata.get(SINK_KEY) != SINK_PENDING:
         return
-    op = op.operator_id
+    oid = op.operator_id
 
     async def read(store: ObjectStore) -> Manifest:
-        return await read_manifest(store, op, m.version - 1)
+        return await read_manifest(store, oid, m.version - 1)
 
     below = op._run(read)
     log.warning("operator %s: the idle time-only batch of version %d did not finish its sink; running it again",
-                op, m.version)
+                oid, m.version)
     query_id = streaming_query_id(spark)
     after = TimeOnlyAfter(batch_id=written_by(m), query_id=query_id, owner=op._claim(query_id, batch_id),
                           key_types=below.metadata.get("key_types"))
@@ -223,7 +223,7 @@ def finish_pending(op: StatefulOperator, df: DataFrame, spark: SparkSession, bat
                                  idle=True, now_ms=int(m.metadata[NOW_KEY]),
                                  watermark_ms=m.metadata.get(WATERMARK_KEY))
     if done is None:  # nothing came due this time (its tasks' state said so): the state is below's
-        raise VersionError(f"operator {op!r}: running the pending time-only batch of version {m.version} again "
+        raise VersionError(f"operator {oid!r}: running the pending time-only batch of version {m.version} again "
                            "fired nothing; its manifest stays pending")
     op._last_done = (batch_id - 1, done[0])
 

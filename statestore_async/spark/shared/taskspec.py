@@ -32,7 +32,7 @@ class TaskSpec:
     releases: dict[str, tuple[int, ...]] | None = None  # coordinator: location -> partitions its daemon may drop (None: off)
     keys_unique: bool = False          # one row per key already (the JVM pre-aggregated): no grouping needed
     daemon_retries: int = 2            # tries of the partition after the first one, when the daemon is lost
-    # the state variables' declarations (``processor.Declaration``) the stored state was written with, as the
+    # the state variables' declarations (``api.variables.Declaration``) the stored state was written with, as the
     # manifest records them; a processor declaring one differently is refused. None: nothing recorded yet
     declared: dict[str, dict[str, Any]] | None = None
     # time (issue 19): the operator's time mode, "none" | "processing" | "event" (what a timer's kind=None

@@ -20,15 +20,9 @@ from statestore_async.errors import (
     InterfaceError,
     OutputRowError,
 )
-from statestore_async.spark.api.processors import (
-    ExpiredTimer,
-    KeyState,
-    StatefulProcessor,
-    StateHandle,
-    _StateVar,
-    check_declarations,
-    uses_timers,
-)
+from statestore_async.spark.api.lifecycle import BatchState
+from statestore_async.spark.api.processors import KeyState, StatefulProcessor, StateHandle, check_declarations, uses_timers
+from statestore_async.spark.api.timers import ExpiredTimer
 from statestore_async.spark.shared.taskspec import TaskSpec
 from statestore_async.spark.task.grouping import store_keys
 from statestore_async.spark.task.output import output_table, short_repr, where
@@ -83,7 +77,7 @@ def run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Tab
                 keys = keys + extra_keys
                 skeys = [pa.concat_arrays([sk, pa.array(store_keys(v.name, extra_keys, extra_kgs, spec.num_key_groups),
                                                         pa.binary())]) for sk, v in zip(skeys, variables)]
-            h.timers._load = tt.load_timers
+            h.timers.load_timers = tt.load_timers
         timings["time_scan"] = time.perf_counter() - t
     t = time.perf_counter()
     raw = handle.get_many_arrow(skeys[0] if len(skeys) == 1 else pa.concat_arrays(skeys))
@@ -92,11 +86,11 @@ def run_per_key(processor: StatefulProcessor, spec: TaskSpec, keys_table: pa.Tab
         table, puts, removes = _per_key(processor, spec, variables, skeys, raw, keys_table, rows_table, offsets,
                                         timings, h, tt, keys, initial)
     finally:
-        h.timers._end()
+        h.timers.end_batch()
     return table, puts, removes, states
 
 
-def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_StateVar], skeys: list[pa.Array],
+def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: Sequence[BatchState], skeys: list[pa.Array],
              raw: pa.Array, keys_table: pa.Table, rows_table: pa.Table, offsets: np.ndarray,
              timings: dict[str, float], h: StateHandle | None = None, tt: TaskTime | None = None,
              all_keys: list[tuple] | None = None, initial: bool = False,
@@ -106,7 +100,7 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     n = len(skeys[0])  # the batch's keys, and the keys of due timers without rows after them
     t = time.perf_counter()
     for j, v in enumerate(variables):
-        v._begin(raw.slice(j * n, n), spec.now_ms)
+        v.begin_batch(raw.slice(j * n, n), spec.now_ms)
     keys = all_keys if all_keys is not None else list(zip(*[c.to_pylist() for c in keys_table.columns]))
     # the rows' values per column; each chunk of keys makes its rows' tuples (``_call_per_key``)
     rows: list[tuple] | _RowColumns = (_RowColumns([_py_values(c) for c in rows_table.columns]) if spec.value_columns
@@ -139,7 +133,7 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     if close is not None:
         close()
     timings["call"] = time.perf_counter() - t
-    changes = [v._changes(ks) for v, ks in zip(variables, skeys)]
+    changes = [v.batch_changes(ks) for v, ks in zip(variables, skeys)]
     put_keys, put_values = [c[0] for c in changes], [c[1] for c in changes]
     removes = [c[2] for c in changes]
     if tt is not None:
@@ -159,7 +153,7 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
             if rewritten:
                 put_keys.append(pa.array([k for k, _ in rewritten], pa.binary()))
                 put_values.append(pa.array([v for _, v in rewritten], pa.binary()))
-            timings["ttl_removed"] = removed + sum(v._ttl_removed for v in variables)
+            timings["ttl_removed"] = removed + sum(v.ttl_removed for v in variables)
         extra = [p for p in extra_puts if len(p)]  # timer and expiry index records: empty values
         put_keys += extra
         put_values += [empties(len(p)) for p in extra]
@@ -171,7 +165,7 @@ def _per_key(processor: StatefulProcessor, spec: TaskSpec, variables: list[_Stat
     return table, puts, _concat(removes)
 
 
-def _fire_timers(processor: StatefulProcessor, variables: list[_StateVar], keys: list[tuple], tt: TaskTime,
+def _fire_timers(processor: StatefulProcessor, variables: Sequence[BatchState], keys: list[tuple], tt: TaskTime,
                  timers: Any) -> tuple[list[Sequence[Any]], list[tuple]]:
     """``handle_expired_timer`` of every due timer (``TaskTime.due_now``), in time order, its key's
     state and timers bound; each timer is deleted before its call. A timer registered by a call
@@ -183,14 +177,14 @@ def _fire_timers(processor: StatefulProcessor, variables: list[_StateVar], keys:
     fired_keys: list[tuple] = []
     due = tt.due_now()
     for v in variables:
-        v._bind()
+        v.bind_keys()
     add = results.append
-    fired = timers._fired
+    fired = timers.fire
     try:
         for at, kind, i in due:
             for v in variables:
-                v._i = i
-            timers._i = i
+                v.key_index = i
+            timers.key_index = i
             fired(i, kind, at)
             key = keys[i]
             res = fn(key, ExpiredTimer(at, kind), state)
@@ -198,9 +192,9 @@ def _fire_timers(processor: StatefulProcessor, variables: list[_StateVar], keys:
                 else _rows_of(res, processor, key, "handle_expired_timer"))
             fired_keys.append(key)
     finally:
-        timers._i = -1
+        timers.key_index = -1
         for v in variables:
-            v._unbind()
+            v.unbind_keys()
     return results, fired_keys
 
 
@@ -246,7 +240,7 @@ def _py_values(col: pa.ChunkedArray | pa.Array) -> list[Any]:
     return col.to_pylist()
 
 
-def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys: list[tuple],
+def _call_per_key(processor: StatefulProcessor, variables: Sequence[BatchState], keys: list[tuple],
                   rows: list[tuple] | _RowColumns, off: Sequence[int] | np.ndarray, timers: Any = None,
                   fn: Callable[..., Any] | None = None, emit: Callable[[int, list[Sequence[Any]]], object] | None = None,
                   chunk: int = PER_KEY_CHUNK) -> list[Sequence[Any]]:
@@ -268,7 +262,7 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
     columns = rows if isinstance(rows, _RowColumns) else None
     keys_it, starts, ends = iter(keys), iter(offl), itertools.islice(offl, 1, None)
     for v in variables:
-        v._bind()
+        v.bind_keys()
     if timers is not None:  # the timers follow the key too: one more binding per key
         variables = [*variables, timers]
     try:
@@ -285,21 +279,21 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
             if len(variables) == 1:
                 v0 = variables[0]
                 for i, key, a, b in span:
-                    v0._i = i
+                    v0.key_index = i
                     res = fn(key, rows[a:b], state)
                     add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
                         else _rows_of(res, processor, key, name))
             elif len(variables) == 2:  # one state variable and the timers: the common case with time
                 v0, v1 = variables
                 for i, key, a, b in span:
-                    v0._i = v1._i = i
+                    v0.key_index = v1.key_index = i
                     res = fn(key, rows[a:b], state)
                     add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
                         else _rows_of(res, processor, key, name))
             else:
                 for i, key, a, b in span:
                     for v in variables:
-                        v._i = i
+                        v.key_index = i
                     res = fn(key, rows[a:b], state)
                     add(res if type(res) is tuple else tuple(res) if type(res) is _Generator
                         else _rows_of(res, processor, key, name))
@@ -309,9 +303,9 @@ def _call_per_key(processor: StatefulProcessor, variables: list[_StateVar], keys
     finally:
         for v in variables:
             if v is timers:
-                v._i = -1
+                v.key_index = -1
             else:
-                v._unbind()
+                v.unbind_keys()
     return results
 
 

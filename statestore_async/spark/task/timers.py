@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from statestore_async.codecs import arrowcodec, keylayout, valuecodec
+from statestore_async.spark.api.lifecycle import BatchState
 from statestore_async.spark.api.timers import Timers
-from statestore_async.spark.api.variables import _StateVar
 from statestore_async.state import keys as tk
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class TaskTime:
             self.thresholds[tk.PROCESSING] = now_ms
             if watermark_ms is not None:
                 self.thresholds[tk.EVENT] = watermark_ms
-        timers._due_by = {tk.KIND_BYTE[kind]: at for kind, at in self.thresholds.items()}
+        timers.due_by = {tk.KIND_BYTE[kind]: at for kind, at in self.thresholds.items()}
         # key index -> encode_key(grouping key) / key group: the batch's keys, then the due timers' keys
         # without rows (``scan_due``)
         self.enc: pa.Array = pa.array([], pa.binary())
@@ -109,7 +109,7 @@ class TaskTime:
         """``(at_ms, kind, key index)`` of every timer to fire after the rows, in time order (ties:
         the store's order, by key group then key): the stored due ones the rows did not delete, and
         the ones the rows registered at a due time."""
-        changes = self.timers._changes
+        changes = self.timers.batch_changes
         kinds, ats, idx = self.stored_due
         keep = np.ones(len(idx), bool)
         kind_of = tk.KIND_OF
@@ -121,7 +121,7 @@ class TaskTime:
         order = np.lexsort((kinds, ats))
         order = order[keep[order]]
         out = list(zip(ats[order].tolist(), [kind_of[k] for k in kinds[order].tolist()], idx[order].tolist()))
-        added = {(at, kind_of[kb], i) for i, kb, at in self.timers._registered_due
+        added = {(at, kind_of[kb], i) for i, kb, at in self.timers.registered_due
                  if changes[(i, kb, at)]}.difference(out)
         if added:  # timers the rows registered at a due time: in the same order as the stored ones
             kind_byte, kg, enc = tk.KIND_BYTE, self.kg, self.enc
@@ -133,7 +133,7 @@ class TaskTime:
     def timer_changes(self) -> tuple[pa.Array, pa.Array]:
         """(keys to put with an empty value, keys to remove) of the timers' two indexes, as binary
         arrays built column-wise (``state.keys.timer_record_columns``)."""
-        changes = self.timers._changes
+        changes = self.timers.batch_changes
         if not changes:
             empty = pa.array([], pa.binary())
             return empty, empty
@@ -146,7 +146,7 @@ class TaskTime:
         return (pa.concat_arrays([by_time.filter(on), by_key.filter(on)]),
                 pa.concat_arrays([by_time.filter(off), by_key.filter(off)]))
 
-    def ttl_index(self, var: _StateVar, put_keys: pa.Array) -> list[bytes]:
+    def ttl_index(self, var: BatchState, put_keys: pa.Array) -> list[bytes]:
         """The expiry index records of a TTL'd variable's values written this batch (all expire at
         ``now + ttl``)."""
         assert var.ttl_ms is not None

@@ -19,11 +19,11 @@ from statestore_async.errors import (
 )
 from statestore_async.spark.api.processors import (
     VectorizedProcessor,
-    VectorizedTimers,
     check_declarations,
     uses_vectorized_timers,
     vectorized_declarations,
 )
+from statestore_async.spark.api.timers import VectorizedTimers
 from statestore_async.spark.shared.taskspec import TaskSpec
 from statestore_async.spark.task.grouping import kg_prefixes
 from statestore_async.spark.task.output import vectorized_output, where
@@ -69,8 +69,8 @@ def run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: p
     handled, puts, gone = empty, (empty, empty), None
     if keys_table.num_rows:
         if timers.enabled:
-            timers._bind(arrowcodec.encode_tuples(keys_table.columns, key=True), kgs)
-            timers._load = _timer_loader(handle, spec.num_key_groups)
+            timers.bind_keys(arrowcodec.encode_tuples(keys_table.columns, key=True), kgs)
+            timers.load_timers = _timer_loader(handle, spec.num_key_groups)
         try:
             out, puts, gone, handled = _vectorized_call(processor, processor.process, schema, spec, keys_table, kgs,
                                                         handle, timings, (rows, offsets),
@@ -84,7 +84,7 @@ def run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: p
     t = time.perf_counter()
     if not scan:
         start_scan()
-    tp, tr = timers._changes()
+    tp, tr = timers.batch_changes()
     due = _due_timers(scan[0](), tp, tr, spec.now_ms, spec.watermark_ms)
     timings["time_scan"] = time.perf_counter() - t
     timings["timers_fired"] = len(due)
@@ -92,11 +92,11 @@ def run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: p
     removes = pa.concat_arrays([gone, tr]) if gone is not None else tr
     writes: list[tuple[Puts, Removes]] = [((put_keys, put_values), removes)]
     if len(due):
-        timers._load = _overlay_loader(handle, spec.num_key_groups, tp, tr)
+        timers.load_timers = _overlay_loader(handle, spec.num_key_groups, tp, tr)
         out, puts2, gone2, fired = _fire_vectorized(processor, schema, spec, keys_table, due, timers, handle, timings,
                                                     (handled, puts[0], puts[1]))
         outputs.append(out)
-        tp2, tr2 = timers._changes()
+        tp2, tr2 = timers.batch_changes()
         # a fired timer is deleted before its call: one its call registers again stays
         if len(tp2):
             fired = fired.filter(pc.invert(pc.is_in(fired, value_set=tp2)))
@@ -105,7 +105,7 @@ def run_vectorized(processor: VectorizedProcessor, spec: TaskSpec, keys_table: p
         later_keys, later_values = pa.concat_arrays([puts2[0], tp2]), pa.concat_arrays([puts2[1], empties(len(tp2))])
         later_removes = pa.concat_arrays([r for r in (gone2, tr2, fired) if r is not None])
         writes.append(((later_keys, later_values), later_removes))
-    timers._unbind()
+    timers.unbind_keys()
     return _vectorized_output_of(outputs, spec), writes, states
 
 
@@ -126,7 +126,7 @@ def _due_timers(stored: pa.Array, registered: pa.Array, deleted: pa.Array, now_m
                 watermark_ms: int | None) -> pa.Array:
     """The by-time records of the timers due in this batch, in store order: the ``stored`` due ones
     not ``deleted`` this batch and those ``registered`` this batch at a due time (``registered`` and
-    ``deleted``: timer records of both indexes, as ``VectorizedTimers._changes`` gives them: the
+    ``deleted``: timer records of both indexes, as ``VectorizedTimers.batch_changes`` gives them: the
     by-time records first, then the by-key ones, as many)."""
     if len(stored) and len(deleted):
         # which stored due ones a by-time record of ``deleted`` names (a hash of the few stored, not
@@ -256,7 +256,7 @@ def _fire_vectorized(processor: VectorizedProcessor, schema: pa.Schema, spec: Ta
     timers_table = keys_table.take(pa.array(key_index)).append_column(
         "key_index", pa.array(key_index, pa.int64())).append_column(
         "at_ms", pa.array(at, pa.int64())).append_column("kind", pa.array(kind_names[kinds].tolist(), pa.string()))
-    timers._bind(distinct, key_kgs)
+    timers.bind_keys(distinct, key_kgs)
     fired = pa.concat_arrays(list(timer_record_columns(kg, kinds, at, enc)))
     out, puts, removes, _ = _vectorized_call(processor, processor.handle_expired_timers, schema, spec, keys_table,
                                              key_kgs, handle, timings, (timers_table,), known)

@@ -22,7 +22,7 @@ fires, and its parameters:
   space and no inodes left for a while (needs the right to mount; else it does not fire);
 * ``clock_jump``: the processing-time clock jumps forward or back from a batch on (TTL counter).
 
-Phases are the product's fault hook points (``runtime.fault_point``): ``before_commit`` and
+Phases are the product's fault hook points (``shared.hooks.hook_point``): ``before_commit`` and
 ``after_commit`` in tasks, ``before_fence``, ``after_manifest`` and ``after_sink`` in the driver;
 ``clock`` for a clock jump. Each event fires at most once (the control socket of ``Env`` decides),
 so a replay of its batch runs clean.
@@ -802,7 +802,7 @@ def check(schedule: Schedule, env: Env, ex: Execution) -> Outcome:
 
 
 def _final_state(root: str, s3_options: dict | None, now_ms: int | None, details: list[str]) -> dict:
-    """The latest manifest's state (``reader.load_state``; TTL'd values expired by ``now_ms`` left
+    """The latest manifest's state (``state.reader.load_state``; TTL'd values expired by ``now_ms`` left
     out), or ``{}`` with the reason in ``details`` when it does not load."""
     from statestore_async.state.reader import load_state
 

@@ -56,10 +56,10 @@ def _rows(data: st.DataObject, timers: Timers, n: int, most: int) -> dict[tuple[
     final: dict[tuple[int, str, int], bool] = {}
     for i, kind, at, on in data.draw(st.lists(st.tuples(st.integers(0, n - 1), kind_st, at_st, st.booleans()),
                                               max_size=most)):
-        timers._i = i
+        timers.key_index = i
         (timers.register if on else timers.delete)(at, kind)
         final[(i, kind, at)] = on
-    timers._i = -1
+    timers.key_index = -1
     return final
 
 
@@ -104,11 +104,11 @@ def test_list_is_the_stored_timers_with_the_batch_changes(data):
     """``list`` before and after other keys' changes, and while its own change: a plain set model."""
     timers = Timers("event", True)
     existing = data.draw(st.dictionaries(st.integers(0, 3), st.sets(timer_st, max_size=4)))
-    timers._load = lambda: {i: set(ts) for i, ts in existing.items()}
+    timers.load_timers = lambda: {i: set(ts) for i, ts in existing.items()}
     model = {i: set(ts) for i, ts in existing.items()}
     for i, kind, at, op in data.draw(st.lists(st.tuples(st.integers(0, 3), kind_st, at_st,
                                                         st.sampled_from(("register", "delete", "list"))), max_size=40)):
-        timers._i = i
+        timers.key_index = i
         if op == "list":
             assert timers.list(kind) == sorted(a for k, a in model.get(i, ()) if k == kind)
         else:
@@ -120,16 +120,16 @@ def test_a_checked_call_and_the_fast_path_record_the_same_timer():
     """``register(at)`` (the time mode's kind, checked inline) and ``register(at, kind)`` (checked by
     the full path) are one timer; a bad time or kind is refused either way."""
     timers = Timers("processing", True)
-    timers._i = 0
+    timers.key_index = 0
     timers.register(10)
     timers.register(10, "processing")
     timers.delete(11, "event")
-    assert timers._changes == {(0, tk.KIND_BYTE[tk.PROCESSING], 10): True, (0, tk.KIND_BYTE[tk.EVENT], 11): False}
+    assert timers.batch_changes == {(0, tk.KIND_BYTE[tk.PROCESSING], 10): True, (0, tk.KIND_BYTE[tk.EVENT], 11): False}
     for bad in (True, 1.5, np.int64(3), 1 << 63):
         with pytest.raises(errors.InterfaceError, match="at_ms"):
             timers.register(bad)
     with pytest.raises(errors.InterfaceError, match="kind"):
         timers.register(1, "wall")
-    timers._i = -1
+    timers.key_index = -1
     with pytest.raises(errors.InterfaceError, match="no current key"):
         timers.register(1)
