@@ -163,6 +163,61 @@ def _spark_violations(modules: list[tuple[str, str, bool]]) -> list[str]:
     return wrong
 
 
+def _runtime_imports(module: str, source: str, is_package: bool, known: set[str]) -> set[str]:
+    """The package modules ``module`` imports when it runs (at import time or inside a function), not
+    those it names for type checking only (``if TYPE_CHECKING:``): ``from p import m`` names module
+    ``p.m`` when it is one, else ``p``."""
+    tree = ast.parse(source, module)
+    typing_only = {id(n) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for n in ast.walk(block)}
+    here = module.split(".")
+    package = here if is_package else here[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            for a in node.names:
+                full = f"{mod}.{a.name}"
+                found |= {full} if full in known else ({mod} if mod in known else set())
+    return found - {module}
+
+
+def _cycles(modules: list[tuple[str, str, bool]]) -> list[list[str]]:
+    """The import cycles among ``modules`` (strongly connected groups of two or more), each sorted."""
+    known = {m for m, _, _ in modules}
+    graph = {m: _runtime_imports(m, src, pkg, known) for m, src, pkg in modules}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return cycles
+
+
 def _cimports(source: str) -> list[tuple[int, str]]:
     """``(line, module)`` of every cimport of a Cython source but Cython's and C's own."""
     found = []
@@ -257,6 +312,22 @@ def test_the_spark_check_sees_a_violation():
         "statestore_async.spark.api.probe:2 (spark.api) imports statestore_async.spark.shared (spark.shared, "
         "which it stands beside)",
     ]
+
+
+def test_no_import_cycle():
+    """No module imports, when it runs, one that imports it back (through any chain); a name only
+    for type checking (``if TYPE_CHECKING:``) does not count."""
+    cycles = _cycles(_package_modules())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle():
+    probes = [("statestore_async.spark.driver.a", "from statestore_async.spark.driver import b\n", False),
+              ("statestore_async.spark.driver.b", "def f():\n    from .a import x\n", False),
+              ("statestore_async.spark.driver.c", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+               "    from statestore_async.spark.driver.b import y\n", False),
+              ("statestore_async.spark.driver.d", "from statestore_async.spark.driver.c import z\n", False)]
+    assert _cycles(probes) == [["statestore_async.spark.driver.a", "statestore_async.spark.driver.b"]]
 
 
 def test_no_compiled_module_cimports_a_higher_layer():
