@@ -6,8 +6,8 @@
 * Driver kill: the driver SIGKILLs itself before the fence of batch 1, then (second run) right after
   writing the manifest of batch 3; each restart replays the batch from the Spark checkpoint.
 
-The faults are armed by ``--faults``; the child driver runs with their hook maker installed
-(``python -m statestore_async.testing.faults``).
+The faults are armed by ``--faults``: the child driver arms them on its operator
+(``statestore_async.testing.faults.arm``).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ the batch on restart, the operator computes the same output from the same manife
 writes it again. For a file format each batch goes to its own folder ``<out>/batch_id=<id>/``,
 replaced by the replay: the output holds every session once.
 
-The driver runs in its own process (this file as a script under ``python -m
-statestore_async.testing.faults``): event-time sessionization of ``statestore_async.testing.sessions``
+The driver runs in its own process (this file as a script, its ``--faults`` armed with
+``statestore_async.testing.faults.arm``): event-time sessionization of ``statestore_async.testing.sessions``
 over one parquet file per micro-batch (AvailableNow), into ``write_sink(fmt, <out>)``. The first run
 SIGKILLs itself at the ``before_fence`` point of a batch whose sink wrote sessions; the second run
 finishes the stream. Delta (``txnAppId``/``txnVersion``) is not exercised: its jar comes from Maven

@@ -1,7 +1,7 @@
 """Timers fire exactly once across a kill -9 of the driver and across a retried Spark task (issue 19).
 
-The driver runs in its own process (this file run as a script, under ``python -m
-statestore_async.testing.faults``, which arms the ``--faults``): the event-time sessionization of
+The driver runs in its own process (this file run as a script, which arms the ``--faults`` on its
+operator: ``statestore_async.testing.faults.arm``): the event-time sessionization of
 ``statestore_async.testing.sessions`` over one parquet file per micro-batch, with ``mark_timers``
 (every fired timer also emits ``(user, at_ms, at_ms, 0)``), into a foreachBatch sink that writes
 each batch's rows to ``<out>/<batch id>.json`` (atomically, by batch id: a replayed batch

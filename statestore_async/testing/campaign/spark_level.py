@@ -22,7 +22,7 @@ fires, and its parameters:
   space and no inodes left for a while (needs the right to mount; else it does not fire);
 * ``clock_jump``: the processing-time clock jumps forward or back from a batch on (TTL counter).
 
-Phases are the product's fault hook points (``shared.hooks.hook_point``): ``before_commit`` and
+Phases are the product's hook points (``spark.shared.hooks``, armed with ``testing.faults.arm``): ``before_commit`` and
 ``after_commit`` in tasks, ``before_fence``, ``after_manifest`` and ``after_sink`` in the driver;
 ``clock`` for a clock jump. Each event fires at most once (the control socket of ``Env`` decides),
 so a replay of its batch runs clean.
