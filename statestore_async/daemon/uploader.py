@@ -3,10 +3,13 @@
 ``submit(delta)`` registers the delta at once (its durability is queryable from then on) and
 returns as soon as the upload queue has room for it: when ``queue_bytes`` or ``queue_count``
 deltas are already waiting, commits wait (back-pressure) — a delta is never dropped. A store an
-OPEN waits for (``hurry``) has its deltas admitted and its uploads sent before other stores'. A background task per store encodes
-each delta (``checkpoint.encode_delta``, in a worker thread) and creates its file with
-``files.transfer.create_checkpoint_file``, in commit order, with at most ``concurrency`` uploads
-at a time across stores.
+OPEN waits for (``hurry``) has its deltas admitted and its uploads sent before other stores'. A
+background task per store uploads its deltas in commit order, with at most ``concurrency`` uploads
+at a time across stores: holding one of those slots, it encodes the delta
+(``checkpoint.encode_delta``, in a worker thread, ``ENCODE_THREADS`` at a time) and creates its file
+with ``files.transfer.create_checkpoint_file``. An encoded file exists only while its upload holds
+a slot (and across its retries), so the files waiting for the object store are ``concurrency`` at
+most, whatever the number of stores with deltas queued.
 
 What it promises:
 
@@ -58,6 +61,9 @@ from statestore_async.ids import CheckpointRef, StoreId
 from statestore_async.objectstore.base import ObjectStore
 
 log = logging.getLogger(__name__)
+
+# deltas encoded at once (CPU work in worker threads: more than the cores only adds buffers)
+ENCODE_THREADS = 2
 
 
 class UploadState(enum.Enum):
@@ -168,6 +174,12 @@ class _Slots:
                 self._urgent[fut] = sid
 
 
+def _close_runs(delta: Delta) -> None:
+    close_runs = getattr(delta, "close_runs", None)
+    if close_runs is not None:  # a flushed version's runs: read once, into the encoded file
+        close_runs()
+
+
 def delta_size(delta: Delta) -> int:
     """Bytes a delta is accounted for in the upload queue (its keys and values)."""
     if delta.nbytes:  # counted by the engine while it applied the commit
@@ -192,6 +204,7 @@ class Uploader:
     ) -> None:
         self._objstore_for = objstore_for
         self._slots = _Slots(concurrency)
+        self._encoding = asyncio.Semaphore(ENCODE_THREADS)
         self.queue_limit = queue_bytes
         self.queue_count_limit = queue_count
         self.queued_count = 0  # deltas admitted and not finished (bounded by queue_count)
@@ -375,20 +388,21 @@ class Uploader:
         try:
             if self.before_encode is not None:
                 await self.before_encode(delta)  # StoreBrokenError if a deferred commit's changes fail part-way
-            data = await asyncio.to_thread(self._encode, delta)
-        except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
+        except Exception as exc:
+            _close_runs(delta)
             self._fail(up, exc)
             return
-        finally:
-            close_runs = getattr(delta, "close_runs", None)
-            if close_runs is not None:  # a flushed version's runs: read once, into ``data``
-                close_runs()
+        data: bytes | None = None  # encoded once it holds a slot: at most ``concurrency`` files wait
         root = up.store_id.root
         while True:
             up.attempts += 1
             try:
                 await self._slots.acquire(up.store_id, up.store_id in self._urgent)
                 try:
+                    if data is None:
+                        data = await self._encoded(up, delta)
+                        if data is None:
+                            return  # it cannot be encoded: failed, reported
                     up.state = UploadState.UPLOADING
                     store = self._objstore_for(root)
                     await create_checkpoint_file(store, up.store_id, up.ref, DELTA, data)
@@ -419,6 +433,19 @@ class Uploader:
                 except Exception:  # a listener must never break uploads
                     log.exception("on_durable listener failed for %s", key)
             return
+
+    async def _encoded(self, up: Upload, delta: Delta) -> bytes | None:
+        """The delta's file, encoded in a thread, ``ENCODE_THREADS`` at a time (encoding is CPU work:
+        more at once only adds their buffers to the daemon's memory); None when it cannot be
+        encoded (reported as the upload's failure, never retried)."""
+        try:
+            async with self._encoding:
+                return await asyncio.to_thread(self._encode, delta)
+        except Exception as exc:  # an engine delta that cannot be encoded: report, never loop
+            self._fail(up, exc)
+            return None
+        finally:
+            _close_runs(delta)
 
     def _attempt_failed(self, up: Upload, exc: Exception, delay: float) -> None:
         root = up.store_id.root
