@@ -7,9 +7,10 @@ OPEN waits for (``hurry``) has its deltas admitted and its uploads sent before o
 background task per store uploads its deltas in commit order, with at most ``concurrency`` uploads
 at a time across stores: holding one of those slots, it encodes the delta
 (``checkpoint.encode_delta``, in a worker thread, ``ENCODE_THREADS`` at a time) and creates its file
-with ``files.transfer.create_checkpoint_file``. An encoded file exists only while its upload holds
-a slot (and across its retries), so the files waiting for the object store are ``concurrency`` at
-most, whatever the number of stores with deltas queued.
+with ``files.transfer.create_checkpoint_file``. A delta is encoded only once its upload holds a
+slot, so the encoded files waiting for the object store are ``concurrency`` at most, whatever the
+number of stores with deltas queued, besides those of uploads waiting to retry (each keeps its file
+across its attempts).
 
 What it promises:
 
@@ -388,8 +389,10 @@ class Uploader:
         try:
             if self.before_encode is not None:
                 await self.before_encode(delta)  # StoreBrokenError if a deferred commit's changes fail part-way
-        except Exception as exc:
+        except BaseException as exc:
             _close_runs(delta)
+            if not isinstance(exc, Exception):
+                raise  # cancelled (the daemon stopping)
             self._fail(up, exc)
             return
         data: bytes | None = None  # encoded once it holds a slot: at most ``concurrency`` files wait
