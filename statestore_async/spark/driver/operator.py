@@ -352,6 +352,18 @@ class StatefulOperator:
         """Whether ``spark`` runs in local mode (its tasks on this host, the driver's daemon theirs)."""
         return (spark.sparkContext.master or "").startswith("local")
 
+    def _task_spec(self, batch_id: int, base: Manifest, values: tuple[str, ...], spark: SparkSession,
+                   **batch: Any) -> TaskSpec:
+        """What every task of a batch (or of the initial state's load) gets: the operator's settings,
+        the state each partition starts from (``base``), and this batch's own fields."""
+        return TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns,
+                        value_columns=values, output_schema=self.arrow_schema, num_partitions=self.num_partitions,
+                        num_key_groups=self.num_key_groups, batch_id=batch_id,
+                        refs=tuple(base.ref(p) for p in range(self.num_partitions)),
+                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path,
+                        daemon_env=self._task_daemon_env(spark), daemon_retries=self.daemon_retries,
+                        time_mode=self.time.mode, **batch)
+
     def _task_daemon_env(self, spark: SparkSession) -> dict[str, str] | None:
         """``daemon_env`` for the batch's tasks: in local mode, with the short idle exit of a daemon
         they autostart (``placement.local_daemon_env``)."""
@@ -533,19 +545,11 @@ class StatefulOperator:
         elif self.time.event:  # observed and filtered in the JVM, before its pre-aggregation
             df, observation = observe_event_time(df, self.time, watermark)
         routed, values = self.routed(df, in_tasks)
-        spec = TaskSpec(root=self.root, operator_id=self.operator_id, key_columns=self.key_columns, value_columns=values,
-                        output_schema=self.arrow_schema, num_partitions=self.num_partitions,
-                        num_key_groups=self.num_key_groups, batch_id=batch_id,
-                        refs=tuple(base.ref(p) for p in range(self.num_partitions)),
-                        now_ms=int(self.clock() * 1000), socket_path=self.socket_path,
-                        daemon_env=self._task_daemon_env(df.sparkSession),
-                        hook=hooks.installed(self),
-                        releases=self.coordinator.releases() if self.coordinator is not None else None,
-                        keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
-                        daemon_retries=self.daemon_retries, time_mode=self.time.mode, watermark_ms=watermark,
-                        rescaled=rescaled, key_schema=key_schema(df, self.key_columns),
-                        event_time_column=in_tasks,
-                        drop_late=self.time.late_rows == "drop")
+        spec = self._task_spec(batch_id, base, values, df.sparkSession, hook=hooks.installed(self),
+                               releases=self.coordinator.releases() if self.coordinator is not None else None,
+                               keys_unique=bool(self.pre_aggregate), declared=base.metadata.get("states"),
+                               watermark_ms=watermark, rescaled=rescaled, key_schema=key_schema(df, self.key_columns),
+                               event_time_column=in_tasks, drop_late=self.time.late_rows == "drop")
         types = {f.name: f.dataType.simpleString() for f in df.schema.fields if f.name in self.key_columns}
         return BatchPlan(batch_id=batch_id, base=base, routed=routed, spec=spec, query_id=query_id, owner=owner,
                          key_types=types if len(types) == len(self.key_columns) else None,

@@ -33,7 +33,6 @@ from statestore_async.spark.driver.plan import (
 )
 from statestore_async.spark.driver.progress import BatchProgress, reports_param
 from statestore_async.spark.shared.routing import with_routing
-from statestore_async.spark.shared.taskspec import TaskSpec
 from statestore_async.spark.task.partition import run_initial_state
 
 if TYPE_CHECKING:
@@ -86,13 +85,7 @@ def load_initial_state(op: StatefulOperator, empty: Manifest, batch_id: int) -> 
     values = tuple(c for c in df.columns if c not in op.key_columns)
     routed = with_routing(df, list(op.key_columns), op.num_partitions, op.num_key_groups,
                           columns=[*op.key_columns, *values])
-    spec = TaskSpec(root=op.root, operator_id=op.operator_id, key_columns=op.key_columns, value_columns=values,
-                    output_schema=op.arrow_schema, num_partitions=op.num_partitions,
-                    num_key_groups=op.num_key_groups, batch_id=batch_id,
-                    refs=tuple(empty.ref(p) for p in range(op.num_partitions)),
-                    now_ms=int(op.clock() * 1000), socket_path=op.socket_path,
-                    daemon_env=op._task_daemon_env(df.sparkSession),
-                    daemon_retries=op.daemon_retries, time_mode=op.time.mode)
+    spec = op._task_spec(batch_id, empty, values, df.sparkSession)
     acc = df.sparkSession.sparkContext.accumulator([], reports_param())
     output = op._materialize(routed.mapInArrow(op._task_fn(spec, acc, run_initial_state), op.output_schema),
                                df.sparkSession, batch_id)
